@@ -1,0 +1,548 @@
+"""An executable reference model of the cache manager's observable behaviour.
+
+This is the specification in code: small, slow and obviously correct.  It keeps cached
+content in one dict and chooses every victim by a full scan with an explicit sort key, where
+the real manager (``statekv.manager``) uses intrusive lists, bitmasks and an indexed heap.
+The fuzz suite drives both with the same operations and compares what a caller can observe:
+prefix matches by tier, readiness, computed-token counts, which content is cached on which
+tier, the keys of reads and writes issued, and every counter of ``statistics()``.
+
+What the model pins down (REQUIREMENTS sections 1-5, 10):
+
+* Matching: the longest prefix of the request's full blocks (never its last token) found in
+  the cache on any tier; GPU hits are shared, host hits copied up, disk hits read back (the
+  request is parked until they land).
+* GPU victims: no holder, lowest priority first, least recently released first.  A victim
+  with reusable content moves to host if a host page can be had, else it is dropped.
+* Host victims: lowest priority first, least recently offloaded first.  A victim is spilled
+  if the spill mode admits it, the pressure gate does not shed it and the disk admits it;
+  else it is dropped.  A spill hands back a reserved page when one is left.
+* Disk: an empty slot first, then best-effort content in the order it became best-effort,
+  then (unless protect_unexpired) retained content by (expiry, deeper first, first in).
+* Retention: releasing a request with ttl_seconds stamps its full blocks with
+  max(current stamp, now + ttl); content is retained while now < expiry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from statekv.arith import expiry_after, is_live
+from statekv.config import CacheConfig, SpillMode
+from statekv.errors import OutOfBlocks, UsageError
+from statekv.hashing import chain_key, root_key, token_bytes
+from statekv.ids import BlockHash
+from statekv.lifecycle import BlockState
+from statekv.stats import CacheStatistics
+
+GPU, HOST, SPILLING, DISK, READING = "gpu", "host", "spilling", "disk", "reading"
+
+
+@attrs.define(eq=False)
+class MBlock:
+    """A block of the model: cached content (key set) or private to one request."""
+
+    key: BlockHash | None
+    depth: int
+    tier: str = GPU
+    holders: int = 0
+    waiters: list[str] = attrs.field(factory=list)
+    reuse: int = 0
+    expiry: float | None = None
+    priority: int = 0
+    stamp: int = 0
+    """Order within its tier's eviction order (or disk best-effort order)."""
+    retained_key: tuple[float, int, int] | None = None
+    """Set while on disk with a running TTL."""
+    failed: bool = False
+
+
+@attrs.define(eq=False)
+class MRequest:
+    rid: str
+    tokens: list[int]
+    root: BlockHash
+    ttl: float | None
+    priority: int
+    blocks: list[MBlock] = attrs.field(factory=list)
+    num_computed: int = 0
+    committed: int = 0
+    pending: int = 0
+
+    def key(self, i: int, block_size: int) -> BlockHash:
+        key = self.root
+        for j in range(i + 1):
+            key = chain_key(key, token_bytes(self.tokens[j * block_size:(j + 1) * block_size]))
+        return key
+
+
+@attrs.frozen
+class MatchResult:
+    matched_tokens: int
+    gpu_tokens: int
+    host_tokens: int
+    disk_tokens: int
+    ready: bool
+
+
+class ReferenceCache:
+    """The reference model.  Methods mirror KVCacheManager's; commands are (kind, key)."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.cfg = config
+        self.bs = config.block_size
+        self.entries: dict[BlockHash, MBlock] = {}
+        self.requests: dict[str, MRequest] = {}
+        self.private: list[MBlock] = []  # held private blocks (and failed ones being dropped)
+        self.gpu_free = config.gpu_blocks
+        self.host_free = config.host_blocks
+        self.reserved = config.reserved_host_blocks
+        self.disk_empty = config.disk_blocks
+        self.writes: dict[int, MBlock | None] = {}
+        self.reads: dict[int, MBlock] = {}
+        self.next_transfer = 0
+        self.counter = 0
+        self.now = -math.inf
+        self.commands: list[tuple[str, BlockHash | None]] = []
+        self.protected: set[int] = set()
+        self.c: dict[str, int] = {
+            name: 0 for name in (
+                "requests_added", "requests_released", "requests_parked",
+                "requests_fallen_back", "hit_blocks_gpu", "hit_blocks_host", "hit_blocks_disk",
+                "gpu_evictions", "host_offloads", "host_recalls", "offloads_skipped",
+                "host_drops", "spills", "spills_completed", "spill_failures", "bytes_written",
+                "onboards", "onboards_completed", "onboard_failures", "bytes_read",
+                "gate_drops", "pressure_drops", "admission_refusals", "disk_busy_refusals",
+                "displacements", "expirations",
+            )
+        }
+
+    # ------------------------------------------------------------------ helpers
+
+    def _stamp(self) -> int:
+        self.counter += 1
+        return self.counter
+
+    def _check_now(self, now: float) -> None:
+        if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+            raise UsageError("now", "not finite")
+        if now < self.now:
+            raise UsageError("now", "clock went backwards")
+
+    def _advance(self, now: float) -> None:
+        self.now = now
+        expired = sorted(
+            (b for b in self.entries.values()
+             if b.tier == DISK and b.retained_key is not None and not is_live(b.expiry, now)),
+            key=lambda b: b.retained_key or (0.0, 0, 0),
+        )
+        for b in expired:
+            b.retained_key = None
+            b.stamp = self._stamp()
+        self.c["expirations"] += len(expired)
+
+    def _request(self, rid: str) -> MRequest:
+        if rid not in self.requests:
+            raise UsageError("request_id", "unknown")
+        return self.requests[rid]
+
+    def _candidates(self, tier: str) -> list[MBlock]:
+        return [b for b in self.entries.values()
+                if b.tier == tier and id(b) not in self.protected
+                and (tier != GPU or b.holders == 0)]
+
+    def _give_back_host(self) -> None:
+        if self.reserved < self.cfg.reserved_host_blocks:
+            self.reserved += 1
+        else:
+            self.host_free += 1
+
+    def _drop(self, b: MBlock) -> None:
+        assert b.key is not None
+        del self.entries[b.key]
+
+    def gpu_obtainable(self) -> int:
+        return self.gpu_free + len([b for b in self.entries.values()
+                                    if b.tier == GPU and b.holders == 0])
+
+    # ------------------------------------------------------------------ pages
+
+    def _take_gpu_page(self) -> None:
+        if self.gpu_free:
+            self.gpu_free -= 1
+            return
+        victim = min(self._candidates(GPU), key=lambda b: (b.priority, b.stamp))
+        self.c["gpu_evictions"] += 1
+        has_host = self.cfg.host_blocks + self.cfg.reserved_host_blocks > 0
+        if has_host:
+            if self._take_host_page():
+                self.commands.append(("CopyGpuToHost", victim.key))
+                victim.tier = HOST
+                victim.stamp = self._stamp()
+                self.c["host_offloads"] += 1
+                return
+            self.c["offloads_skipped"] += 1
+        self._drop(victim)
+
+    def _take_host_page(self) -> bool:
+        if self.host_free:
+            self.host_free -= 1
+            return True
+        while True:
+            candidates = self._candidates(HOST)
+            if not candidates:
+                return False
+            victim = min(candidates, key=lambda b: (b.priority, b.stamp))
+            if self._evict_host_victim(victim):
+                return True
+
+    def _disk_victim(self, may_displace_live: bool) -> MBlock | None:
+        disk = self._candidates(DISK)
+        best_effort = [b for b in disk if b.retained_key is None]
+        if best_effort:
+            return min(best_effort, key=lambda b: b.stamp)
+        retained = [b for b in disk if b.retained_key is not None]
+        if retained and may_displace_live:
+            return min(retained, key=lambda b: b.retained_key or (0.0, 0, 0))
+        return None
+
+    def _evict_host_victim(self, v: MBlock) -> bool:
+        now = self.now
+        if self.cfg.disk_blocks:
+            cfg = self.cfg
+            if cfg.spill_mode is SpillMode.ALL:
+                admitted = True
+            elif cfg.spill_mode is SpillMode.RETAINED_ONLY:
+                admitted = is_live(v.expiry, now)
+            else:
+                admitted = v.reuse >= cfg.spill_min_reuse
+            live_ok = not cfg.protect_unexpired
+            if not admitted:
+                refusal: str | None = "gate_drops"
+            elif (cfg.drop_on_pressure and not is_live(v.expiry, now)
+                  and len(self.writes) >= cfg.write_queue_depth):
+                refusal = "pressure_drops"
+            elif self.disk_empty or self._disk_victim(live_ok) is not None:
+                refusal = None
+            elif self._disk_victim(True) is not None:
+                refusal = "admission_refusals"
+            else:
+                refusal = "disk_busy_refusals"
+            if refusal is None:
+                self._spill(v, live_ok)
+                if self.reserved:
+                    self.reserved -= 1
+                    return True
+                return False
+            self.c[refusal] += 1
+        self.c["host_drops"] += 1
+        self._drop(v)
+        return True
+
+    def _spill(self, v: MBlock, live_ok: bool) -> None:
+        if self.disk_empty:
+            self.disk_empty -= 1
+        else:
+            displaced = self._disk_victim(live_ok)
+            assert displaced is not None
+            self.c["displacements"] += 1
+            self._drop(displaced)
+        self.next_transfer += 1
+        self.writes[self.next_transfer] = v
+        v.tier = SPILLING
+        self.commands.append(("WriteSlot", v.key))
+        self.c["spills"] += 1
+
+    # ------------------------------------------------------------------ the API
+
+    def add_request(
+        self, rid: str, tokens: Sequence[int], *, now: float, ttl_seconds: float | None = None,
+        priority: int = 0, cache_salt: str | None = None, lora_id: int | None = None,
+    ) -> MatchResult:
+        self._check_now(now)
+        if rid in self.requests:
+            raise UsageError("request_id", "exists")
+        if not tokens:
+            raise UsageError("token_ids", "empty")
+        if len(tokens) > self.cfg.gpu_blocks * self.bs:
+            raise UsageError("token_ids", "does not fit")
+        ttl = float(ttl_seconds) if ttl_seconds else None
+        req = MRequest(rid, list(tokens), root_key(self.cfg.model_fingerprint, cache_salt,
+                                                   lora_id), ttl, priority)
+        matched: list[MBlock] = []
+        for i in range((len(tokens) - 1) // self.bs):
+            b = self.entries.get(req.key(i, self.bs))
+            if b is None:
+                break
+            matched.append(b)
+        needs = sum(1 for b in matched if b.tier in (HOST, SPILLING, DISK))
+        released = sum(1 for b in matched if b.tier == GPU and b.holders == 0)
+        if needs > self.gpu_obtainable() - released:
+            raise OutOfBlocks(rid, needs, self.gpu_obtainable() - released)
+        self._advance(now)
+        self.protected = {id(b) for b in matched}
+        hits = {GPU: 0, HOST: 0, DISK: 0}
+        for b in matched:
+            b.reuse += 1
+            if b.tier == GPU:
+                hits[GPU] += 1
+            elif b.tier == READING:
+                b.waiters.append(rid)
+                req.pending += 1
+                hits[DISK] += 1
+            elif b.tier in (HOST, SPILLING):
+                self._take_gpu_page()
+                self.commands.append(("CopyHostToGpu", b.key))
+                if b.tier == HOST:
+                    self._give_back_host()
+                else:
+                    for tid, w in self.writes.items():
+                        if w is b:
+                            self.writes[tid] = None
+                b.tier = GPU
+                self.c["host_recalls"] += 1
+                hits[HOST] += 1
+            else:
+                assert b.tier == DISK
+                self._take_gpu_page()
+                self.next_transfer += 1
+                self.reads[self.next_transfer] = b
+                self.commands.append(("ReadSlot", b.key))
+                b.tier = READING
+                b.retained_key = None
+                b.waiters.append(rid)
+                req.pending += 1
+                self.c["onboards"] += 1
+                hits[DISK] += 1
+            b.holders += 1
+            req.blocks.append(b)
+        self.protected = set()
+        req.num_computed = len(matched) * self.bs
+        req.committed = len(matched)
+        self.requests[rid] = req
+        self.c["requests_added"] += 1
+        if req.pending:
+            self.c["requests_parked"] += 1
+        self.c["hit_blocks_gpu"] += hits[GPU]
+        self.c["hit_blocks_host"] += hits[HOST]
+        self.c["hit_blocks_disk"] += hits[DISK]
+        bs = self.bs
+        return MatchResult(len(matched) * bs, hits[GPU] * bs, hits[HOST] * bs,
+                           hits[DISK] * bs, req.pending == 0)
+
+    def append_tokens(self, rid: str, tokens: Sequence[int]) -> None:
+        self._request(rid).tokens.extend(tokens)
+
+    def allocate_nowait(self, rid: str, num_tokens: int, *, now: float) -> None:
+        self._check_now(now)
+        req = self._request(rid)
+        if not req.num_computed <= num_tokens <= len(req.tokens):
+            raise UsageError("num_tokens", "out of range")
+        needed = -(-num_tokens // self.bs) - len(req.blocks)
+        if needed > self.gpu_obtainable():
+            raise OutOfBlocks(rid, needed, self.gpu_obtainable())
+        self._advance(now)
+        for _ in range(max(needed, 0)):
+            self._take_gpu_page()
+            b = MBlock(key=None, depth=len(req.blocks), holders=1)
+            self.private.append(b)
+            req.blocks.append(b)
+
+    def commit(self, rid: str, n: int, *, now: float) -> None:
+        self._check_now(now)
+        req = self._request(rid)
+        if not req.num_computed <= n <= min(len(req.tokens), len(req.blocks) * self.bs):
+            raise UsageError("num_computed_tokens", "out of range")
+        if req.pending:
+            raise UsageError("request_id", "parked")
+        self._advance(now)
+        req.num_computed = n
+        for i in range(req.committed, n // self.bs):
+            key = req.key(i, self.bs)
+            if key in self.entries:
+                continue
+            b = req.blocks[i]
+            self.private.remove(b)
+            b.key = key
+            b.depth = i
+            self.entries[key] = b
+        req.committed = max(req.committed, n // self.bs)
+
+    def release(self, rid: str, *, now: float) -> None:
+        self._check_now(now)
+        req = self._request(rid)
+        self._advance(now)
+        del self.requests[rid]
+        expiry = expiry_after(now, req.ttl) if req.ttl else None
+        self._let_go(req, req.blocks, expiry)
+        self.c["requests_released"] += 1
+
+    def _let_go(self, req: MRequest, blocks: list[MBlock], expiry: float | None) -> None:
+        for b in reversed(blocks):
+            if expiry is not None and b.key is not None and (b.expiry is None
+                                                             or b.expiry < expiry):
+                b.expiry = expiry
+            if req.rid in b.waiters:
+                b.waiters.remove(req.rid)
+            b.holders -= 1
+            if b.holders:
+                continue
+            b.priority = req.priority
+            if b.tier == GPU:
+                if b.key is not None:
+                    b.stamp = self._stamp()
+                else:
+                    self.private.remove(b)
+                    self.gpu_free += 1
+
+    def is_ready(self, rid: str) -> bool:
+        return self._request(rid).pending == 0
+
+    def num_computed(self, rid: str) -> int:
+        return self._request(rid).num_computed
+
+    def advance(self, now: float) -> None:
+        self._check_now(now)
+        self._advance(now)
+
+    # ------------------------------------------------------------------ completions
+
+    def write_done(self, tid: int, ok: bool, now: float) -> None:
+        self._check_now(now)
+        if tid not in self.writes:
+            raise UsageError("transfer", "unknown")
+        self._advance(now)
+        v = self.writes.pop(tid)
+        if ok:
+            self.c["spills_completed"] += 1
+            self.c["bytes_written"] += self.cfg.block_bytes
+            self._give_back_host()
+            if v is None:
+                self.disk_empty += 1
+                self.commands.append(("FreeSlot", None))
+                return
+            v.tier = DISK
+            stamp = self._stamp()
+            if is_live(v.expiry, now):
+                assert v.expiry is not None
+                v.retained_key = (v.expiry, -v.depth, stamp)
+            else:
+                v.stamp = stamp
+        else:
+            self.c["spill_failures"] += 1
+            self.disk_empty += 1
+            self.commands.append(("FreeSlot", None))
+            if v is None:
+                self._give_back_host()
+                return
+            v.tier = HOST
+            v.stamp = self._stamp()
+
+    def read_done(self, tid: int, ok: bool, now: float) -> None:
+        self._check_now(now)
+        if tid not in self.reads:
+            raise UsageError("transfer", "unknown")
+        self._advance(now)
+        b = self.reads.pop(tid)
+        self.disk_empty += 1
+        self.commands.append(("FreeSlot", None))
+        if ok:
+            self.c["onboards_completed"] += 1
+            self.c["bytes_read"] += self.cfg.block_bytes
+            b.tier = GPU
+            for rid in b.waiters:
+                self.requests[rid].pending -= 1
+            b.waiters.clear()
+            if b.holders == 0:
+                b.stamp = self._stamp()
+            return
+        self.c["onboard_failures"] += 1
+        b.failed = True
+        self._drop(b)
+        b.key = None
+        self.private.append(b)
+        for rid in list(b.waiters):
+            req = self.requests[rid]
+            pos = req.blocks.index(b)
+            dropped = req.blocks[pos:]
+            req.pending -= sum(1 for d in dropped if rid in d.waiters)
+            del req.blocks[pos:]
+            req.num_computed = min(req.num_computed, pos * self.bs)
+            req.committed = min(req.committed, pos)
+            self._let_go(req, dropped, None)
+            self.c["requests_fallen_back"] += 1
+        assert b.holders == 0
+        self.private.remove(b)
+        self.gpu_free += 1
+
+    # ------------------------------------------------------------------ observation
+
+    def cached(self) -> dict[BlockHash, tuple[str, int, int, float | None]]:
+        """key -> (tier, holders, reuse count, expiry) for every cached block."""
+        return {k: (b.tier, b.holders, b.reuse, b.expiry) for k, b in self.entries.items()}
+
+    def statistics(self) -> CacheStatistics:
+        c = self.c
+        bs = self.bs
+        tiers = [b.tier for b in self.entries.values()]
+        by_state = {s: 0 for s in BlockState}
+        for b in self.entries.values():
+            if b.tier == GPU:
+                by_state[BlockState.ON_GPU if b.holders else BlockState.RELEASED] += 1
+            else:
+                by_state[{HOST: BlockState.ON_HOST, SPILLING: BlockState.SPILLING,
+                          DISK: BlockState.ON_DISK, READING: BlockState.ONBOARDING}[b.tier]] += 1
+        by_state[BlockState.ON_GPU] += len(self.private)
+        cfg = self.cfg
+        total = cfg.gpu_blocks + cfg.host_blocks + cfg.reserved_host_blocks + cfg.disk_blocks
+        by_state[BlockState.FREE] = total - sum(by_state.values())
+        return CacheStatistics(
+            requests_added=c["requests_added"],
+            requests_released=c["requests_released"],
+            requests_parked=c["requests_parked"],
+            parked_requests=sum(1 for r in self.requests.values() if r.pending),
+            requests_fallen_back=c["requests_fallen_back"],
+            hit_blocks_gpu=c["hit_blocks_gpu"],
+            hit_blocks_host=c["hit_blocks_host"],
+            hit_blocks_disk=c["hit_blocks_disk"],
+            hit_tokens_gpu=c["hit_blocks_gpu"] * bs,
+            hit_tokens_host=c["hit_blocks_host"] * bs,
+            hit_tokens_disk=c["hit_blocks_disk"] * bs,
+            gpu_evictions=c["gpu_evictions"],
+            host_offloads=c["host_offloads"],
+            host_recalls=c["host_recalls"],
+            offloads_skipped=c["offloads_skipped"],
+            host_drops=c["host_drops"],
+            spills=c["spills"],
+            spills_completed=c["spills_completed"],
+            spill_failures=c["spill_failures"],
+            bytes_written=c["bytes_written"],
+            writes_in_flight=len(self.writes),
+            onboards=c["onboards"],
+            onboards_completed=c["onboards_completed"],
+            onboard_failures=c["onboard_failures"],
+            bytes_read=c["bytes_read"],
+            reads_in_flight=len(self.reads),
+            gate_drops=c["gate_drops"],
+            pressure_drops=c["pressure_drops"],
+            admission_refusals=c["admission_refusals"],
+            disk_busy_refusals=c["disk_busy_refusals"],
+            displacements=c["displacements"],
+            expirations=c["expirations"],
+            io_errors=c["spill_failures"] + c["onboard_failures"],
+            cached_blocks=len(self.entries),
+            gpu_free_pages=self.gpu_free,
+            gpu_evictable_blocks=sum(1 for b in self.entries.values()
+                                     if b.tier == GPU and b.holders == 0),
+            host_free_pages=self.host_free,
+            host_reserved_pages=self.reserved,
+            host_cached_blocks=tiers.count(HOST),
+            disk_empty_slots=self.disk_empty,
+            disk_cached_blocks=tiers.count(DISK),
+            disk_retained_blocks=sum(1 for b in self.entries.values()
+                                     if b.tier == DISK and b.retained_key is not None),
+            blocks_by_state=tuple((s.name, by_state[s]) for s in BlockState),
+        )

@@ -1,0 +1,197 @@
+"""The block lifecycle: every state a block can be in, and every way it can change.
+
+Theory of operation
+-------------------
+A *block* is one record of KV content: a node of the prefix tree (a full block, keyed by its
+chained hash) or a private block of one request (a partly filled last block, or a duplicate of
+content that is already cached).  Its *storage* (a GPU page, a pinned host page, a disk slot)
+comes from per-tier pools; the block points at where its bytes are now, and moving between
+tiers changes those pointers and the state, never the block's place in the tree.
+
+Everything that affects a block's lifecycle lives here: the states, the events, and the
+literal table ``TRANSITIONS`` mapping ``(state, event) -> next state``.  The manager changes a
+block's state only through :func:`next_state`; an event that the table does not list for the
+block's current state raises :class:`~statekv.errors.IllegalTransition` -- it is never a
+silent no-op.  The specification in ``specs/lifecycle.md`` (diagram and invariants) is
+generated from this table, and a test fails when the two disagree.
+
+States, and what storage a block in each state owns:
+
+==========  =====================================================  ===========================
+state       meaning                                                storage owned
+==========  =====================================================  ===========================
+FREE        the record is unused                                   none
+ON_GPU      held by at least one request                           GPU page
+RELEASED    on GPU, no holder; cached content, evictable           GPU page
+ON_HOST     evicted from GPU into pinned host memory               host page
+SPILLING    host -> disk write in flight                           host page + disk slot
+ON_DISK     on disk only                                           disk slot
+ONBOARDING  disk -> GPU read in flight                             disk slot + GPU page
+ERROR       its read failed: never served, freed by last holder    GPU page
+==========  =====================================================  ===========================
+
+GPU <-> host copies are *stream ordered*: the actor executes them, in command order, before
+any later work that touches either page, so they need no completion event.  Disk reads and
+writes run on worker pools and report back; that is why SPILLING and ONBOARDING exist.
+
+Why each state owns what it owns (each row is a race the design rules out):
+
+* ONBOARDING keeps its GPU page even when its last holder releases it: the page cannot return
+  to a free list while the read may still write into it.
+* ONBOARDING keeps its disk slot until the read lands: no spill can claim the slot and
+  overwrite the bytes before they are read.
+* SPILLING keeps its host page until the write lands: the writer reads from it.
+* ON_DISK -> FREE (displacement) removes the block from the prefix tree in the same step, so
+  the tree never points at a slot whose bytes were recycled.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Final
+
+from statekv.errors import IllegalTransition
+
+
+class BlockState(enum.IntEnum):
+    """Where a block's bytes are and what may happen to it next.
+
+    An IntEnum so that the transition lookup hashes in C (a plain Enum's __hash__ is Python
+    code and costs three times as much on the hot path); values are disjoint from
+    BlockEvent's so that a state never compares equal to an event.
+    """
+
+    FREE = 0
+    ON_GPU = 1
+    RELEASED = 2
+    ON_HOST = 3
+    SPILLING = 4
+    ON_DISK = 5
+    ONBOARDING = 6
+    ERROR = 7
+
+
+class BlockEvent(enum.IntEnum):
+    """Something that happens to one block (meanings in EVENT_MEANINGS)."""
+
+    ALLOCATED = 100
+    ACQUIRED = 101
+    RELEASED = 102
+    DISCARDED = 103
+    OFFLOADED = 104
+    DROPPED = 105
+    RECALLED = 106
+    SPILL_STARTED = 107
+    SPILL_LANDED = 108
+    SPILL_FAILED = 109
+    READ_STARTED = 110
+    READ_LANDED = 111
+    READ_FAILED = 112
+
+
+EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
+    BlockEvent.ALLOCATED: (
+        "A free record takes an empty GPU page for a request's new tokens."
+    ),
+    BlockEvent.ACQUIRED: (
+        "A request's prefix matched the block (another holder)."
+    ),
+    BlockEvent.RELEASED: (
+        "The last holder let go and the content is reusable: the block becomes evictable."
+    ),
+    BlockEvent.DISCARDED: (
+        "The last holder let go of content that is not reusable (private or failed)."
+    ),
+    BlockEvent.OFFLOADED: (
+        "Evicted from GPU: its bytes were copied into a host page."
+    ),
+    BlockEvent.DROPPED: (
+        "Evicted from its lowest tier (or displaced from disk): the content leaves the cache."
+    ),
+    BlockEvent.RECALLED: (
+        "A prefix hit on a block whose bytes are in a host page: copied host -> GPU."
+    ),
+    BlockEvent.SPILL_STARTED: (
+        "Evicted from host: a host -> disk write was issued."
+    ),
+    BlockEvent.SPILL_LANDED: (
+        "The write completed; the bytes are on disk."
+    ),
+    BlockEvent.SPILL_FAILED: (
+        "The write failed; the bytes are still in the host page, so the block stays on host."
+    ),
+    BlockEvent.READ_STARTED: (
+        "A prefix hit on a disk block: a disk -> GPU read was issued."
+    ),
+    BlockEvent.READ_LANDED: (
+        "The read completed and the bytes are complete on the device."
+    ),
+    BlockEvent.READ_FAILED: (
+        "The read failed (I/O error, short read, checksum): the bytes are never served."
+    ),
+}
+
+
+S = BlockState
+E = BlockEvent
+
+TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
+    (S.FREE, E.ALLOCATED): S.ON_GPU,
+    (S.ON_GPU, E.ACQUIRED): S.ON_GPU,
+    (S.ON_GPU, E.RELEASED): S.RELEASED,
+    (S.ON_GPU, E.DISCARDED): S.FREE,
+    (S.RELEASED, E.ACQUIRED): S.ON_GPU,
+    (S.RELEASED, E.OFFLOADED): S.ON_HOST,
+    (S.RELEASED, E.DROPPED): S.FREE,
+    (S.ON_HOST, E.RECALLED): S.ON_GPU,
+    (S.ON_HOST, E.SPILL_STARTED): S.SPILLING,
+    (S.ON_HOST, E.DROPPED): S.FREE,
+    (S.SPILLING, E.SPILL_LANDED): S.ON_DISK,
+    (S.SPILLING, E.SPILL_FAILED): S.ON_HOST,
+    (S.SPILLING, E.RECALLED): S.ON_GPU,
+    (S.ON_DISK, E.READ_STARTED): S.ONBOARDING,
+    (S.ON_DISK, E.DROPPED): S.FREE,
+    (S.ONBOARDING, E.ACQUIRED): S.ONBOARDING,
+    (S.ONBOARDING, E.READ_LANDED): S.ON_GPU,
+    (S.ONBOARDING, E.READ_FAILED): S.ERROR,
+    (S.ERROR, E.DISCARDED): S.FREE,
+}
+"""The single source of truth for the block lifecycle."""
+
+del S, E
+
+# A read in flight ends only by landing or failing: never straight to a free list.
+_READ_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ONBOARDING, BlockState.ON_GPU,
+                                          BlockState.ERROR})
+# A write in flight keeps its host page: it lands, fails back to host, or is recalled.
+_WRITE_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ON_DISK, BlockState.ON_HOST,
+                                           BlockState.ON_GPU})
+
+
+def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
+    """The state a block moves to when `event` happens in `state`.
+
+    The contracts below are safety properties of the table that CrossHair checks over
+    every (state, event) pair: the races of the seed, stated as facts about the table.
+
+    pre: isinstance(state, BlockState) and isinstance(event, BlockEvent)
+    raises: IllegalTransition
+    post: (state, event) in TRANSITIONS and __return__ == TRANSITIONS[(state, event)]
+    post: __return__ is not BlockState.FREE or event in (BlockEvent.DROPPED, BlockEvent.DISCARDED)
+    post: state is not BlockState.FREE or event is BlockEvent.ALLOCATED
+    post: state is not BlockState.ONBOARDING or __return__ in _READ_IN_FLIGHT_EXITS
+    post: state is not BlockState.SPILLING or __return__ in _WRITE_IN_FLIGHT_EXITS
+    post: __return__ is not BlockState.ON_DISK or event is BlockEvent.SPILL_LANDED
+    post: __return__ is not BlockState.RELEASED or event is BlockEvent.RELEASED
+    post: state is not BlockState.ERROR or __return__ is BlockState.FREE
+    """
+    nxt = TRANSITIONS.get((state, event))
+    if nxt is None:
+        raise IllegalTransition(block, state.name, event.name)
+    return nxt
+
+
+def allowed_events(state: BlockState) -> frozenset[BlockEvent]:
+    """Every event the table allows in `state`."""
+    return frozenset(e for (s, e) in TRANSITIONS if s is state)

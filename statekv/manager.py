@@ -1,0 +1,1106 @@
+"""The cache manager: the API a serving loop calls (through the actors), with no I/O.
+
+The manager decides; actors do.  Every call takes the caller's clock as ``now`` (the core never
+reads a clock), changes blocks only through the lifecycle table, and leaves work for the
+actors in an outbox (:meth:`KVCacheManager.take_commands`).  Actors report back with
+:meth:`KVCacheManager.handle`.
+
+Step protocol of a serving loop::
+
+    match = cache.add_request(rid, prompt, now=t, ttl_seconds=600)   # prefix hit by tier
+    ...execute cache.take_commands()...                              # copies, reads
+    if cache.is_ready(rid):                                          # O(1); else parked
+        cache.allocate_nowait(rid, num_tokens, now=t)                # pages for new tokens
+        table = cache.block_table(rid)                               # for attention
+        ...forward pass writes KV for tokens [computed, num_tokens)...
+        cache.commit(rid, num_tokens, now=t)                         # full blocks shared
+    cache.append_tokens(rid, [sampled])                              # decode
+    cache.release(rid, now=t)                                        # finish or cancel
+
+Every public method validates its arguments before it changes anything, so a call that
+raises leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from statekv.arith import blocks_for_tokens, expiry_after, full_blocks, is_live, matchable_blocks
+from statekv.block import Block
+from statekv.config import CacheConfig
+from statekv.errors import IllegalTransition, InvariantViolation, OutOfBlocks, UsageError
+from statekv.hashing import chain_key, root_key, token_bytes
+from statekv.ids import BlockHash, BlockId, PageId, RequestId, SlotId, TransferId
+from statekv.lifecycle import TRANSITIONS, BlockEvent, BlockState
+from statekv.messages import (
+    Command,
+    Completion,
+    CopyGpuToHost,
+    CopyHostToGpu,
+    FreeSlot,
+    ReadSlot,
+    SlotRead,
+    SlotReadFailed,
+    SlotWriteFailed,
+    SlotWritten,
+    WriteSlot,
+)
+from statekv.policies import Policies
+from statekv.pools import DiskSlots, HostPagePool, PagePool
+from statekv.stats import CacheStatistics, Counters
+from statekv.trace import TraceSink
+
+_S = BlockState
+_E = BlockEvent
+_MAX_LORA_ID = 2**63 - 1
+
+
+class _Refusal(enum.Enum):
+    """Why a host victim was dropped instead of spilled."""
+
+    GATE = "the spill mode does not admit it"
+    PRESSURE = "best-effort, and the write queue is full (drop-on-pressure)"
+    ADMISSION = "the disk is full of unexpired retained content (protect_unexpired)"
+    DISK_BUSY = "every slot has a read or write in flight"
+
+
+@attrs.frozen(kw_only=True)
+class PrefixMatch:
+    """What add_request found in the cache for a new request."""
+
+    request_id: RequestId
+    num_prompt_tokens: int
+    matched_tokens: int
+    """Prompt tokens whose KV comes from the cache (a multiple of the block size)."""
+    gpu_tokens: int
+    host_tokens: int
+    disk_tokens: int
+    """Tokens being read back from disk; the request is parked until they land."""
+    ready: bool
+
+
+@attrs.frozen(kw_only=True)
+class RequestStatus:
+    """Where one request stands."""
+
+    request_id: RequestId
+    num_tokens: int
+    num_computed_tokens: int
+    """Tokens whose KV is in the request's blocks (matched or computed and committed)."""
+    num_blocks: int
+    pending_reads: int
+    ready: bool
+
+
+@attrs.frozen(kw_only=True)
+class CachedBlock:
+    """One cached block as seen from outside: its key, tier and retention."""
+
+    key: BlockHash
+    state: BlockState
+    ref_count: int
+    reuse_count: int
+    expiry: float | None
+    depth: int
+    priority: int
+
+
+@attrs.define(eq=False, slots=True)
+class _Request:
+    id: RequestId
+    encoded: bytearray
+    num_tokens: int
+    root: BlockHash
+    ttl: float | None
+    priority: int
+    keys: list[BlockHash] = attrs.field(factory=list)
+    blocks: list[Block] = attrs.field(factory=list)
+    pages: list[PageId] = attrs.field(factory=list)
+    num_computed: int = 0
+    committed: int = 0
+    """Blocks [0, committed) are full and were offered to the prefix index."""
+    pending: int = 0
+    """Blocks of this request whose onboard read has not landed."""
+
+
+@attrs.define(eq=False, slots=True)
+class _Write:
+    block: Block | None
+    """The spilling block, or None once it was recalled to GPU while its write drained."""
+    host_page: PageId
+    slot: SlotId
+
+
+def _check_now(now: object, last: float) -> float:
+    if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+        raise UsageError("now", f"must be a finite number of seconds, got {now!r}")
+    if now < last:
+        raise UsageError("now", f"clock went backwards: {now!r} < {last!r}")
+    return float(now)
+
+
+class KVCacheManager:
+    """Tiered KV cache bookkeeping for one rank: GPU, pinned host and disk, sans I/O."""
+
+    def __init__(self, config: CacheConfig, *, trace: TraceSink | None = None) -> None:
+        if not isinstance(config, CacheConfig):
+            raise UsageError("config", f"must be a CacheConfig, got {config!r}")
+        self.config = config
+        self._block_size = config.block_size
+        self._block_bytes = config.block_bytes
+        self._policies = Policies.from_config(config)
+        nrecords = (
+            config.gpu_blocks + config.host_blocks + config.reserved_host_blocks
+            + config.disk_blocks
+        )
+        # Every live block owns at least one page or slot, so this many records suffice.
+        self._records = [Block(BlockId(i)) for i in range(nrecords)]
+        self._free_records = list(reversed(self._records))
+        self._gpu = PagePool(config.gpu_blocks, config.priority_levels)
+        self._host = HostPagePool(
+            config.host_blocks, config.reserved_host_blocks, config.priority_levels
+        )
+        self._has_host = config.host_blocks + config.reserved_host_blocks > 0
+        self._disk = DiskSlots(config.disk_blocks)
+        self._has_disk = config.disk_blocks > 0
+        self._index: dict[BlockHash, Block] = {}
+        self._children: dict[BlockHash, int] = {}
+        self._requests: dict[RequestId, _Request] = {}
+        self._writes: dict[TransferId, _Write] = {}
+        self._reads: dict[TransferId, Block] = {}
+        self._outbox: list[Command] = []
+        self._counters = Counters()
+        self._state_counts = [0] * len(BlockState)
+        self._state_counts[_S.FREE] = nrecords
+        self._parked = 0
+        self._now = -math.inf
+        self._seq = 0
+        self._next_transfer = 0
+        self._trace = trace
+        self._cause: RequestId | None = None
+
+    # ------------------------------------------------------------------ the public API
+
+    def add_request(
+        self,
+        request_id: RequestId | str,
+        token_ids: Sequence[int],
+        *,
+        now: float,
+        ttl_seconds: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> PrefixMatch:
+        """Register a request and take the longest cached prefix of its prompt.
+
+        Matched blocks on GPU are shared at once; host blocks are copied back; disk blocks
+        are read back asynchronously and the request is parked until they land.  Raises
+        OutOfBlocks (changing nothing) when the GPU cannot hold the blocks to onboard.
+        """
+        now = _check_now(now, self._now)
+        rid = self._check_new_request_id(request_id)
+        ttl = self._check_ttl(ttl_seconds)
+        self._check_priority(priority)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise UsageError("cache_salt", f"must be a string or None, got {cache_salt!r}")
+        if lora_id is not None and (
+            isinstance(lora_id, bool) or not isinstance(lora_id, int)
+            or not 0 <= lora_id <= _MAX_LORA_ID
+        ):
+            raise UsageError("lora_id", f"must be a non-negative integer or None, got {lora_id!r}")
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+            raise UsageError("token_ids", "must be a sequence of integer token ids")
+        num_tokens = len(token_ids)
+        if num_tokens == 0:
+            raise UsageError("token_ids", "a request needs at least one token")
+        capacity_tokens = self.config.gpu_blocks * self._block_size
+        if num_tokens > capacity_tokens:
+            raise UsageError(
+                "token_ids",
+                f"{num_tokens} tokens do not fit in {self.config.gpu_blocks} GPU blocks "
+                f"of {self._block_size} tokens",
+            )
+        encoded = bytearray(token_bytes(token_ids))
+
+        req = _Request(
+            id=rid, encoded=encoded, num_tokens=num_tokens,
+            root=root_key(self.config.model_fingerprint, cache_salt, lora_id),
+            ttl=ttl, priority=priority,
+        )
+        matched = self._lookup_prefix(req)
+        # Capacity: every matched block that is not already on GPU needs a GPU page.
+        needs_page = 0
+        released_hits = 0
+        for block in matched:
+            state = block.state
+            if state is _S.RELEASED:
+                released_hits += 1
+            elif state is not _S.ON_GPU and state is not _S.ONBOARDING:
+                needs_page += 1
+        obtainable = self._gpu.obtainable() - released_hits
+        if needs_page > obtainable:
+            raise OutOfBlocks(rid, needs_page, obtainable)
+
+        self._advance(now)
+        self._cause = rid
+        try:
+            gpu, host, disk = self._take_matched(req, matched)
+        finally:
+            self._cause = None
+        self._requests[rid] = req
+        c = self._counters
+        c.requests_added += 1
+        if req.pending:
+            c.requests_parked += 1
+            self._parked += 1
+        bs = self._block_size
+        return PrefixMatch(
+            request_id=rid, num_prompt_tokens=num_tokens,
+            matched_tokens=len(matched) * bs, gpu_tokens=gpu * bs, host_tokens=host * bs,
+            disk_tokens=disk * bs, ready=req.pending == 0,
+        )
+
+    def append_tokens(self, request_id: RequestId | str, token_ids: Sequence[int]) -> None:
+        """Append generated tokens to a request's sequence."""
+        req = self._request(request_id)
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+            raise UsageError("token_ids", "must be a sequence of integer token ids")
+        req.encoded += token_bytes(token_ids)
+        req.num_tokens += len(token_ids)
+
+    def allocate_nowait(self, request_id: RequestId | str, num_tokens: int, *, now: float) -> None:
+        """Make sure the request has GPU pages for its first `num_tokens` tokens.
+
+        Raises OutOfBlocks, changing nothing, when not enough pages can be had.
+        """
+        now = _check_now(now, self._now)
+        req = self._request(request_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise UsageError("num_tokens", f"must be an integer, got {num_tokens!r}")
+        if not req.num_computed <= num_tokens <= req.num_tokens:
+            raise UsageError(
+                "num_tokens",
+                f"must be between the computed ({req.num_computed}) and known "
+                f"({req.num_tokens}) token counts of request {req.id!r}, got {num_tokens}",
+            )
+        needed = blocks_for_tokens(num_tokens, self._block_size) - len(req.blocks)
+        obtainable = self._gpu.obtainable()
+        if needed > obtainable:
+            raise OutOfBlocks(req.id, needed, obtainable)
+        self._advance(now)
+        if needed <= 0:
+            return
+        self._cause = req.id
+        try:
+            blocks, pages = req.blocks, req.pages
+            for _ in range(needed):
+                page = self._take_gpu_page(now)
+                block = self._free_records.pop()
+                self._move(block, _E.ALLOCATED)
+                block.gpu_page = page
+                block.ref_count = 1
+                block.depth = len(blocks)
+                blocks.append(block)
+                pages.append(page)
+        finally:
+            self._cause = None
+
+    def commit(self, request_id: RequestId | str, num_computed_tokens: int, *, now: float) -> None:
+        """Record that KV for tokens [0, num_computed_tokens) is written; share full blocks."""
+        now = _check_now(now, self._now)
+        req = self._request(request_id)
+        n = num_computed_tokens
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise UsageError("num_computed_tokens", f"must be an integer, got {n!r}")
+        limit = min(req.num_tokens, len(req.blocks) * self._block_size)
+        if not req.num_computed <= n <= limit:
+            raise UsageError(
+                "num_computed_tokens",
+                f"must be between {req.num_computed} (already computed) and {limit} "
+                f"(tokens with pages) for request {req.id!r}, got {n}",
+            )
+        if req.pending:
+            raise UsageError(
+                "request_id", f"request {req.id!r} is parked: its onboard reads have not landed"
+            )
+        self._advance(now)
+        req.num_computed = n
+        full = full_blocks(n, self._block_size)
+        if full <= req.committed:
+            return
+        self._extend_keys(req, full)
+        index, children = self._index, self._children
+        keys, blocks = req.keys, req.blocks
+        for i in range(req.committed, full):
+            key = keys[i]
+            if key in index:
+                continue  # the same content was committed meanwhile: ours stays private
+            block = blocks[i]
+            parent = keys[i - 1] if i else req.root
+            block.key = key
+            block.parent_key = parent
+            block.depth = i
+            index[key] = block
+            children[parent] = children.get(parent, 0) + 1
+        req.committed = full
+
+    def release(self, request_id: RequestId | str, *, now: float) -> None:
+        """The request finished or was cancelled: give its blocks back.
+
+        Cached content stays reusable (stamped with the request's TTL, counted from now).
+        A block whose onboard read is still in flight keeps its GPU page until the read
+        lands, whoever releases it.
+        """
+        now = _check_now(now, self._now)
+        req = self._request(request_id)
+        self._advance(now)
+        del self._requests[req.id]
+        if req.pending:
+            self._parked -= 1
+        self._cause = req.id
+        try:
+            expiry = expiry_after(now, req.ttl) if req.ttl else None
+            self._let_go(req, req.blocks, expiry)
+        finally:
+            self._cause = None
+        self._counters.requests_released += 1
+
+    def is_ready(self, request_id: RequestId | str) -> bool:
+        """Whether every block of the request has landed on GPU.  O(1)."""
+        return self._request(request_id).pending == 0
+
+    def block_table(self, request_id: RequestId | str) -> tuple[PageId, ...]:
+        """The GPU pages of the request's blocks, in sequence order."""
+        return tuple(self._request(request_id).pages)
+
+    def request_status(self, request_id: RequestId | str) -> RequestStatus:
+        req = self._request(request_id)
+        return RequestStatus(
+            request_id=req.id, num_tokens=req.num_tokens, num_computed_tokens=req.num_computed,
+            num_blocks=len(req.blocks), pending_reads=req.pending, ready=req.pending == 0,
+        )
+
+    def has_request(self, request_id: RequestId | str) -> bool:
+        return request_id in self._requests
+
+    def cached_blocks(self) -> tuple[CachedBlock, ...]:
+        """Every block in the prefix index, with its tier: for debugging and tests."""
+        return tuple(
+            CachedBlock(
+                key=block.key, state=block.state, ref_count=block.ref_count,
+                reuse_count=block.reuse_count, expiry=block.expiry, depth=block.depth,
+                priority=block.priority,
+            )
+            for block in self._index.values()
+            if block.key is not None
+        )
+
+    def advance(self, now: float) -> None:
+        """Tell the cache the time: TTLs that ran out stop protecting their content."""
+        self._advance(_check_now(now, self._now))
+
+    def handle(self, event: Completion, *, now: float) -> None:
+        """Feed back a completion from an actor."""
+        now = _check_now(now, self._now)
+        if isinstance(event, SlotWritten | SlotWriteFailed):
+            write = self._writes.get(event.transfer)
+            if write is None:
+                raise UsageError("transfer", f"no write {event.transfer} is in flight")
+            self._advance(now)
+            del self._writes[event.transfer]
+            if isinstance(event, SlotWritten):
+                self._write_landed(write, now)
+            else:
+                self._write_failed(write)
+        elif isinstance(event, SlotRead | SlotReadFailed):
+            block = self._reads.get(event.transfer)
+            if block is None:
+                raise UsageError("transfer", f"no read {event.transfer} is in flight")
+            self._advance(now)
+            del self._reads[event.transfer]
+            if isinstance(event, SlotRead):
+                self._read_landed(block)
+            else:
+                self._read_failed(block)
+        else:
+            raise UsageError("event", f"not a completion: {event!r}")
+
+    def take_commands(self) -> list[Command]:
+        """Everything the actors must do, in order; the outbox is empty afterwards."""
+        out = self._outbox
+        self._outbox = []
+        return out
+
+    def statistics(self) -> CacheStatistics:
+        c = self._counters
+        bs = self._block_size
+        return CacheStatistics(
+            requests_added=c.requests_added,
+            requests_released=c.requests_released,
+            requests_parked=c.requests_parked,
+            parked_requests=self._parked,
+            requests_fallen_back=c.requests_fallen_back,
+            hit_blocks_gpu=c.hit_blocks_gpu,
+            hit_blocks_host=c.hit_blocks_host,
+            hit_blocks_disk=c.hit_blocks_disk,
+            hit_tokens_gpu=c.hit_blocks_gpu * bs,
+            hit_tokens_host=c.hit_blocks_host * bs,
+            hit_tokens_disk=c.hit_blocks_disk * bs,
+            gpu_evictions=c.gpu_evictions,
+            host_offloads=c.host_offloads,
+            host_recalls=c.host_recalls,
+            offloads_skipped=c.offloads_skipped,
+            host_drops=c.host_drops,
+            spills=c.spills,
+            spills_completed=c.spills_completed,
+            spill_failures=c.spill_failures,
+            bytes_written=c.bytes_written,
+            writes_in_flight=len(self._writes),
+            onboards=c.onboards,
+            onboards_completed=c.onboards_completed,
+            onboard_failures=c.onboard_failures,
+            bytes_read=c.bytes_read,
+            reads_in_flight=len(self._reads),
+            gate_drops=c.gate_drops,
+            pressure_drops=c.pressure_drops,
+            admission_refusals=c.admission_refusals,
+            disk_busy_refusals=c.disk_busy_refusals,
+            displacements=c.displacements,
+            expirations=c.expirations,
+            io_errors=c.spill_failures + c.onboard_failures,
+            cached_blocks=len(self._index),
+            gpu_free_pages=len(self._gpu.empty),
+            gpu_evictable_blocks=self._gpu.evictable.size,
+            host_free_pages=len(self._host.empty),
+            host_reserved_pages=len(self._host.reserved),
+            host_cached_blocks=self._host.evictable.size,
+            disk_empty_slots=len(self._disk.empty),
+            disk_cached_blocks=self._state_counts[_S.ON_DISK],
+            disk_retained_blocks=len(self._disk.retained),
+            blocks_by_state=tuple((s.name, self._state_counts[s]) for s in BlockState),
+        )
+
+    # ------------------------------------------------------------------ validation
+
+    def _request(self, request_id: str) -> _Request:
+        req = self._requests.get(RequestId(request_id))
+        if req is None:
+            raise UsageError("request_id", f"unknown request {request_id!r}")
+        return req
+
+    def _check_new_request_id(self, request_id: object) -> RequestId:
+        if not isinstance(request_id, str) or not request_id:
+            raise UsageError("request_id", f"must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise UsageError("request_id", f"request {request_id!r} already exists")
+        return RequestId(request_id)
+
+    def _check_ttl(self, ttl: object) -> float | None:
+        if ttl is None:
+            return None
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+            raise UsageError("ttl_seconds", f"must be a number of seconds or None, got {ttl!r}")
+        if not math.isfinite(ttl) or ttl < 0:
+            raise UsageError("ttl_seconds", f"must be finite and >= 0, got {ttl!r}")
+        if ttl > self.config.max_ttl_seconds:
+            raise UsageError(
+                "ttl_seconds", f"{ttl!r} exceeds max_ttl_seconds={self.config.max_ttl_seconds}"
+            )
+        return float(ttl) if ttl > 0 else None
+
+    def _check_priority(self, priority: object) -> None:
+        levels = self.config.priority_levels
+        if isinstance(priority, bool) or not isinstance(priority, int) or not (
+            0 <= priority < levels
+        ):
+            raise UsageError("priority", f"must be an integer in [0, {levels}), got {priority!r}")
+
+    # ------------------------------------------------------------------ the lifecycle
+
+    def _move(self, block: Block, event: BlockEvent) -> None:
+        """Change a block's state through the table (the only place a state changes)."""
+        old = block.state
+        new = TRANSITIONS.get((old, event))
+        if new is None:
+            raise IllegalTransition(block.id, old.name, event.name)
+        block.state = new
+        counts = self._state_counts
+        counts[old] -= 1
+        counts[new] += 1
+        if self._trace is not None:
+            self._trace.record(self._now, block.id, self._cause, old, new, event)
+
+    def _advance(self, now: float) -> None:
+        self._now = now
+        if self._has_disk:
+            expired = self._disk.expire(now)
+            if expired:
+                self._counters.expirations += len(expired)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _new_transfer(self) -> TransferId:
+        self._next_transfer += 1
+        return TransferId(self._next_transfer)
+
+    # ------------------------------------------------------------------ prefix matching
+
+    def _extend_keys(self, req: _Request, upto: int) -> None:
+        keys = req.keys
+        if len(keys) >= upto:
+            return
+        step = 4 * self._block_size
+        encoded = req.encoded
+        key = keys[-1] if keys else req.root
+        for i in range(len(keys), upto):
+            key = chain_key(key, bytes(encoded[i * step:(i + 1) * step]))
+            keys.append(key)
+
+    def _lookup_prefix(self, req: _Request) -> list[Block]:
+        """The cached blocks of the longest matching prefix (no state is changed)."""
+        limit = matchable_blocks(req.num_tokens, self._block_size)
+        index = self._index
+        keys = req.keys
+        step = 4 * self._block_size
+        encoded = req.encoded
+        key = req.root
+        matched: list[Block] = []
+        for i in range(limit):
+            key = chain_key(key, bytes(encoded[i * step:(i + 1) * step]))
+            keys.append(key)
+            block = index.get(key)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def _take_matched(self, req: _Request, matched: list[Block]) -> tuple[int, int, int]:
+        """Acquire matched blocks, bringing host and disk ones back to GPU.
+
+        Returns the hits by tier the bytes came from: (GPU, host, disk).
+        """
+        # First take every matched block out of the eviction orders, so that evictions
+        # made below to find GPU pages can never pick one of them.
+        for block in matched:
+            state = block.state
+            if state is _S.RELEASED:
+                self._gpu.evictable.remove(block)
+            elif state is _S.ON_HOST:
+                self._host.evictable.remove(block)
+            elif state is _S.ON_DISK:
+                self._disk.unfile(block)
+        c = self._counters
+        gpu_hits = host_hits = disk_hits = 0
+        rid = req.id
+        now = self._now
+        for block in matched:
+            state = block.state
+            block.reuse_count += 1
+            if state is _S.RELEASED or state is _S.ON_GPU:
+                self._move(block, _E.ACQUIRED)
+                gpu_hits += 1
+            elif state is _S.ONBOARDING:
+                self._move(block, _E.ACQUIRED)
+                block.waiters.append(rid)
+                req.pending += 1
+                disk_hits += 1
+            elif state is _S.ON_HOST:
+                page = self._take_gpu_page(now)
+                host_page = block.host_page
+                assert host_page is not None
+                self._outbox.append(
+                    CopyHostToGpu(block=block.id, host_page=host_page, gpu_page=page)
+                )
+                block.host_page = None
+                block.gpu_page = page
+                self._move(block, _E.RECALLED)
+                self._host.give_back(host_page)
+                c.host_recalls += 1
+                host_hits += 1
+            elif state is _S.SPILLING:
+                # Its bytes are still intact in the host page the writer reads from: copy
+                # them up now and let the write finish on its own (the write then frees the
+                # page and the slot, which no block points at any more).
+                page = self._take_gpu_page(now)
+                host_page = block.host_page
+                assert host_page is not None and block.transfer is not None
+                self._outbox.append(
+                    CopyHostToGpu(block=block.id, host_page=host_page, gpu_page=page)
+                )
+                self._writes[block.transfer].block = None
+                block.host_page = None
+                block.disk_slot = None
+                block.transfer = None
+                block.gpu_page = page
+                self._move(block, _E.RECALLED)
+                c.host_recalls += 1
+                host_hits += 1
+            elif state is _S.ON_DISK:
+                page = self._take_gpu_page(now)
+                slot = block.disk_slot
+                key = block.key
+                assert slot is not None and key is not None
+                tid = self._new_transfer()
+                self._outbox.append(
+                    ReadSlot(transfer=tid, block=block.id, key=key, slot=slot, gpu_page=page)
+                )
+                self._reads[tid] = block
+                block.transfer = tid
+                block.gpu_page = page
+                self._move(block, _E.READ_STARTED)
+                block.waiters.append(rid)
+                req.pending += 1
+                c.onboards += 1
+                disk_hits += 1
+            else:
+                raise InvariantViolation(f"matched {block!r} in state {state.name}")
+            block.ref_count += 1
+            req.blocks.append(block)
+            page_now = block.gpu_page
+            assert page_now is not None
+            req.pages.append(page_now)
+        req.num_computed = req.committed = len(matched)
+        req.num_computed *= self._block_size
+        c.hit_blocks_gpu += gpu_hits
+        c.hit_blocks_host += host_hits
+        c.hit_blocks_disk += disk_hits
+        return gpu_hits, host_hits, disk_hits
+
+    # ------------------------------------------------------------------ giving blocks back
+
+    def _let_go(self, req: _Request, blocks: list[Block], expiry: float | None) -> None:
+        """`req` stops holding `blocks` (tail first, so tails are evicted first)."""
+        rid = req.id
+        for block in reversed(blocks):
+            if expiry is not None and block.key is not None and (
+                block.expiry is None or block.expiry < expiry
+            ):
+                block.expiry = expiry
+            state = block.state
+            if state is not _S.ON_GPU and rid in block.waiters:
+                block.waiters.remove(rid)
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            block.priority = req.priority
+            if state is _S.ON_GPU:
+                if block.key is not None:
+                    self._move(block, _E.RELEASED)
+                    block.seq = self._next_seq()
+                    self._gpu.evictable.push(block)
+                else:
+                    self._discard(block, _E.DISCARDED)
+            elif state is _S.ONBOARDING or state is _S.ERROR:
+                # ONBOARDING keeps its GPU page until the read lands (then RELEASED); an
+                # ERROR block is discarded by the failure handler once nobody holds it.
+                pass
+            else:
+                raise InvariantViolation(f"request {rid!r} held {block!r}")
+
+    def _discard(self, block: Block, event: BlockEvent) -> None:
+        """The content leaves the cache: unindex it, free what storage it still owns."""
+        self._move(block, event)
+        key = block.key
+        if key is not None:
+            del self._index[key]
+            parent = block.parent_key
+            assert parent is not None
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
+            else:
+                del self._children[parent]
+        if block.gpu_page is not None:
+            self._gpu.empty.append(block.gpu_page)
+        if block.host_page is not None:
+            self._host.give_back(block.host_page)
+        if block.disk_slot is not None:
+            self._disk.empty.append(block.disk_slot)
+            self._outbox.append(FreeSlot(slot=block.disk_slot))
+        block.key = block.parent_key = None
+        block.gpu_page = block.host_page = None
+        block.disk_slot = None
+        block.transfer = None
+        block.expiry = None
+        block.reuse_count = block.depth = block.priority = block.ref_count = 0
+        block.waiters.clear()
+        block.heap_pos = -1
+        self._free_records.append(block)
+
+    def _unindex(self, block: Block) -> None:
+        """Remove a block from the prefix index, keeping the record (it is failing)."""
+        key = block.key
+        if key is None:
+            return
+        del self._index[key]
+        parent = block.parent_key
+        assert parent is not None
+        left = self._children[parent] - 1
+        if left:
+            self._children[parent] = left
+        else:
+            del self._children[parent]
+        block.key = block.parent_key = None
+
+    # ------------------------------------------------------------------ finding pages
+
+    def _take_gpu_page(self, now: float) -> PageId:
+        """An empty GPU page, evicting the coldest cached block if need be.
+
+        Callers check `obtainable()` first, so a page is always found.
+        """
+        gpu = self._gpu
+        if gpu.empty:
+            return gpu.empty.pop()
+        victim = gpu.evictable.pop()
+        page = victim.gpu_page
+        assert page is not None
+        victim.gpu_page = None
+        c = self._counters
+        c.gpu_evictions += 1
+        if self._has_host:
+            host_page = self._take_host_page(now)
+            if host_page is not None:
+                self._outbox.append(
+                    CopyGpuToHost(block=victim.id, gpu_page=page, host_page=host_page)
+                )
+                victim.host_page = host_page
+                self._move(victim, _E.OFFLOADED)
+                victim.seq = self._next_seq()
+                self._host.evictable.push(victim)
+                c.host_offloads += 1
+                return page
+            c.offloads_skipped += 1
+        self._discard(victim, _E.DROPPED)
+        return page
+
+    def _take_host_page(self, now: float) -> PageId | None:
+        """A host page for a GPU victim: an empty one, else from evicting host victims.
+
+        A victim that spills keeps its page until the write lands; the caller then gets a
+        reserved page, or the next victim is tried.  None when no page can be had now.
+        """
+        host = self._host
+        if host.empty:
+            return host.empty.pop()
+        evictable = host.evictable
+        while evictable.size:
+            victim = evictable.pop()
+            page = self._evict_host_victim(victim, now)
+            if page is not None:
+                return page
+        return None
+
+    def _evict_host_victim(self, victim: Block, now: float) -> PageId | None:
+        """Spill `victim` to disk or drop it; return the host page this frees now, if any."""
+        c = self._counters
+        page = victim.host_page
+        assert page is not None
+        if self._has_disk:
+            refusal = self._spill_refusal(victim, now)
+            if refusal is None:
+                self._spill(victim, now)
+                host = self._host
+                return host.reserved.pop() if host.reserved else None
+            if refusal is _Refusal.GATE:
+                c.gate_drops += 1
+            elif refusal is _Refusal.PRESSURE:
+                c.pressure_drops += 1
+            elif refusal is _Refusal.ADMISSION:
+                c.admission_refusals += 1
+            else:
+                c.disk_busy_refusals += 1
+        c.host_drops += 1
+        victim.host_page = None
+        self._discard(victim, _E.DROPPED)
+        return page
+
+    def _spill_refusal(self, victim: Block, now: float) -> _Refusal | None:
+        """Why `victim` may not be spilled now, or None when it may."""
+        policies = self._policies
+        if not policies.spill.admits(victim, now):
+            return _Refusal.GATE
+        if policies.pressure.sheds(is_live(victim.expiry, now), len(self._writes)):
+            return _Refusal.PRESSURE
+        disk = self._disk
+        if disk.empty:
+            return None
+        if disk.next_victim(policies.admission.may_displace_live()) is not None:
+            return None
+        if disk.next_victim(True) is not None:
+            return _Refusal.ADMISSION
+        return _Refusal.DISK_BUSY
+
+    def _spill(self, victim: Block, now: float) -> None:
+        """Start writing `victim` to a disk slot (displacing the next disk victim if need be)."""
+        disk = self._disk
+        if disk.empty:
+            slot = disk.empty.pop()
+        else:
+            displaced = disk.next_victim(self._policies.admission.may_displace_live())
+            assert displaced is not None
+            disk.unfile(displaced)
+            slot_of = displaced.disk_slot
+            assert slot_of is not None
+            slot = slot_of
+            displaced.disk_slot = None  # the slot passes straight to the new spill
+            self._counters.displacements += 1
+            self._discard(displaced, _E.DROPPED)
+        host_page = victim.host_page
+        key = victim.key
+        assert host_page is not None and key is not None
+        tid = self._new_transfer()
+        self._writes[tid] = _Write(block=victim, host_page=host_page, slot=slot)
+        victim.disk_slot = slot
+        victim.transfer = tid
+        self._move(victim, _E.SPILL_STARTED)
+        self._outbox.append(
+            WriteSlot(
+                transfer=tid, block=victim.id, key=key, host_page=host_page, slot=slot,
+                retained=is_live(victim.expiry, now),
+            )
+        )
+        self._counters.spills += 1
+
+    # ------------------------------------------------------------------ completions
+
+    def _write_landed(self, write: _Write, now: float) -> None:
+        c = self._counters
+        c.spills_completed += 1
+        c.bytes_written += self._block_bytes
+        self._host.give_back(write.host_page)
+        block = write.block
+        if block is None:
+            # Recalled to GPU while the write drained: the bytes in the slot belong to no
+            # block any more.
+            self._disk.empty.append(write.slot)
+            self._outbox.append(FreeSlot(slot=write.slot))
+            return
+        block.host_page = None
+        block.transfer = None
+        self._move(block, _E.SPILL_LANDED)
+        self._disk.file(block, now, self._next_seq())
+
+    def _write_failed(self, write: _Write) -> None:
+        self._counters.spill_failures += 1
+        self._disk.empty.append(write.slot)
+        self._outbox.append(FreeSlot(slot=write.slot))
+        block = write.block
+        if block is None:
+            self._host.give_back(write.host_page)
+            return
+        # The bytes are still in the host page: the block stays cached on host.
+        block.disk_slot = None
+        block.transfer = None
+        self._move(block, _E.SPILL_FAILED)
+        block.seq = self._next_seq()
+        self._host.evictable.push(block)
+
+    def _read_landed(self, block: Block) -> None:
+        c = self._counters
+        c.onboards_completed += 1
+        c.bytes_read += self._block_bytes
+        slot = block.disk_slot
+        assert slot is not None
+        block.disk_slot = None
+        block.transfer = None
+        self._disk.empty.append(slot)
+        self._outbox.append(FreeSlot(slot=slot))
+        self._move(block, _E.READ_LANDED)
+        requests = self._requests
+        for rid in block.waiters:
+            req = requests[rid]
+            req.pending -= 1
+            if req.pending == 0:
+                self._parked -= 1
+        block.waiters.clear()
+        if block.ref_count == 0:
+            self._move(block, _E.RELEASED)
+            block.seq = self._next_seq()
+            self._gpu.evictable.push(block)
+
+    def _read_failed(self, block: Block) -> None:
+        """Never publish the bytes: every waiting request falls back to recompute."""
+        c = self._counters
+        c.onboard_failures += 1
+        slot = block.disk_slot
+        assert slot is not None
+        block.disk_slot = None
+        block.transfer = None
+        self._disk.empty.append(slot)
+        self._outbox.append(FreeSlot(slot=slot))
+        self._move(block, _E.READ_FAILED)
+        self._unindex(block)
+        for rid in list(block.waiters):
+            req = self._requests[rid]
+            self._rewind(req, req.blocks.index(block))
+        if block.ref_count == 0:
+            self._discard(block, _E.DISCARDED)
+
+    def _rewind(self, req: _Request, position: int) -> None:
+        """Drop `req`'s blocks from `position` on: it recomputes them."""
+        was_parked = req.pending > 0
+        dropped = req.blocks[position:]
+        for block in dropped:
+            if req.id in block.waiters:  # ONBOARDING, or the ERROR block being failed
+                req.pending -= 1
+        del req.blocks[position:]
+        del req.pages[position:]
+        req.num_computed = min(req.num_computed, position * self._block_size)
+        req.committed = min(req.committed, position)
+        self._cause = req.id
+        try:
+            self._let_go(req, dropped, None)
+        finally:
+            self._cause = None
+        if was_parked and req.pending == 0:
+            self._parked -= 1
+        self._counters.requests_fallen_back += 1
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Verify every structural invariant; raises InvariantViolation.  Not for the hot path."""
+        cfg = self.config
+        gpu_owner: dict[PageId, Block | str] = {}
+        host_owner: dict[PageId, Block | str] = {}
+        slot_owner: dict[SlotId, Block | str] = {}
+
+        def own(table: dict[int, Block | str], item: int, who: Block | str, what: str) -> None:
+            if item in table:
+                raise InvariantViolation(f"{what} {item} owned by {table[item]!r} and {who!r}")
+            table[item] = who
+
+        for page in self._gpu.empty:
+            own(gpu_owner, page, "gpu-empty", "GPU page")  # type: ignore[arg-type]
+        for page in [*self._host.empty, *self._host.reserved]:
+            own(host_owner, page, "host-free", "host page")  # type: ignore[arg-type]
+        for slot in self._disk.empty:
+            own(slot_owner, slot, "disk-empty", "slot")  # type: ignore[arg-type]
+        for tid, write in self._writes.items():
+            if write.block is None:
+                own(host_owner, write.host_page, f"write {tid}", "host page")  # type: ignore[arg-type]
+                own(slot_owner, write.slot, f"write {tid}", "slot")  # type: ignore[arg-type]
+            elif write.block.transfer != tid or write.block.state is not _S.SPILLING:
+                raise InvariantViolation(f"write {tid} points at {write.block!r}")
+        for tid, block in self._reads.items():
+            if block.transfer != tid or block.state is not _S.ONBOARDING:
+                raise InvariantViolation(f"read {tid} points at {block!r}")
+
+        counts = [0] * len(BlockState)
+        held: dict[int, int] = {}
+        waiting: dict[int, list[RequestId]] = {}
+        for req in self._requests.values():
+            if len(req.pages) != len(req.blocks):
+                raise InvariantViolation(f"request {req.id!r}: block table out of step")
+            pending = 0
+            for i, block in enumerate(req.blocks):
+                held[block.id] = held.get(block.id, 0) + 1
+                if req.pages[i] != block.gpu_page:
+                    raise InvariantViolation(f"request {req.id!r}: page {i} is stale")
+                if block.state is _S.ONBOARDING:
+                    pending += 1
+                    waiting.setdefault(block.id, []).append(req.id)
+                elif block.state is not _S.ON_GPU:
+                    raise InvariantViolation(f"request {req.id!r} holds {block!r}")
+                if block.key is not None and i < len(req.keys) and block.key != req.keys[i]:
+                    raise InvariantViolation(f"request {req.id!r}: block {i} has another key")
+            if pending != req.pending:
+                raise InvariantViolation(
+                    f"request {req.id!r}: pending={req.pending}, {pending} blocks in flight"
+                )
+            if req.num_computed > len(req.blocks) * cfg.block_size:
+                raise InvariantViolation(f"request {req.id!r}: computed tokens without pages")
+        parked = sum(1 for r in self._requests.values() if r.pending)
+        if parked != self._parked:
+            raise InvariantViolation(f"parked gauge {self._parked} but {parked} parked")
+
+        gpu_lru = set(map(id, self._gpu.evictable))
+        host_lru = set(map(id, self._host.evictable))
+        unmarked = set(map(id, self._disk.unmarked))
+        retained = set(map(id, self._disk.retained))
+        free_records = set(map(id, self._free_records))
+        if len(free_records) != len(self._free_records):
+            raise InvariantViolation("a record is on the free list twice")
+        now = self._now
+        for block in self._records:
+            st = block.state
+            counts[st] += 1
+            if block.ref_count != held.get(block.id, 0):
+                raise InvariantViolation(
+                    f"{block!r}: ref_count {block.ref_count}, held {held.get(block.id, 0)}"
+                )
+            if sorted(block.waiters) != sorted(waiting.get(block.id, [])):
+                raise InvariantViolation(f"{block!r}: waiters {block.waiters} disagree")
+            expect_gpu = st in (_S.ON_GPU, _S.RELEASED, _S.ONBOARDING, _S.ERROR)
+            expect_host = st in (_S.ON_HOST, _S.SPILLING)
+            expect_slot = st in (_S.SPILLING, _S.ON_DISK, _S.ONBOARDING)
+            expect_transfer = st in (_S.SPILLING, _S.ONBOARDING)
+            for what, value, expected in (
+                ("gpu_page", block.gpu_page, expect_gpu),
+                ("host_page", block.host_page, expect_host),
+                ("disk_slot", block.disk_slot, expect_slot),
+                ("transfer", block.transfer, expect_transfer),
+            ):
+                if (value is not None) != expected:
+                    raise InvariantViolation(f"{block!r}: {what}={value} in state {st.name}")
+            if block.gpu_page is not None:
+                own(gpu_owner, block.gpu_page, block, "GPU page")  # type: ignore[arg-type]
+            if block.host_page is not None:
+                own(host_owner, block.host_page, block, "host page")  # type: ignore[arg-type]
+            if block.disk_slot is not None:
+                own(slot_owner, block.disk_slot, block, "slot")  # type: ignore[arg-type]
+            if (id(block) in free_records) != (st is _S.FREE):
+                raise InvariantViolation(f"{block!r}: free list membership wrong")
+            if (id(block) in gpu_lru) != (st is _S.RELEASED):
+                raise InvariantViolation(f"{block!r}: GPU evictable membership wrong")
+            if (id(block) in host_lru) != (st is _S.ON_HOST):
+                raise InvariantViolation(f"{block!r}: host evictable membership wrong")
+            on_disk = id(block) in unmarked or id(block) in retained
+            if on_disk != (st is _S.ON_DISK):
+                raise InvariantViolation(f"{block!r}: disk order membership wrong")
+            if id(block) in retained and not is_live(block.expiry, now):
+                raise InvariantViolation(f"{block!r}: expired but still in the deadline set")
+            if id(block) in unmarked and is_live(block.expiry, now):
+                raise InvariantViolation(f"{block!r}: live TTL filed as best-effort")
+            if st in (_S.RELEASED, _S.ON_HOST, _S.SPILLING, _S.ON_DISK) and block.key is None:
+                raise InvariantViolation(f"{block!r}: cached without a key")
+            if st in (_S.FREE, _S.ERROR) and block.key is not None:
+                raise InvariantViolation(f"{block!r}: indexed in state {st.name}")
+            if block.key is not None and self._index.get(block.key) is not block:
+                raise InvariantViolation(f"{block!r}: key not indexed to it")
+            if st is _S.RELEASED and block.ref_count:
+                raise InvariantViolation(f"{block!r}: released but held")
+            if st is _S.ON_GPU and not block.ref_count:
+                raise InvariantViolation(f"{block!r}: on GPU with no holder")
+        if counts != self._state_counts:
+            raise InvariantViolation(f"state counts {self._state_counts} but found {counts}")
+        if len(gpu_owner) != cfg.gpu_blocks:
+            raise InvariantViolation(f"{cfg.gpu_blocks} GPU pages but {len(gpu_owner)} owned")
+        host_total = cfg.host_blocks + cfg.reserved_host_blocks
+        if len(host_owner) != host_total:
+            raise InvariantViolation(f"{host_total} host pages but {len(host_owner)} owned")
+        if len(slot_owner) != cfg.disk_blocks:
+            raise InvariantViolation(f"{cfg.disk_blocks} slots but {len(slot_owner)} owned")
+        if len(self._host.reserved) > self._host.reserve_target:
+            raise InvariantViolation("host reserve above its target")
+        if self._host.empty and len(self._host.reserved) < self._host.reserve_target:
+            raise InvariantViolation("a free host page sits outside an unfilled reserve")
+        children: dict[BlockHash, int] = {}
+        for key, block in self._index.items():
+            if block.key != key:
+                raise InvariantViolation(f"index maps a key to {block!r} with another key")
+            assert block.parent_key is not None
+            children[block.parent_key] = children.get(block.parent_key, 0) + 1
+        if children != self._children:
+            raise InvariantViolation("child counts disagree with the index")
+        self._gpu.evictable.check()
+        self._host.evictable.check()
+        self._disk.check()

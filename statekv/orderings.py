@@ -1,0 +1,255 @@
+"""Allocation-free ordered collections of blocks, every operation O(1) or O(log n).
+
+* :class:`BlockList` -- an intrusive doubly linked list (FIFO / LRU), links live in the
+  blocks, so removing a block from the middle is O(1) and allocates nothing.
+* :class:`PriorityLRU` -- one BlockList per priority level plus a bitmask of the non-empty
+  levels: the victim is the oldest block of the lowest non-empty level, found in O(1).
+* :class:`RetentionHeap` -- an indexed binary min-heap: every block knows its position, so a
+  block that leaves the disk is removed at once and no stale entry is ever left behind (the
+  seed's deadline list leaked them).
+
+A block is in at most one of these at a time; `check` methods verify the links and are for
+tests and fuzzing only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from statekv.block import Block
+from statekv.errors import InvariantViolation
+
+
+class BlockList:
+    """Intrusive doubly linked list of blocks, oldest at the head."""
+
+    __slots__ = ("head", "size", "tail")
+
+    def __init__(self) -> None:
+        self.head: Block | None = None
+        self.tail: Block | None = None
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, block: Block) -> None:
+        """Add as the newest (evicted last)."""
+        tail = self.tail
+        block.prev = tail
+        block.next = None
+        if tail is None:
+            self.head = block
+        else:
+            tail.next = block
+        self.tail = block
+        self.size += 1
+
+    def appendleft(self, block: Block) -> None:
+        """Add as the oldest (evicted first)."""
+        head = self.head
+        block.next = head
+        block.prev = None
+        if head is None:
+            self.tail = block
+        else:
+            head.prev = block
+        self.head = block
+        self.size += 1
+
+    def remove(self, block: Block) -> None:
+        prev, nxt = block.prev, block.next
+        if prev is None:
+            self.head = nxt
+        else:
+            prev.next = nxt
+        if nxt is None:
+            self.tail = prev
+        else:
+            nxt.prev = prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self) -> Block:
+        block = self.head
+        if block is None:
+            raise IndexError("pop from an empty BlockList")
+        self.remove(block)
+        return block
+
+    def __iter__(self) -> Iterator[Block]:
+        node = self.head
+        while node is not None:
+            yield node
+            node = node.next
+
+    def check(self) -> None:
+        """Verify the links; raises InvariantViolation."""
+        count = 0
+        prev: Block | None = None
+        node = self.head
+        while node is not None:
+            if node.prev is not prev:
+                raise InvariantViolation(f"broken back link at {node!r}")
+            prev = node
+            node = node.next
+            count += 1
+            if count > self.size:
+                raise InvariantViolation("list longer than its size (cycle?)")
+        if prev is not self.tail or count != self.size:
+            raise InvariantViolation(f"list size {self.size} but {count} linked blocks")
+
+
+class PriorityLRU:
+    """Evictable blocks by (priority, age): lowest priority first, oldest first within one."""
+
+    __slots__ = ("_levels", "_mask", "size")
+
+    def __init__(self, levels: int) -> None:
+        self._levels = [BlockList() for _ in range(levels)]
+        self._mask = 0
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def push(self, block: Block) -> None:
+        """Add `block` as the newest of its priority level (`block.priority`)."""
+        level = block.priority
+        self._levels[level].append(block)
+        self._mask |= 1 << level
+        self.size += 1
+
+    def remove(self, block: Block) -> None:
+        level = block.priority
+        lst = self._levels[level]
+        lst.remove(block)
+        if lst.size == 0:
+            self._mask &= ~(1 << level)
+        self.size -= 1
+
+    def peek(self) -> Block | None:
+        """The next victim, or None when empty."""
+        mask = self._mask
+        if mask == 0:
+            return None
+        level = (mask & -mask).bit_length() - 1
+        return self._levels[level].head
+
+    def pop(self) -> Block:
+        block = self.peek()
+        if block is None:
+            raise IndexError("pop from an empty PriorityLRU")
+        self.remove(block)
+        return block
+
+    def __iter__(self) -> Iterator[Block]:
+        """Blocks in eviction order."""
+        for lst in self._levels:
+            yield from lst
+
+    def check(self) -> None:
+        total = 0
+        for level, lst in enumerate(self._levels):
+            lst.check()
+            if bool(lst.size) != bool(self._mask & (1 << level)):
+                raise InvariantViolation(f"priority mask disagrees with level {level}")
+            for block in lst:
+                if block.priority != level:
+                    raise InvariantViolation(f"{block!r} filed under priority {level}")
+            total += lst.size
+        if total != self.size:
+            raise InvariantViolation(f"PriorityLRU size {self.size} but {total} blocks")
+
+
+class RetentionHeap:
+    """Min-heap of blocks on `block.heap_key`, with O(log n) removal of any member."""
+
+    __slots__ = ("_heap",)
+
+    def __init__(self) -> None:
+        self._heap: list[Block] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __contains__(self, block: Block) -> bool:
+        pos = block.heap_pos
+        return 0 <= pos < len(self._heap) and self._heap[pos] is block
+
+    def peek(self) -> Block | None:
+        return self._heap[0] if self._heap else None
+
+    def push(self, block: Block) -> None:
+        heap = self._heap
+        block.heap_pos = len(heap)
+        heap.append(block)
+        self._sift_up(block.heap_pos)
+
+    def pop(self) -> Block:
+        if not self._heap:
+            raise IndexError("pop from an empty RetentionHeap")
+        block = self._heap[0]
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        heap = self._heap
+        pos = block.heap_pos
+        last = heap.pop()
+        block.heap_pos = -1
+        if last is block:
+            return
+        heap[pos] = last
+        last.heap_pos = pos
+        self._sift_down(pos)
+        self._sift_up(last.heap_pos)
+
+    def __iter__(self) -> Iterator[Block]:
+        """Members in no particular order."""
+        return iter(list(self._heap))
+
+    def _sift_up(self, pos: int) -> None:
+        heap = self._heap
+        block = heap[pos]
+        key = block.heap_key
+        while pos > 0:
+            parent_pos = (pos - 1) >> 1
+            parent = heap[parent_pos]
+            if key < parent.heap_key:
+                heap[pos] = parent
+                parent.heap_pos = pos
+                pos = parent_pos
+            else:
+                break
+        heap[pos] = block
+        block.heap_pos = pos
+
+    def _sift_down(self, pos: int) -> None:
+        heap = self._heap
+        n = len(heap)
+        block = heap[pos]
+        key = block.heap_key
+        while True:
+            child = 2 * pos + 1
+            if child >= n:
+                break
+            right = child + 1
+            if right < n and heap[right].heap_key < heap[child].heap_key:
+                child = right
+            if heap[child].heap_key < key:
+                heap[pos] = heap[child]
+                heap[pos].heap_pos = pos
+                pos = child
+            else:
+                break
+        heap[pos] = block
+        block.heap_pos = pos
+
+    def check(self) -> None:
+        heap = self._heap
+        for pos, block in enumerate(heap):
+            if block.heap_pos != pos:
+                raise InvariantViolation(f"{block!r} thinks it is at {block.heap_pos}, not {pos}")
+            if pos and heap[(pos - 1) >> 1].heap_key > block.heap_key:
+                raise InvariantViolation(f"heap order broken at {pos}")

@@ -1,0 +1,311 @@
+"""The real core against the executable reference model, step by step (pure, no I/O).
+
+Hypothesis drives both with the same operations -- requests with shared prefixes, salts and
+TTLs, allocation, commits, decode, releases, completions and failures of disk transfers in
+an order it chooses, and the clock -- and after every step compares everything a caller can
+observe, then runs ``check_invariants()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from specs.reference_model import DISK, GPU, HOST, READING, SPILLING, ReferenceCache
+from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
+from statekv.ids import TransferId
+from statekv.lifecycle import BlockState
+from statekv.messages import (
+    ReadSlot,
+    SlotRead,
+    SlotReadFailed,
+    SlotWriteFailed,
+    SlotWritten,
+    WriteSlot,
+)
+
+T = TypeVar("T")
+
+TIER_OF = {
+    BlockState.ON_GPU: GPU,
+    BlockState.RELEASED: GPU,
+    BlockState.ON_HOST: HOST,
+    BlockState.SPILLING: SPILLING,
+    BlockState.ON_DISK: DISK,
+    BlockState.ONBOARDING: READING,
+}
+
+# A few documents that prompts share prefixes of, so that matches happen often.
+DOCUMENTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5]]
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> CacheConfig:
+    disk = draw(st.integers(0, 8))
+    host = draw(st.integers(1 if disk else 0, 3))
+    return CacheConfig(
+        block_size=draw(st.sampled_from([2, 2, 4])),
+        gpu_blocks=draw(st.integers(4, 8)),
+        host_blocks=host,
+        reserved_host_blocks=draw(st.integers(0, 2)) if disk else 0,
+        disk_blocks=disk,
+        spill_mode=draw(st.sampled_from(list(SpillMode))),
+        spill_min_reuse=draw(st.integers(1, 2)),
+        protect_unexpired=draw(st.booleans()),
+        drop_on_pressure=draw(st.booleans()),
+        write_queue_depth=draw(st.integers(1, 3)),
+        priority_levels=draw(st.integers(1, 3)),
+    )
+
+
+prompts = st.builds(
+    lambda doc, cut, tail: DOCUMENTS[doc][:cut] + tail,
+    st.integers(0, len(DOCUMENTS) - 1),
+    st.integers(1, 12),
+    st.lists(st.integers(0, 3), max_size=3),
+)
+
+
+class CoreMatchesReference(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.real: KVCacheManager
+        self.model: ReferenceCache
+        self.now = 0.0
+        self.writes: list[TransferId] = []
+        self.reads: list[TransferId] = []
+        self.live: list[str] = []
+        self.next_id = 0
+        self.next_token = 0
+        self.served: list[list[int]] = []
+
+    @initialize(config=configs())
+    def build(self, config: CacheConfig) -> None:
+        self.real = KVCacheManager(config)
+        self.model = ReferenceCache(config)
+
+    # -------------------------------------------------------------- both sides, compared
+
+    def both(self, real: Callable[[], T], model: Callable[[], Any]) -> T | None:
+        """Run one operation on both; they must succeed or fail alike."""
+        try:
+            out = real()
+        except (OutOfBlocks, UsageError) as exc:
+            try:
+                model()
+            except type(exc):
+                return None
+            raise AssertionError(f"real raised {exc!r}, the model did not") from None
+        model()
+        self.collect_commands()
+        return out
+
+    def collect_commands(self) -> None:
+        real = self.real.take_commands()
+        model = self.model.commands
+        self.model.commands = []
+        real_kinds = [(type(c).__name__, getattr(c, "key", None)) for c in real]
+        model_kinds = [(kind, key if kind in ("WriteSlot", "ReadSlot") else None)
+                       for kind, key in model]
+        real_kinds = [(k, key if k in ("WriteSlot", "ReadSlot") else None)
+                      for k, key in real_kinds]
+        assert real_kinds == model_kinds
+        for c in real:
+            if isinstance(c, WriteSlot):
+                self.writes.append(c.transfer)
+            elif isinstance(c, ReadSlot):
+                self.reads.append(c.transfer)
+
+    # -------------------------------------------------------------- rules
+
+    @rule(
+        prompt=prompts,
+        ttl=st.sampled_from([None, 0, 1.0, 5.0, 30.0]),
+        priority=st.integers(0, 2),
+        salt=st.sampled_from([None, None, "tenant-b"]),
+    )
+    def add_request(
+        self, prompt: list[int], ttl: float | None, priority: int, salt: str | None
+    ) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        priority = min(priority, self.real.config.priority_levels - 1)
+        try:
+            match = self.real.add_request(
+                rid, prompt, now=self.now, ttl_seconds=ttl, priority=priority, cache_salt=salt
+            )
+        except (OutOfBlocks, UsageError) as exc:
+            try:
+                self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
+                                       priority=priority, cache_salt=salt)
+            except type(exc):
+                return
+            raise AssertionError(f"real raised {exc!r}, the model did not") from None
+        expected = self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
+                                          priority=priority, cache_salt=salt)
+        got = (match.matched_tokens, match.gpu_tokens, match.host_tokens, match.disk_tokens,
+               match.ready)
+        assert got == (expected.matched_tokens, expected.gpu_tokens, expected.host_tokens,
+                       expected.disk_tokens, expected.ready)
+        self.collect_commands()
+        self.live.append(rid)
+
+    @rule(
+        prompt=prompts,
+        ttl=st.sampled_from([None, 1.0, 5.0, 30.0]),
+        priority=st.integers(0, 2),
+    )
+    def serve_whole_request(self, prompt: list[int], ttl: float | None, priority: int) -> None:
+        """Add, compute and release one request in a single step (fills the cache fast)."""
+        before = set(self.live)
+        self.add_request(prompt, ttl, priority, None)
+        added = [rid for rid in self.live if rid not in before]
+        if not added:
+            return
+        rid = added[0]
+        self.served.append(prompt)
+        if self.real.is_ready(rid):
+            self.compute(self.live.index(rid), 100)
+        self.release(self.live.index(rid))
+
+    @precondition(lambda self: self.served)
+    @rule(pick=st.integers(0, 1000), ttl=st.sampled_from([None, 5.0]), keep=st.booleans())
+    def revisit(self, pick: int, ttl: float | None, keep: bool) -> None:
+        """Ask again for a prompt served before (a multi-round chat's next turn)."""
+        prompt = self.served[pick % len(self.served)]
+        if keep:
+            self.add_request(prompt, ttl, 0, None)
+        else:
+            self.serve_whole_request(prompt, ttl, 0)
+
+    @rule(length=st.integers(1, 4), then_drain=st.booleans())
+    def churn(self, length: int, then_drain: bool) -> None:
+        """Serve a request of never-seen tokens: it pushes older content down the tiers."""
+        self.next_token += 1
+        size = min(length * self.real.config.block_size + 1,
+                   self.real.config.gpu_blocks * self.real.config.block_size)
+        prompt = [100 + self.next_token * 16 + i for i in range(size)]
+        self.serve_whole_request(prompt, None, 0)
+        if then_drain and (self.writes or self.reads):
+            self.drain()
+
+    @precondition(lambda self: self.real.config.disk_blocks > 0)
+    @rule(ttl=st.sampled_from([None, 2.0, 10.0]))
+    def fill_disk(self, ttl: float | None) -> None:
+        """Churn (with a TTL or not) until no disk slot is empty, or give up after a while."""
+        for _ in range(2 * self.real.config.disk_blocks):
+            if self.real.statistics().disk_empty_slots == 0:
+                break
+            self.next_token += 1
+            size = self.real.config.gpu_blocks * self.real.config.block_size - 1
+            prompt = [100 + self.next_token * 64 + i for i in range(size)]
+            self.serve_whole_request(prompt, ttl, 0)
+            if self.writes or self.reads:
+                self.drain()
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 1000), extra=st.integers(0, 8))
+    def compute(self, pick: int, extra: int) -> None:
+        """Allocate pages for (part of) the known tokens, then commit them if ready."""
+        rid = self.live[pick % len(self.live)]
+        status = self.real.request_status(rid)
+        target = min(status.num_tokens, status.num_computed_tokens + 1 + extra)
+        self.both(lambda: self.real.allocate_nowait(rid, target, now=self.now),
+                  lambda: self.model.allocate_nowait(rid, target, now=self.now))
+        if self.real.is_ready(rid) and len(self.real.block_table(rid)) * \
+                self.real.config.block_size >= target:
+            self.both(lambda: self.real.commit(rid, target, now=self.now),
+                      lambda: self.model.commit(rid, target, now=self.now))
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 1000), token=st.integers(0, 3))
+    def decode(self, pick: int, token: int) -> None:
+        rid = self.live[pick % len(self.live)]
+        self.real.append_tokens(rid, [token])
+        self.model.append_tokens(rid, [token])
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 1000))
+    def release(self, pick: int) -> None:
+        rid = self.live.pop(pick % len(self.live))
+        self.both(lambda: self.real.release(rid, now=self.now),
+                  lambda: self.model.release(rid, now=self.now))
+
+    @precondition(lambda self: self.writes)
+    @rule(ok=st.booleans())
+    def complete_oldest_write(self, ok: bool) -> None:
+        tid = self.writes.pop(0)
+        event = SlotWritten(transfer=tid) if ok else SlotWriteFailed(transfer=tid, cause="EIO")
+        self.both(lambda: self.real.handle(event, now=self.now),
+                  lambda: self.model.write_done(tid, ok, self.now))
+
+    @precondition(lambda self: self.writes or self.reads)
+    @rule()
+    def drain(self) -> None:
+        """Every transfer in flight lands, oldest first (writes, then reads)."""
+        while self.writes:
+            self.complete_oldest_write(True)
+        while self.reads:
+            self.complete_a_read(True, False)
+
+    @precondition(lambda self: self.reads)
+    @rule(ok=st.booleans(), newest=st.booleans())
+    def complete_a_read(self, ok: bool, newest: bool) -> None:
+        tid = self.reads.pop(-1 if newest else 0)
+        event = SlotRead(transfer=tid) if ok else SlotReadFailed(transfer=tid, cause="EIO")
+        self.both(lambda: self.real.handle(event, now=self.now),
+                  lambda: self.model.read_done(tid, ok, self.now))
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 5.0, 30.0]))
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+        self.both(lambda: self.real.advance(self.now), lambda: self.model.advance(self.now))
+
+    def teardown(self) -> None:
+        if hasattr(self, "real"):
+            stats = self.real.statistics()
+            for name in ("spills", "onboards", "onboard_failures", "spill_failures",
+                         "displacements", "expirations", "gate_drops", "pressure_drops",
+                         "admission_refusals", "requests_fallen_back", "host_recalls",
+                         "offloads_skipped", "disk_busy_refusals", "hit_blocks_gpu"):
+                if getattr(stats, name):
+                    event(f"reached {name}")
+
+    # -------------------------------------------------------------- invariants
+
+    @invariant()
+    def structures_hold(self) -> None:
+        if hasattr(self, "real"):
+            self.real.check_invariants()
+
+    @invariant()
+    def observations_agree(self) -> None:
+        if not hasattr(self, "real"):
+            return
+        assert self.real.statistics() == self.model.statistics()
+        real_cached = {
+            b.key: (TIER_OF[b.state], b.ref_count, b.reuse_count, b.expiry)
+            for b in self.real.cached_blocks()
+        }
+        assert real_cached == self.model.cached()
+        for rid in self.live:
+            assert self.real.is_ready(rid) == self.model.is_ready(rid)
+            assert self.real.request_status(rid).num_computed_tokens == \
+                self.model.num_computed(rid)
+
+
+TestCoreMatchesReference = CoreMatchesReference.TestCase
+TestCoreMatchesReference.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
