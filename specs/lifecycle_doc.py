@@ -4,7 +4,7 @@
     python -m specs.lifecycle_doc --check  # exit 1 if the committed file is stale
 
 The table is the single source of truth; this document is derived from it, and
-``tests/test_spec_document.py`` fails when the committed document and the table disagree.
+``tests/test_lifecycle.py`` fails when the committed document and the table disagree.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
   else it is dropped.  A spill hands back a reserved page when one is left.
 * Disk: an empty slot first, then best-effort content in the order it became best-effort,
   then (unless protect_unexpired) retained content by (expiry, deeper first, first in).
-* Retention: releasing a request with ttl_seconds stamps its full blocks with
-  max(current stamp, now + ttl); content is retained while now < expiry.
+* Retention: releasing a request with ttl_seconds stamps its full blocks (or, for a private
+  duplicate, the cached twin) with max(current stamp, now + ttl); content is retained while
+  now < expiry.
 """
 
 from __future__ import annotations
@@ -334,7 +335,10 @@ class ReferenceCache:
                            hits[DISK] * bs, req.pending == 0)
 
     def append_tokens(self, rid: str, tokens: Sequence[int]) -> None:
-        self._request(rid).tokens.extend(tokens)
+        req = self._request(rid)
+        if len(req.tokens) + len(tokens) > self.cfg.gpu_blocks * self.bs:
+            raise UsageError("token_ids", "would not fit")
+        req.tokens.extend(tokens)
 
     def allocate_nowait(self, rid: str, num_tokens: int, *, now: float) -> None:
         self._check_now(now)
@@ -376,15 +380,22 @@ class ReferenceCache:
         req = self._request(rid)
         self._advance(now)
         del self.requests[rid]
-        expiry = expiry_after(now, req.ttl) if req.ttl else None
-        self._let_go(req, req.blocks, expiry)
+        if req.ttl:
+            expiry = expiry_after(now, req.ttl)
+            for i in range(req.committed):
+                # A private duplicate stamps its cached twin.
+                b = req.blocks[i]
+                target = b if b.key is not None else self.entries.get(req.key(i, self.bs))
+                if target is None or (target.expiry is not None and target.expiry >= expiry):
+                    continue
+                target.expiry = expiry
+                if target.tier == DISK:
+                    target.retained_key = (expiry, -target.depth, self._stamp())
+        self._let_go(req, req.blocks)
         self.c["requests_released"] += 1
 
-    def _let_go(self, req: MRequest, blocks: list[MBlock], expiry: float | None) -> None:
+    def _let_go(self, req: MRequest, blocks: list[MBlock]) -> None:
         for b in reversed(blocks):
-            if expiry is not None and b.key is not None and (b.expiry is None
-                                                             or b.expiry < expiry):
-                b.expiry = expiry
             if req.rid in b.waiters:
                 b.waiters.remove(req.rid)
             b.holders -= 1
@@ -472,7 +483,7 @@ class ReferenceCache:
             del req.blocks[pos:]
             req.num_computed = min(req.num_computed, pos * self.bs)
             req.committed = min(req.committed, pos)
-            self._let_go(req, dropped, None)
+            self._let_go(req, dropped)
             self.c["requests_fallen_back"] += 1
         assert b.holders == 0
         self.private.remove(b)

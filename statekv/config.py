@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 import attrs
 
@@ -41,6 +41,29 @@ DTYPE_BYTES: Final[dict[str, int]] = {
 MAX_BLOCK_SIZE: Final = 4096
 MAX_PRIORITY_LEVELS: Final = 64
 DEFAULT_MAX_TTL_SECONDS: Final = 30 * 24 * 3600.0
+
+
+def is_finite_number(value: object) -> TypeGuard[int | float]:
+    """Whether `value` is an int or a float (never a bool) with a finite float value.
+
+    An int too large for a float is not: ``math.isfinite`` raises OverflowError on it, and
+    any arithmetic with the clock would too.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def is_utf8_encodable(value: str) -> bool:
+    """Whether `value` has a UTF-8 encoding (lone surrogates have none): keys hash it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _int_in(field: str, value: object, low: int, high: int | None = None) -> int:
@@ -134,13 +157,15 @@ class CacheConfig:
     def _check_max_ttl(self, _attribute: attrs.Attribute[float], value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError("max_ttl_seconds", f"must be a number, got {value!r}")
-        if not math.isfinite(value) or value <= 0:
+        if not is_finite_number(value) or value <= 0:
             raise ConfigError("max_ttl_seconds", f"must be finite and > 0, got {value!r}")
 
     @model_fingerprint.validator
     def _check_fingerprint(self, _attribute: attrs.Attribute[str], value: object) -> None:
         if not isinstance(value, str):
             raise ConfigError("model_fingerprint", f"must be a string, got {value!r}")
+        if not is_utf8_encodable(value):
+            raise ConfigError("model_fingerprint", f"must be encodable as UTF-8, got {value!r}")
 
     @layout.validator
     def _check_layout(self, _attribute: attrs.Attribute[KVLayout], value: object) -> None:
@@ -148,7 +173,9 @@ class CacheConfig:
             raise ConfigError("layout", f"must be a KVLayout, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
-        if self.disk_blocks > 0 and self.host_blocks + self.reserved_host_blocks == 0:
+        # Content reaches disk only as a victim of the host tier's own pages: reserved pages
+        # alone are never filled (they are handed out only by a spill), so they do not count.
+        if self.disk_blocks > 0 and self.host_blocks == 0:
             raise ConfigError(
                 "disk_blocks",
                 "a disk tier needs a host tier to spill from (host_blocks >= 1)",

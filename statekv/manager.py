@@ -31,9 +31,9 @@ import attrs
 
 from statekv.arith import blocks_for_tokens, expiry_after, full_blocks, is_live, matchable_blocks
 from statekv.block import Block
-from statekv.config import CacheConfig
+from statekv.config import CacheConfig, is_finite_number, is_utf8_encodable
 from statekv.errors import IllegalTransition, InvariantViolation, OutOfBlocks, UsageError
-from statekv.hashing import chain_key, root_key, token_bytes
+from statekv.hashing import extend_chain, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, PageId, RequestId, SlotId, TransferId
 from statekv.lifecycle import TRANSITIONS, BlockEvent, BlockState
 from statekv.messages import (
@@ -136,7 +136,7 @@ class _Write:
 
 
 def _check_now(now: object, last: float) -> float:
-    if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+    if not is_finite_number(now):
         raise UsageError("now", f"must be a finite number of seconds, got {now!r}")
     if now < last:
         raise UsageError("now", f"clock went backwards: {now!r} < {last!r}")
@@ -208,6 +208,8 @@ class KVCacheManager:
         self._check_priority(priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise UsageError("cache_salt", f"must be a string or None, got {cache_salt!r}")
+        if cache_salt is not None and not is_utf8_encodable(cache_salt):
+            raise UsageError("cache_salt", f"must be encodable as UTF-8, got {cache_salt!r}")
         if lora_id is not None and (
             isinstance(lora_id, bool) or not isinstance(lora_id, int)
             or not 0 <= lora_id <= _MAX_LORA_ID
@@ -270,6 +272,13 @@ class KVCacheManager:
         req = self._request(request_id)
         if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
             raise UsageError("token_ids", "must be a sequence of integer token ids")
+        capacity = self.config.gpu_blocks * self._block_size
+        if req.num_tokens + len(token_ids) > capacity:
+            raise UsageError(
+                "token_ids",
+                f"request {req.id!r} would grow to {req.num_tokens + len(token_ids)} tokens, "
+                f"more than {self.config.gpu_blocks} GPU blocks of {self._block_size} hold",
+            )
         req.encoded += token_bytes(token_ids)
         req.num_tokens += len(token_ids)
 
@@ -364,11 +373,32 @@ class KVCacheManager:
             self._parked -= 1
         self._cause = req.id
         try:
-            expiry = expiry_after(now, req.ttl) if req.ttl else None
-            self._let_go(req, req.blocks, expiry)
+            if req.ttl:
+                self._stamp_retention(req, expiry_after(now, req.ttl), now)
+            self._let_go(req, req.blocks)
         finally:
             self._cause = None
         self._counters.requests_released += 1
+
+    def _stamp_retention(self, req: _Request, expiry: float, now: float) -> None:
+        """Keep the request's full blocks until `expiry` (never shortening a stamp).
+
+        A block the request computed after another request had committed the same content
+        is a private duplicate; the stamp goes to the cached twin, wherever it is now -- on
+        disk it is re-filed in the retention order at once.
+        """
+        index = self._index
+        for i in range(req.committed):
+            block = req.blocks[i]
+            target = block if block.key is not None else index.get(req.keys[i])
+            if target is None or (target.expiry is not None and target.expiry >= expiry):
+                continue
+            if target.state is _S.ON_DISK:
+                self._disk.unfile(target)
+                target.expiry = expiry
+                self._disk.file(target, now, self._next_seq())
+            else:
+                target.expiry = expiry
 
     def is_ready(self, request_id: RequestId | str) -> bool:
         """Whether every block of the request has landed on GPU.  O(1)."""
@@ -386,7 +416,7 @@ class KVCacheManager:
         )
 
     def has_request(self, request_id: RequestId | str) -> bool:
-        return request_id in self._requests
+        return isinstance(request_id, str) and request_id in self._requests
 
     def cached_blocks(self) -> tuple[CachedBlock, ...]:
         """Every block in the prefix index, with its tier: for debugging and tests."""
@@ -488,6 +518,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ validation
 
     def _request(self, request_id: str) -> _Request:
+        if not isinstance(request_id, str):
+            raise UsageError("request_id", f"must be a string, got {request_id!r}")
         req = self._requests.get(RequestId(request_id))
         if req is None:
             raise UsageError("request_id", f"unknown request {request_id!r}")
@@ -505,7 +537,7 @@ class KVCacheManager:
             return None
         if isinstance(ttl, bool) or not isinstance(ttl, int | float):
             raise UsageError("ttl_seconds", f"must be a number of seconds or None, got {ttl!r}")
-        if not math.isfinite(ttl) or ttl < 0:
+        if not is_finite_number(ttl) or ttl < 0:
             raise UsageError("ttl_seconds", f"must be finite and >= 0, got {ttl!r}")
         if ttl > self.config.max_ttl_seconds:
             raise UsageError(
@@ -553,29 +585,20 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix matching
 
     def _extend_keys(self, req: _Request, upto: int) -> None:
-        keys = req.keys
-        if len(keys) >= upto:
-            return
-        step = 4 * self._block_size
-        encoded = req.encoded
-        key = keys[-1] if keys else req.root
-        for i in range(len(keys), upto):
-            key = chain_key(key, bytes(encoded[i * step:(i + 1) * step]))
-            keys.append(key)
+        if len(req.keys) < upto:
+            extend_chain(req.keys, req.root, req.encoded, self._block_size, upto)
 
     def _lookup_prefix(self, req: _Request) -> list[Block]:
-        """The cached blocks of the longest matching prefix (no state is changed)."""
+        """The cached blocks of the longest matching prefix (no state is changed).
+
+        Keys of every matchable block are computed at once: commit needs them anyway.
+        """
         limit = matchable_blocks(req.num_tokens, self._block_size)
-        index = self._index
-        keys = req.keys
-        step = 4 * self._block_size
-        encoded = req.encoded
-        key = req.root
+        self._extend_keys(req, limit)
+        get = self._index.get
         matched: list[Block] = []
-        for i in range(limit):
-            key = chain_key(key, bytes(encoded[i * step:(i + 1) * step]))
-            keys.append(key)
-            block = index.get(key)
+        for key in req.keys:
+            block = get(key)
             if block is None:
                 break
             matched.append(block)
@@ -588,18 +611,23 @@ class KVCacheManager:
         """
         # First take every matched block out of the eviction orders, so that evictions
         # made below to find GPU pages can never pick one of them.
+        gpu_evictable = self._gpu.evictable
+        slow = False
         for block in matched:
             state = block.state
             if state is _S.RELEASED:
-                self._gpu.evictable.remove(block)
+                gpu_evictable.remove(block)
             elif state is _S.ON_HOST:
                 self._host.evictable.remove(block)
+                slow = True
             elif state is _S.ON_DISK:
                 self._disk.unfile(block)
-        c = self._counters
+                slow = True
+            elif state is not _S.ON_GPU:
+                slow = True
+        if not slow:
+            return self._take_gpu_hits(req, matched), 0, 0
         gpu_hits = host_hits = disk_hits = 0
-        rid = req.id
-        now = self._now
         for block in matched:
             state = block.state
             block.reuse_count += 1
@@ -608,81 +636,92 @@ class KVCacheManager:
                 gpu_hits += 1
             elif state is _S.ONBOARDING:
                 self._move(block, _E.ACQUIRED)
-                block.waiters.append(rid)
+                block.waiters.append(req.id)
                 req.pending += 1
                 disk_hits += 1
-            elif state is _S.ON_HOST:
-                page = self._take_gpu_page(now)
-                host_page = block.host_page
-                assert host_page is not None
-                self._outbox.append(
-                    CopyHostToGpu(block=block.id, host_page=host_page, gpu_page=page)
-                )
-                block.host_page = None
-                block.gpu_page = page
-                self._move(block, _E.RECALLED)
-                self._host.give_back(host_page)
-                c.host_recalls += 1
-                host_hits += 1
-            elif state is _S.SPILLING:
-                # Its bytes are still intact in the host page the writer reads from: copy
-                # them up now and let the write finish on its own (the write then frees the
-                # page and the slot, which no block points at any more).
-                page = self._take_gpu_page(now)
-                host_page = block.host_page
-                assert host_page is not None and block.transfer is not None
-                self._outbox.append(
-                    CopyHostToGpu(block=block.id, host_page=host_page, gpu_page=page)
-                )
-                self._writes[block.transfer].block = None
-                block.host_page = None
-                block.disk_slot = None
-                block.transfer = None
-                block.gpu_page = page
-                self._move(block, _E.RECALLED)
-                c.host_recalls += 1
+            elif state is _S.ON_HOST or state is _S.SPILLING:
+                self._recall(block)
                 host_hits += 1
             elif state is _S.ON_DISK:
-                page = self._take_gpu_page(now)
-                slot = block.disk_slot
-                key = block.key
-                assert slot is not None and key is not None
-                tid = self._new_transfer()
-                self._outbox.append(
-                    ReadSlot(transfer=tid, block=block.id, key=key, slot=slot, gpu_page=page)
-                )
-                self._reads[tid] = block
-                block.transfer = tid
-                block.gpu_page = page
-                self._move(block, _E.READ_STARTED)
-                block.waiters.append(rid)
-                req.pending += 1
-                c.onboards += 1
+                self._start_read(req, block)
                 disk_hits += 1
             else:
                 raise InvariantViolation(f"matched {block!r} in state {state.name}")
             block.ref_count += 1
             req.blocks.append(block)
-            page_now = block.gpu_page
-            assert page_now is not None
-            req.pages.append(page_now)
-        req.num_computed = req.committed = len(matched)
-        req.num_computed *= self._block_size
+            page = block.gpu_page
+            assert page is not None
+            req.pages.append(page)
+        bs = self._block_size
+        req.num_computed = len(matched) * bs
+        req.committed = len(matched)
+        c = self._counters
         c.hit_blocks_gpu += gpu_hits
         c.hit_blocks_host += host_hits
         c.hit_blocks_disk += disk_hits
         return gpu_hits, host_hits, disk_hits
 
+    def _take_gpu_hits(self, req: _Request, matched: list[Block]) -> int:
+        """The common case of _take_matched: every matched block is already on GPU."""
+        move = self._move
+        acquired = _E.ACQUIRED
+        blocks, pages = req.blocks, req.pages
+        for block in matched:
+            block.reuse_count += 1
+            move(block, acquired)
+            block.ref_count += 1
+            blocks.append(block)
+            pages.append(block.gpu_page)  # type: ignore[arg-type]  # set in ON_GPU/RELEASED
+        n = len(matched)
+        req.num_computed = n * self._block_size
+        req.committed = n
+        self._counters.hit_blocks_gpu += n
+        return n
+
+    def _recall(self, block: Block) -> None:
+        """Copy a host-resident block back to a GPU page (also while its spill drains)."""
+        page = self._take_gpu_page(self._now)
+        host_page = block.host_page
+        assert host_page is not None
+        self._outbox.append(CopyHostToGpu(block=block.id, host_page=host_page, gpu_page=page))
+        block.host_page = None
+        block.gpu_page = page
+        if block.state is _S.SPILLING:
+            # The writer still reads the intact host page: the write finishes on its own and
+            # then frees the page and the slot, which no block points at any more.
+            assert block.transfer is not None
+            self._writes[block.transfer].block = None
+            block.disk_slot = None
+            block.transfer = None
+        else:
+            self._host.give_back(host_page)
+        self._move(block, _E.RECALLED)
+        self._counters.host_recalls += 1
+
+    def _start_read(self, req: _Request, block: Block) -> None:
+        """Read a disk block back into a GPU page; `req` is parked until it lands."""
+        page = self._take_gpu_page(self._now)
+        slot = block.disk_slot
+        key = block.key
+        assert slot is not None and key is not None
+        tid = self._new_transfer()
+        self._outbox.append(
+            ReadSlot(transfer=tid, block=block.id, key=key, slot=slot, gpu_page=page)
+        )
+        self._reads[tid] = block
+        block.transfer = tid
+        block.gpu_page = page
+        self._move(block, _E.READ_STARTED)
+        block.waiters.append(req.id)
+        req.pending += 1
+        self._counters.onboards += 1
+
     # ------------------------------------------------------------------ giving blocks back
 
-    def _let_go(self, req: _Request, blocks: list[Block], expiry: float | None) -> None:
+    def _let_go(self, req: _Request, blocks: list[Block]) -> None:
         """`req` stops holding `blocks` (tail first, so tails are evicted first)."""
         rid = req.id
         for block in reversed(blocks):
-            if expiry is not None and block.key is not None and (
-                block.expiry is None or block.expiry < expiry
-            ):
-                block.expiry = expiry
             state = block.state
             if state is not _S.ON_GPU and rid in block.waiters:
                 block.waiters.remove(rid)
@@ -957,7 +996,7 @@ class KVCacheManager:
         req.committed = min(req.committed, position)
         self._cause = req.id
         try:
-            self._let_go(req, dropped, None)
+            self._let_go(req, dropped)
         finally:
             self._cause = None
         if was_parked and req.pending == 0:

@@ -123,7 +123,18 @@ class PriorityLRU:
     def remove(self, block: Block) -> None:
         level = block.priority
         lst = self._levels[level]
-        lst.remove(block)
+        # BlockList.remove, inlined: this runs once per GPU prefix hit.
+        prev, nxt = block.prev, block.next
+        if prev is None:
+            lst.head = nxt
+        else:
+            prev.next = nxt
+        if nxt is None:
+            lst.tail = prev
+        else:
+            nxt.prev = prev
+        block.prev = block.next = None
+        lst.size -= 1
         if lst.size == 0:
             self._mask &= ~(1 << level)
         self.size -= 1

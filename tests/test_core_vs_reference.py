@@ -231,8 +231,8 @@ class CoreMatchesReference(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1000), token=st.integers(0, 3))
     def decode(self, pick: int, token: int) -> None:
         rid = self.live[pick % len(self.live)]
-        self.real.append_tokens(rid, [token])
-        self.model.append_tokens(rid, [token])
+        self.both(lambda: self.real.append_tokens(rid, [token]),
+                  lambda: self.model.append_tokens(rid, [token]))
 
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 1000))

@@ -1,0 +1,254 @@
+"""The block lifecycle table: every entry, every pair outside it, and the generated spec."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from specs import lifecycle_doc
+from statekv import IllegalTransition, InvariantViolation, KVCacheManager, RingTrace, StateKVError
+from statekv.lifecycle import (
+    EVENT_MEANINGS,
+    TRANSITIONS,
+    BlockEvent,
+    BlockState,
+    allowed_events,
+    next_state,
+)
+from tests.harness import Executor, config, fresh_tokens
+
+S = BlockState
+E = BlockEvent
+
+TABLE_ENTRIES = sorted(TRANSITIONS.items())
+ILLEGAL_PAIRS = [(s, e) for s in BlockState for e in BlockEvent if (s, e) not in TRANSITIONS]
+
+
+def _entry_id(entry: tuple[tuple[BlockState, BlockEvent], BlockState]) -> str:
+    (state, event), _target = entry
+    return f"{state.name}-{event.name}"
+
+
+def _pair_id(pair: tuple[BlockState, BlockEvent]) -> str:
+    return f"{pair[0].name}-{pair[1].name}"
+
+
+# ---------------------------------------------------------------------- the table itself
+
+
+@pytest.mark.parametrize("entry", TABLE_ENTRIES, ids=_entry_id)
+def test_every_table_entry_moves_the_block_to_its_target(
+    entry: tuple[tuple[BlockState, BlockEvent], BlockState],
+) -> None:
+    (state, event), target = entry
+    assert next_state(7, state, event) is target
+    assert event in allowed_events(state)
+
+
+@pytest.mark.parametrize("pair", ILLEGAL_PAIRS, ids=_pair_id)
+def test_event_outside_the_table_raises_illegal_transition_naming_block_state_and_event(
+    pair: tuple[BlockState, BlockEvent],
+) -> None:
+    state, event = pair
+    with pytest.raises(IllegalTransition) as info:
+        next_state(42, state, event)
+    err = info.value
+    assert err.block == 42
+    assert err.state == state.name
+    assert err.event == event.name
+    message = str(err)
+    assert "42" in message and state.name in message and event.name in message
+    assert event not in allowed_events(state)
+
+
+def test_illegal_transition_is_an_invariant_violation_of_statekv() -> None:
+    assert issubclass(IllegalTransition, InvariantViolation)
+    assert issubclass(IllegalTransition, StateKVError)
+
+
+def test_table_and_illegal_pairs_cover_every_state_event_pair_once() -> None:
+    assert len(TABLE_ENTRIES) + len(ILLEGAL_PAIRS) == len(BlockState) * len(BlockEvent)
+    assert len(ILLEGAL_PAIRS) > 0
+
+
+def test_states_and_events_never_compare_equal() -> None:
+    assert {int(s) for s in BlockState}.isdisjoint({int(e) for e in BlockEvent})
+
+
+def test_every_state_and_event_takes_part_in_the_table() -> None:
+    sources = {s for (s, _e) in TRANSITIONS}
+    targets = set(TRANSITIONS.values())
+    assert sources | targets == set(BlockState)
+    assert {e for (_s, e) in TRANSITIONS} == set(BlockEvent)
+    assert set(EVENT_MEANINGS) == set(BlockEvent)
+    assert all(EVENT_MEANINGS[e].strip() for e in BlockEvent)
+
+
+def _reachable(start: BlockState, edges: dict[BlockState, set[BlockState]]) -> set[BlockState]:
+    seen = {start}
+    todo = [start]
+    while todo:
+        for nxt in edges.get(todo.pop(), set()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_every_state_is_reachable_from_free_and_can_return_to_free() -> None:
+    forward: dict[BlockState, set[BlockState]] = {}
+    backward: dict[BlockState, set[BlockState]] = {}
+    for (state, _event), target in TRANSITIONS.items():
+        forward.setdefault(state, set()).add(target)
+        backward.setdefault(target, set()).add(state)
+    assert _reachable(S.FREE, forward) == set(BlockState)
+    assert _reachable(S.FREE, backward) == set(BlockState)
+
+
+def test_only_dropping_or_discarding_frees_a_block() -> None:
+    for (state, event), target in TRANSITIONS.items():
+        if target is S.FREE:
+            assert event in (E.DROPPED, E.DISCARDED), (state, event)
+
+
+def test_a_free_record_can_only_be_allocated() -> None:
+    assert allowed_events(S.FREE) == {E.ALLOCATED}
+
+
+def test_a_read_in_flight_ends_only_by_landing_or_failing_never_freed() -> None:
+    exits = {TRANSITIONS[(S.ONBOARDING, e)] for e in allowed_events(S.ONBOARDING)}
+    assert exits == {S.ONBOARDING, S.ON_GPU, S.ERROR}
+    assert E.RELEASED not in allowed_events(S.ONBOARDING)
+    assert E.DISCARDED not in allowed_events(S.ONBOARDING)
+    assert E.DROPPED not in allowed_events(S.ONBOARDING)
+
+
+def test_a_write_in_flight_keeps_its_host_page_until_it_reports() -> None:
+    exits = {TRANSITIONS[(S.SPILLING, e)] for e in allowed_events(S.SPILLING)}
+    assert exits == {S.ON_DISK, S.ON_HOST, S.ON_GPU}
+    assert E.DROPPED not in allowed_events(S.SPILLING)
+
+
+def test_content_reaches_disk_only_by_a_landed_write() -> None:
+    into_disk = [(s, e) for (s, e), t in TRANSITIONS.items() if t is S.ON_DISK]
+    assert into_disk == [(S.SPILLING, E.SPILL_LANDED)]
+
+
+def test_a_failed_read_is_never_served_only_discarded() -> None:
+    assert allowed_events(S.ERROR) == {E.DISCARDED}
+    assert TRANSITIONS[(S.ERROR, E.DISCARDED)] is S.FREE
+
+
+# ---------------------------------------------------------------------- the manager obeys it
+
+
+def test_manager_rejects_an_illegal_event_and_leaves_the_block_unchanged() -> None:
+    cache = KVCacheManager(config())
+    before = cache.statistics()
+    record = cache._records[0]
+    assert record.state is S.FREE
+    with pytest.raises(IllegalTransition) as info:
+        cache._move(record, E.RELEASED)
+    assert info.value.block == record.id
+    assert info.value.state == "FREE" and info.value.event == "RELEASED"
+    assert record.state is S.FREE
+    assert cache.statistics() == before
+    cache.check_invariants()
+
+
+def _seen(trace: RingTrace) -> Iterator[tuple[tuple[BlockState, BlockEvent], BlockState]]:
+    for rec in trace.records():
+        yield (rec.from_state, rec.event), rec.to_state
+
+
+def _traced(**overrides: object) -> tuple[Executor, RingTrace]:
+    trace = RingTrace(100_000)
+    cfg = {"gpu_blocks": 4, "host_blocks": 1, "disk_blocks": 2, **overrides}
+    return Executor(KVCacheManager(config(**cfg), trace=trace)), trace
+
+
+def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
+    """Scenarios that together drive each entry of the table through the public API."""
+    seen: set[tuple[tuple[BlockState, BlockEvent], BlockState]] = set()
+
+    ex, trace = _traced()
+    a = fresh_tokens(ex.bs + 1)
+    ex.spill([a])                       # ALLOCATED .. SPILL_LANDED; the filler is DROPPED
+    ex.add("r1", a)                     # ON_DISK READ_STARTED
+    ex.add("r2", a)                     # ONBOARDING ACQUIRED
+    ex.land_read()                      # ONBOARDING READ_LANDED
+    ex.add("r3", a)                     # ON_GPU ACQUIRED
+    for rid in ("r1", "r2", "r3"):
+        ex.release(rid)                 # ON_GPU RELEASED
+    ex.add("r4", a)                     # RELEASED ACQUIRED
+    ex.release("r4")
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced()
+    b = fresh_tokens(ex.bs + 1)
+    ex.spill([b])
+    ex.add("r5", b)
+    ex.land_read(ok=False)              # ONBOARDING READ_FAILED, ERROR DISCARDED
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced()
+    c = fresh_tokens(ex.bs + 1)
+    ex.spill([c], land=False)
+    ex.land_write(ok=False)             # SPILLING SPILL_FAILED
+    ex.add("r6", c)                     # ON_HOST RECALLED
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced()
+    d = fresh_tokens(ex.bs + 1)
+    ex.spill([d], land=False)
+    ex.add("r7", d)                     # SPILLING RECALLED
+    ex.drain()
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced()
+    for _ in range(3):                  # the third spill displaces: ON_DISK DROPPED
+        ex.spill([fresh_tokens(ex.bs + 1)])
+    assert ex.stats().displacements == 1
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced(disk_blocks=0)
+    ex.serve("x", fresh_tokens(ex.bs + 1))
+    ex.serve("y", fresh_tokens(ex.bs + 1))
+    ex.churn("c")                       # ON_HOST DROPPED
+    seen |= set(_seen(trace))
+
+    assert seen == set(TRANSITIONS.items())
+
+
+# ---------------------------------------------------------------------- the generated spec
+
+
+def test_committed_spec_document_is_generated_from_the_table() -> None:
+    assert lifecycle_doc.DOC_PATH.read_text() == lifecycle_doc.render()
+    assert lifecycle_doc.main(["--check"]) == 0
+
+
+def test_spec_document_lists_every_transition_of_the_table() -> None:
+    text = lifecycle_doc.DOC_PATH.read_text()
+    for (state, event), target in TRANSITIONS.items():
+        assert f"| {state.name} | {event.name} | {target.name} |" in text
+        assert f"{state.name} --> {target.name} : {event.name}" in text
+
+
+def test_spec_check_fails_when_the_table_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    changed = dict(TRANSITIONS)
+    changed[(S.ONBOARDING, E.RELEASED)] = S.FREE
+    monkeypatch.setattr(lifecycle_doc, "TRANSITIONS", changed)
+    assert lifecycle_doc.render() != lifecycle_doc.DOC_PATH.read_text()
+    assert lifecycle_doc.main(["--check"]) == 1
+
+
+def test_spec_check_command_passes_on_the_committed_document() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "specs.lifecycle_doc", "--check"],
+        capture_output=True, text=True, cwd=lifecycle_doc.DOC_PATH.parent.parent, check=False,
+    )
+    assert result.returncode == 0, result.stderr

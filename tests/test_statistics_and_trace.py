@@ -1,0 +1,385 @@
+"""Every counter of statistics() moves when its event happens; RingTrace records transitions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+
+from statekv import CacheStatistics, ConfigError, KVCacheManager, RingTrace, SpillMode
+from statekv.ids import BlockId, RequestId
+from statekv.lifecycle import TRANSITIONS, BlockEvent, BlockState
+from tests.harness import Executor, config, fresh_tokens, make
+
+Trigger = Callable[[], object]
+Setup = Callable[[], tuple[Executor, Trigger]]
+
+BS = 2
+BLOCK_BYTES = config().block_bytes
+
+
+def _cache(**overrides: Any) -> Executor:
+    return make(**{"gpu_blocks": 4, "host_blocks": 1, "disk_blocks": 2, **overrides})
+
+
+def _doc() -> list[int]:
+    return fresh_tokens(3)
+
+
+# ---------------------------------------------------------------------- scenarios
+
+
+def add_request() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    return ex, lambda: ex.add("r", _doc())
+
+
+def release_request() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    ex.add("r", _doc())
+    ex.compute("r")
+    return ex, lambda: ex.release("r")
+
+
+def commit_two_blocks() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    ex.add("r", fresh_tokens(5))
+    ex.cache.allocate_nowait("r", 5, now=ex.now)
+    return ex, lambda: ex.cache.commit("r", 5, now=ex.now)
+
+
+def allocate_two_blocks() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    ex.add("r", fresh_tokens(3))
+    return ex, lambda: ex.cache.allocate_nowait("r", 3, now=ex.now)
+
+
+def release_two_cached_blocks() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    ex.add("r", fresh_tokens(5))
+    ex.compute("r")
+    return ex, lambda: ex.release("r")
+
+
+def gpu_hit() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    doc = fresh_tokens(5)
+    ex.serve("a", doc)
+    return ex, lambda: ex.add("b", [*doc, 1])
+
+
+def host_hit() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    doc = _doc()
+    ex.serve("a", doc)
+    ex.churn("c")
+    assert ex.tiers(doc) == ["ON_HOST"]
+    return ex, lambda: ex.add("b", [*doc, 1])
+
+
+def disk_hit(ttl: float | None = None) -> tuple[Executor, Trigger]:
+    ex = _cache()
+    doc = _doc()
+    ex.spill([doc], ttl=ttl)
+    return ex, lambda: ex.add("b", [*doc, 1])
+
+
+def read_lands(ok: bool) -> Setup:
+    def setup() -> tuple[Executor, Trigger]:
+        ex, add = disk_hit()
+        add()
+        return ex, lambda: ex.land_read(ok=ok)
+    return setup
+
+
+def evict_one_to_host() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    ex.serve("a", _doc())
+    return ex, lambda: ex.churn("c")
+
+
+def evict_host_victim(**overrides: Any) -> tuple[Executor, Trigger]:
+    """One block on host, one on GPU; the trigger evicts the GPU one, which evicts the host
+    one (spilled if the disk takes it: no reserve, so the GPU victim finds no page)."""
+    ex = _cache(**overrides)
+    ex.serve("a", _doc())
+    ex.churn("c1")
+    ex.serve("b", _doc())
+    return ex, lambda: ex.churn("c2")
+
+
+def spilling(ttl: float | None = None) -> Setup:
+    def setup() -> tuple[Executor, Trigger]:
+        ex = _cache()
+        ex.spill([_doc()], ttl=ttl, land=False)
+        return ex, ex.land_write
+    return setup
+
+
+def failing_write() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    ex.spill([_doc()], land=False)
+    return ex, lambda: ex.land_write(ok=False)
+
+
+def pressure_drop() -> tuple[Executor, Trigger]:
+    ex = _cache(host_blocks=2, drop_on_pressure=True, write_queue_depth=1)
+    ex.serve("a", _doc())
+    ex.serve("b", _doc())
+    ex.serve("f", _doc())
+    return ex, lambda: ex.churn("c")
+
+
+def admission_refusal() -> tuple[Executor, Trigger]:
+    ex = _cache(disk_blocks=1, protect_unexpired=True)
+    ex.spill([_doc()], ttl=100.0)
+    ex.serve("a", _doc())
+    ex.serve("f", _doc())
+    return ex, lambda: ex.churn("c")
+
+
+def disk_busy() -> tuple[Executor, Trigger]:
+    ex = _cache(disk_blocks=1)
+    doc = _doc()
+    ex.spill([doc])
+    ex.add("reader", [*doc, 1])  # the only slot has a read in flight
+    ex.serve("a", _doc())
+    ex.serve("f", _doc())
+    return ex, lambda: ex.churn("c")
+
+
+def displacement() -> tuple[Executor, Trigger]:
+    ex = _cache(disk_blocks=1)
+    ex.spill([_doc()])
+    ex.serve("a", _doc())
+    ex.serve("f", _doc())
+    return ex, lambda: ex.churn("c")
+
+
+def expiry() -> tuple[Executor, Trigger]:
+    ex = _cache()
+    ex.spill([_doc()], ttl=10.0)
+    return ex, lambda: ex.tick(10.0)
+
+
+CASES: list[tuple[str, Setup, int]] = [
+    ("requests_added", add_request, 1),
+    ("requests_released", release_request, 1),
+    ("requests_parked", disk_hit, 1),
+    ("parked_requests", disk_hit, 1),
+    ("requests_fallen_back", read_lands(False), 1),
+    ("hit_blocks_gpu", gpu_hit, 2),
+    ("hit_tokens_gpu", gpu_hit, 2 * BS),
+    ("hit_blocks_host", host_hit, 1),
+    ("hit_tokens_host", host_hit, BS),
+    ("hit_blocks_disk", disk_hit, 1),
+    ("hit_tokens_disk", disk_hit, BS),
+    ("gpu_evictions", evict_one_to_host, 1),
+    ("host_offloads", evict_one_to_host, 1),
+    ("host_recalls", host_hit, 1),
+    ("offloads_skipped", evict_host_victim, 1),
+    ("host_drops", lambda: evict_host_victim(disk_blocks=0), 1),
+    ("spills", evict_host_victim, 1),
+    ("spills_completed", spilling(), 1),
+    ("spill_failures", failing_write, 1),
+    ("bytes_written", spilling(), BLOCK_BYTES),
+    ("writes_in_flight", evict_host_victim, 1),
+    ("onboards", disk_hit, 1),
+    ("onboards_completed", read_lands(True), 1),
+    ("onboard_failures", read_lands(False), 1),
+    ("bytes_read", read_lands(True), BLOCK_BYTES),
+    ("reads_in_flight", disk_hit, 1),
+    ("gate_drops", lambda: evict_host_victim(spill_mode=SpillMode.RETAINED_ONLY), 1),
+    ("pressure_drops", pressure_drop, 1),
+    ("admission_refusals", admission_refusal, 1),
+    ("disk_busy_refusals", disk_busy, 1),
+    ("displacements", displacement, 1),
+    ("expirations", expiry, 1),
+    ("io_errors", failing_write, 1),
+    ("io_errors", read_lands(False), 1),
+    ("cached_blocks", commit_two_blocks, 2),
+    ("gpu_free_pages", allocate_two_blocks, -2),
+    ("gpu_evictable_blocks", release_two_cached_blocks, 2),
+    ("host_free_pages", evict_one_to_host, -1),
+    ("host_reserved_pages", lambda: evict_host_victim(reserved_host_blocks=1), -1),
+    ("host_cached_blocks", evict_one_to_host, 1),
+    ("disk_empty_slots", evict_host_victim, -1),
+    ("disk_cached_blocks", spilling(), 1),
+    ("disk_retained_blocks", spilling(ttl=100.0), 1),
+]
+
+
+@pytest.mark.parametrize(("field", "setup", "delta"), CASES,
+                         ids=[f"{f}-{i}" for i, (f, _s, _d) in enumerate(CASES)])
+def test_counter_moves_when_its_event_happens(field: str, setup: Setup, delta: int) -> None:
+    ex, trigger = setup()
+    before = getattr(ex.stats(), field)
+    trigger()
+    ex.pump()
+    ex.cache.check_invariants()
+    assert getattr(ex.stats(), field) - before == delta
+
+
+def test_every_statistics_field_has_a_case() -> None:
+    fields = {f.name for f in attrs.fields(CacheStatistics)}
+    covered = {name for name, _setup, _delta in CASES} | {"blocks_by_state"}
+    assert covered == fields
+
+
+def test_blocks_by_state_counts_every_record_in_its_state() -> None:
+    ex, trigger = allocate_two_blocks()
+    before = dict(ex.stats().blocks_by_state)
+    trigger()
+    after = dict(ex.stats().blocks_by_state)
+    assert after["ON_GPU"] - before["ON_GPU"] == 2
+    assert before["FREE"] - after["FREE"] == 2
+    assert list(after) == [s.name for s in BlockState]
+    cfg = ex.cache.config
+    assert sum(after.values()) == (
+        cfg.gpu_blocks + cfg.host_blocks + cfg.reserved_host_blocks + cfg.disk_blocks
+    )
+
+
+def test_statistics_is_a_frozen_snapshot() -> None:
+    ex, trigger = add_request()
+    snap = ex.stats()
+    trigger()
+    assert snap.requests_added == 0
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        snap.requests_added = 5  # type: ignore[misc]
+
+
+def test_counters_belong_to_one_manager() -> None:
+    one, trigger = add_request()
+    two = _cache()
+    trigger()
+    assert one.stats().requests_added == 1
+    assert two.stats().requests_added == 0
+
+
+# ---------------------------------------------------------------------- RingTrace
+
+
+def _record(trace: RingTrace, i: int) -> None:
+    trace.record(float(i), BlockId(i), None, BlockState.FREE, BlockState.ON_GPU,
+                 BlockEvent.ALLOCATED)
+
+
+def test_ring_trace_keeps_only_the_last_n_records_oldest_first() -> None:
+    trace = RingTrace(3)
+    for i in range(5):
+        _record(trace, i)
+    assert len(trace) == 3 and trace.recorded == 5
+    assert [r.block for r in trace.records()] == [2, 3, 4]
+    assert [r.time for r in trace.records()] == [2.0, 3.0, 4.0]
+
+
+def test_ring_trace_below_capacity_keeps_everything() -> None:
+    trace = RingTrace(10)
+    for i in range(4):
+        _record(trace, i)
+    assert [r.block for r in trace.records()] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("capacity", [0, -1, True, 2.5, "8"])
+def test_ring_trace_with_a_bad_capacity_raises_config_error(capacity: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        RingTrace(capacity)  # type: ignore[arg-type]
+    assert info.value.field == "capacity"
+
+
+def test_manager_records_time_block_request_from_to_and_event() -> None:
+    trace = RingTrace(100)
+    cache = KVCacheManager(config(), trace=trace)
+    cache.add_request("r1", [1, 2, 3], now=1.0)
+    cache.allocate_nowait("r1", 3, now=2.0)
+    cache.commit("r1", 3, now=2.5)
+    cache.release("r1", now=3.0)
+    got = [(r.time, r.block, r.request, r.from_state, r.to_state, r.event)
+           for r in trace.records()]
+    r1 = RequestId("r1")
+    assert got == [
+        (2.0, 0, r1, BlockState.FREE, BlockState.ON_GPU, BlockEvent.ALLOCATED),
+        (2.0, 1, r1, BlockState.FREE, BlockState.ON_GPU, BlockEvent.ALLOCATED),
+        (3.0, 1, r1, BlockState.ON_GPU, BlockState.FREE, BlockEvent.DISCARDED),
+        (3.0, 0, r1, BlockState.ON_GPU, BlockState.RELEASED, BlockEvent.RELEASED),
+    ]
+
+
+def _busy_workload(trace: RingTrace | None) -> Executor:
+    """A deterministic workload through every tier, with failures (same records each run)."""
+    ex = Executor(KVCacheManager(config(gpu_blocks=4, host_blocks=1, disk_blocks=2),
+                                 trace=trace))
+    docs = [[10 + i, 20 + i, 30 + i] for i in range(4)]
+    ex.spill([docs[0]], ttl=50.0)
+    ex.add("a", [*docs[0], 1])
+    ex.add("b", [*docs[0], 2])
+    ex.land_read()
+    ex.release("a")
+    ex.release("b")
+    ex.churn("c1")
+    ex.tick(1.0)
+    ex.serve("d1", docs[1])
+    ex.churn("c2")
+    ex.serve("d2", docs[2])
+    ex.churn("c3")
+    ex.drain()
+    ex.add("e", [*docs[0], 3])
+    ex.land_read(ok=False)
+    ex.compute("e")
+    ex.release("e")
+    ex.tick(100.0)
+    return ex
+
+
+def test_every_transition_is_recorded_replaying_them_gives_the_state_counts() -> None:
+    trace = RingTrace(100_000)
+    ex = _busy_workload(trace)
+    cfg = ex.cache.config
+    counts = dict.fromkeys(BlockState, 0)
+    counts[BlockState.FREE] = (
+        cfg.gpu_blocks + cfg.host_blocks + cfg.reserved_host_blocks + cfg.disk_blocks
+    )
+    states: dict[int, BlockState] = {}
+    for rec in trace.records():
+        assert states.get(rec.block, BlockState.FREE) is rec.from_state
+        assert TRANSITIONS[(rec.from_state, rec.event)] is rec.to_state
+        states[rec.block] = rec.to_state
+        counts[rec.from_state] -= 1
+        counts[rec.to_state] += 1
+    assert tuple((s.name, n) for s, n in counts.items()) == ex.stats().blocks_by_state
+    assert trace.recorded == len(trace) > 30
+
+
+def test_a_small_ring_keeps_the_last_n_of_the_same_records() -> None:
+    big, small = RingTrace(100_000), RingTrace(7)
+    _busy_workload(big)
+    _busy_workload(small)
+    assert small.recorded == big.recorded
+    assert list(small.records()) == list(big.records())[-7:]
+
+
+def test_completion_transitions_name_no_request_and_request_calls_name_theirs() -> None:
+    trace = RingTrace(100_000)
+    ex = _busy_workload(trace)
+    assert ex.stats().onboard_failures == 1
+    by_event: dict[BlockEvent, set[RequestId | None]] = {}
+    for rec in trace.records():
+        by_event.setdefault(rec.event, set()).add(rec.request)
+    for event in (BlockEvent.SPILL_LANDED, BlockEvent.READ_LANDED, BlockEvent.READ_FAILED):
+        assert by_event[event] == {None}
+    assert None not in by_event[BlockEvent.ALLOCATED]
+    assert None not in by_event[BlockEvent.READ_STARTED]
+    # Evictions name the request whose allocation caused them.
+    assert None not in by_event[BlockEvent.OFFLOADED]
+    assert RequestId("c1") in by_event[BlockEvent.OFFLOADED]
+
+
+def test_a_manager_without_a_trace_behaves_the_same() -> None:
+    traced = _busy_workload(RingTrace(10))
+    plain = _busy_workload(None)
+    assert traced.stats() == plain.stats()
+    assert sorted(traced.cache.cached_blocks(), key=lambda b: b.key) == \
+        sorted(plain.cache.cached_blocks(), key=lambda b: b.key)
