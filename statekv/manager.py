@@ -415,6 +415,10 @@ class KVCacheManager:
             num_blocks=len(req.blocks), pending_reads=req.pending, ready=req.pending == 0,
         )
 
+    def obtainable_gpu_blocks(self) -> int:
+        """GPU pages that allocation could have now: empty ones plus evictable cached ones."""
+        return self._gpu.obtainable()
+
     def has_request(self, request_id: RequestId | str) -> bool:
         return isinstance(request_id, str) and request_id in self._requests
 

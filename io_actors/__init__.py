@@ -1,0 +1,21 @@
+"""statekv's actors, transfer backends and embedding facades.
+
+The pure core (``statekv``) decides; this package does: a trio scheduler actor that owns the
+core, a writer pool and a reader pool of dedicated threads, the POSIX (O_DIRECT) and kvikio
+slot stores, the torch memory pools, and the two ways to embed the cache:
+:func:`open_cache` for trio programs and :class:`BlockingCache` for synchronous loops.
+"""
+
+from io_actors.config import StateKVConfig
+from io_actors.embed import AsyncCache, BlockingCache, CacheAPI, open_cache
+from io_actors.scheduler import CloseReport, SystemStatistics
+
+__all__ = [
+    "AsyncCache",
+    "BlockingCache",
+    "CacheAPI",
+    "CloseReport",
+    "StateKVConfig",
+    "SystemStatistics",
+    "open_cache",
+]

@@ -1,0 +1,417 @@
+"""Deterministic fault injection at the SlotStore seam, for tests and fuzzing.
+
+:class:`FaultyStore` wraps any :class:`~io_actors.interfaces.SlotStore` and, following a
+:class:`FaultPlan`, makes chosen calls fail the way real disks and filesystems fail.  Every
+fault must end in :class:`~statekv.errors.TransferFailed`, either at once or when the slot is
+read back (checksum or header mismatch); none may ever let a read return wrong bytes.
+
+Enumeration, as SQLite's I/O error tests do it: run a scenario once with
+``FaultPlan()`` (no faults) and read :meth:`FaultyStore.calls`; then, for k in 1..N, run it
+again with a plan that fails exactly the k-th call (or every call from the k-th on) and
+check that the system stays correct.  :func:`single_fault_plans` builds those plans.
+
+Determinism: calls are numbered per operation in the order they reach the store, and every
+random choice (where a write tears, which bit flips) comes from a generator seeded with the
+plan's seed, the operation and the call number.  With one calling thread, or any fixed
+order of calls, a plan replays exactly.
+
+Faults that change bytes on disk (short, torn and bit-flipped writes) need to reach the
+slot's bytes: the inner store must offer ``slot_extent(slot)`` (:class:`RawSlotAccess`), as
+the POSIX and kvikio stores do.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Final, Protocol, cast, runtime_checkable
+
+import attrs
+import torch
+
+from io_actors.interfaces import SlotStore
+from io_actors.slot_format import ALIGN, HEADER_SIZE, SlotExtent
+from statekv.errors import TransferFailed, UsageError
+from statekv.ids import BlockHash, SlotId
+
+POISON: Final = 0xA5
+"""Byte value a failed read leaves in its destination (a real failed read leaves garbage)."""
+
+
+@runtime_checkable
+class RawSlotAccess(Protocol):
+    """A store that can say where a slot's bytes live on disk."""
+
+    def slot_extent(self, slot: SlotId) -> SlotExtent: ...
+
+
+class Op(enum.Enum):
+    """The store calls a plan counts and fails."""
+
+    WRITE = "write"
+    READ = "read"
+
+
+class Fault(enum.Enum):
+    """What goes wrong."""
+
+    EIO_OPEN = "eio_open"
+    """Opening fails: nothing moves, the call raises."""
+    EIO = "eio"
+    """An I/O error. Write: the bytes may have landed, the call raises. Read: the
+    destination is left poisoned, the call raises."""
+    ENOSPC = "enospc"
+    """Write: no space left, nothing lands, the call raises."""
+    SHORT_READ = "short_read"
+    """Read: only a prefix of the destination is filled (the rest poisoned); raises."""
+    SHORT_WRITE = "short_write"
+    """Write: only a prefix of the slot's 4 KiB pages lands (header first); raises."""
+    TORN_WRITE = "torn_write"
+    """Write: a seeded subset of the slot's 4 KiB pages lands, the rest keep their old
+    bytes (a write torn by a crash, in any order); the call raises."""
+    TORN_WRITE_SILENT = "torn_write_silent"
+    """As TORN_WRITE, but the call reports success: only the read-back can notice."""
+    BIT_FLIP = "bit_flip"
+    """Write: succeeds, then one seeded bit of the payload flips on disk (media rot)."""
+    SLOW = "slow"
+    """The call sleeps `delay_s`, then runs normally."""
+
+
+_APPLIES_TO: Final[dict[Fault, frozenset[Op]]] = {
+    Fault.EIO_OPEN: frozenset({Op.READ, Op.WRITE}),
+    Fault.EIO: frozenset({Op.READ, Op.WRITE}),
+    Fault.ENOSPC: frozenset({Op.WRITE}),
+    Fault.SHORT_READ: frozenset({Op.READ}),
+    Fault.SHORT_WRITE: frozenset({Op.WRITE}),
+    Fault.TORN_WRITE: frozenset({Op.WRITE}),
+    Fault.TORN_WRITE_SILENT: frozenset({Op.WRITE}),
+    Fault.BIT_FLIP: frozenset({Op.WRITE}),
+    Fault.SLOW: frozenset({Op.READ, Op.WRITE}),
+}
+NEEDS_RAW_ACCESS: Final = frozenset(
+    {Fault.SHORT_WRITE, Fault.TORN_WRITE, Fault.TORN_WRITE_SILENT, Fault.BIT_FLIP}
+)
+"""Faults that rewrite bytes on disk behind the inner store's back."""
+
+
+def _to_op(value: object) -> Op:
+    try:
+        return Op(value)
+    except ValueError:
+        known = [o.value for o in Op]
+        raise UsageError("op", f"unknown operation {value!r} (known: {known})") from None
+
+
+def _to_fault(value: object) -> Fault:
+    try:
+        return Fault(value)
+    except ValueError:
+        known = [f.value for f in Fault]
+        raise UsageError("fault", f"unknown fault {value!r} (known: {known})") from None
+
+
+@attrs.frozen(kw_only=True)
+class FaultRule:
+    """Fail the `nth` call of `op` (counting from 1), or every call from it on."""
+
+    op: Op = attrs.field(converter=_to_op)
+    fault: Fault = attrs.field(converter=_to_fault)
+    nth: int
+    onward: bool = False
+    delay_s: float = 0.0
+    """Sleep of a SLOW fault, in seconds."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.op not in _APPLIES_TO[self.fault]:
+            raise UsageError(
+                "op", f"{self.fault.value} does not apply to {self.op.value} calls"
+            )
+        if isinstance(self.nth, bool) or not isinstance(self.nth, int) or self.nth < 1:
+            raise UsageError("nth", f"must be an integer >= 1, got {self.nth!r}")
+        if not isinstance(self.onward, bool):
+            raise UsageError("onward", f"must be True or False, got {self.onward!r}")
+        delay = self.delay_s
+        if isinstance(delay, bool) or not isinstance(delay, int | float):
+            raise UsageError("delay_s", f"must be a number, got {delay!r}")
+        if not math.isfinite(delay) or delay < 0 or delay > 3600:
+            raise UsageError("delay_s", f"must be in [0, 3600] seconds, got {delay!r}")
+        if delay and self.fault is not Fault.SLOW:
+            raise UsageError("delay_s", "only a SLOW fault sleeps")
+
+    def matches(self, call: int) -> bool:
+        return call >= self.nth if self.onward else call == self.nth
+
+
+def _to_rules(value: object) -> tuple[FaultRule, ...]:
+    if not isinstance(value, list | tuple):
+        raise UsageError("rules", f"must be a sequence of FaultRule, got {value!r}")
+    for rule in value:
+        if not isinstance(rule, FaultRule):
+            raise UsageError("rules", f"must hold FaultRule records, got {rule!r}")
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class FaultPlan:
+    """Which calls fail, and how; the first matching rule wins.  No rules: counting mode."""
+
+    rules: tuple[FaultRule, ...] = attrs.field(default=(), converter=_to_rules)
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise UsageError("seed", f"must be an integer, got {self.seed!r}")
+
+    def rule_for(self, op: Op, call: int) -> FaultRule | None:
+        for rule in self.rules:
+            if rule.op is op and rule.matches(call):
+                return rule
+        return None
+
+
+def single_fault_plans(
+    op: Op | str,
+    fault: Fault | str,
+    calls: int,
+    *,
+    onward: bool = False,
+    seed: int = 0,
+    delay_s: float = 0.0,
+) -> list[FaultPlan]:
+    """One plan per call number 1..`calls`, each failing that call (and later ones if
+    `onward`): the enumeration of a scenario whose calls a counting run has counted."""
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+        raise UsageError("calls", f"must be an integer >= 0, got {calls!r}")
+    return [
+        FaultPlan(
+            rules=(FaultRule(op=op, fault=fault, nth=k, onward=onward, delay_s=delay_s),),
+            seed=seed,
+        )
+        for k in range(1, calls + 1)
+    ]
+
+
+@attrs.frozen(kw_only=True)
+class FaultStatistics:
+    """What a FaultyStore saw and did."""
+
+    writes: int
+    """Write calls (the count a plan's `nth` refers to)."""
+    reads: int
+    """Read calls."""
+    discards: int
+    injected: tuple[str, ...]
+    """Each injected fault in order, as ``"<op>#<call>:<fault>"``."""
+
+
+class FaultyStore:
+    """A SlotStore that passes calls to `inner` and injects the faults of `plan`.
+
+    `sleep` is the function a SLOW fault calls (tests may pass a fake).
+    """
+
+    def __init__(
+        self,
+        inner: SlotStore,
+        plan: FaultPlan,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not isinstance(plan, FaultPlan):
+            raise UsageError("plan", f"must be a FaultPlan, got {plan!r}")
+        raw = [r.fault.value for r in plan.rules if r.fault in NEEDS_RAW_ACCESS]
+        if raw and not isinstance(inner, RawSlotAccess):
+            raise UsageError(
+                "plan", f"faults {raw} rewrite bytes on disk; {type(inner).__name__} "
+                "offers no slot_extent()"
+            )
+        self._inner = inner
+        self._plan = plan
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._counts = {Op.WRITE: 0, Op.READ: 0}
+        self._discards = 0
+        self._injected: list[str] = []
+
+    @property
+    def inner(self) -> SlotStore:
+        return self._inner
+
+    @property
+    def device_reads(self) -> bool:
+        return self._inner.device_reads
+
+    def calls(self, op: Op | str) -> int:
+        """How many calls of `op` this store has seen."""
+        with self._lock:
+            return self._counts[_to_op(op)]
+
+    def statistics(self) -> FaultStatistics:
+        with self._lock:
+            return FaultStatistics(
+                writes=self._counts[Op.WRITE],
+                reads=self._counts[Op.READ],
+                discards=self._discards,
+                injected=tuple(self._injected),
+            )
+
+    def _next(self, op: Op) -> tuple[int, FaultRule | None]:
+        with self._lock:
+            self._counts[op] += 1
+            call = self._counts[op]
+            rule = self._plan.rule_for(op, call)
+            if rule is not None:
+                self._injected.append(f"{op.value}#{call}:{rule.fault.value}")
+            return call, rule
+
+    def _rng(self, op: Op, call: int) -> random.Random:
+        # String seeds hash with SHA-512: the same in every process, whatever PYTHONHASHSEED.
+        return random.Random(f"{self._plan.seed}:{op.value}:{call}")
+
+    # --- write ------------------------------------------------------------------------------
+
+    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
+        call, rule = self._next(Op.WRITE)
+        if rule is None:
+            self._inner.write(slot, key, src)
+            return
+        what = f"slot {slot}"
+        fault = rule.fault
+        if fault is Fault.SLOW:
+            self._sleep(rule.delay_s)
+            self._inner.write(slot, key, src)
+        elif fault is Fault.EIO_OPEN:
+            raise TransferFailed(what, "open failed: [Errno 5] Input/output error (injected)")
+        elif fault is Fault.ENOSPC:
+            raise TransferFailed(
+                what, "write failed: [Errno 28] No space left on device (injected)"
+            )
+        elif fault is Fault.EIO:
+            self._inner.write(slot, key, src)
+            raise TransferFailed(what, "write failed: [Errno 5] Input/output error (injected)")
+        elif fault is Fault.BIT_FLIP:
+            self._inner.write(slot, key, src)
+            self._flip_bit(slot, src.numel(), self._rng(Op.WRITE, call))
+        else:
+            self._tear(slot, key, src, fault, self._rng(Op.WRITE, call), what)
+
+    def _extent(self, slot: SlotId) -> SlotExtent:
+        # The constructor refused plans with disk faults for stores without slot_extent().
+        return cast(RawSlotAccess, self._inner).slot_extent(slot)
+
+    def _tear(
+        self,
+        slot: SlotId,
+        key: BlockHash,
+        src: torch.Tensor,
+        fault: Fault,
+        rng: random.Random,
+        what: str,
+    ) -> None:
+        """Write for real, then put back the old bytes of the pages that did not land."""
+        extent = self._extent(slot)
+        before = _raw_read(extent)
+        self._inner.write(slot, key, src)
+        pages = extent.nbytes // ALIGN
+        if fault is Fault.SHORT_WRITE:
+            landed = rng.randrange(1, pages) if pages > 1 else 0
+            lost = list(range(landed, pages))
+        else:
+            lost = [p for p in range(pages) if rng.random() < 0.5]
+            if not lost:
+                lost = [rng.randrange(pages)]
+            if len(lost) == pages and pages > 1:
+                lost.remove(rng.choice(lost))
+        with _RawFile(extent) as raw:
+            for page in lost:
+                start = page * ALIGN
+                raw.write(start, before[start : start + ALIGN])
+        if fault is Fault.TORN_WRITE_SILENT:
+            return
+        written = (pages - len(lost)) * ALIGN
+        kind = "short write" if fault is Fault.SHORT_WRITE else "torn write"
+        raise TransferFailed(
+            what, f"{kind}: {written} of {extent.nbytes} bytes landed (injected)"
+        )
+
+    def _flip_bit(self, slot: SlotId, payload_len: int, rng: random.Random) -> None:
+        extent = self._extent(slot)
+        where = HEADER_SIZE + rng.randrange(payload_len)
+        bit = 1 << rng.randrange(8)
+        with _RawFile(extent) as raw:
+            (old,) = raw.read(where, 1)
+            raw.write(where, bytes([old ^ bit]))
+
+    # --- read -------------------------------------------------------------------------------
+
+    def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
+        call, rule = self._next(Op.READ)
+        if rule is None:
+            self._inner.read(slot, key, dst)
+            return
+        what = f"slot {slot}"
+        fault = rule.fault
+        if fault is Fault.SLOW:
+            self._sleep(rule.delay_s)
+            self._inner.read(slot, key, dst)
+        elif fault is Fault.EIO_OPEN:
+            raise TransferFailed(what, "open failed: [Errno 5] Input/output error (injected)")
+        elif fault is Fault.EIO:
+            dst.fill_(POISON)
+            raise TransferFailed(what, "read failed: [Errno 5] Input/output error (injected)")
+        else:
+            # SHORT_READ, the one other fault a READ rule admits.
+            self._inner.read(slot, key, dst)
+            got = self._rng(Op.READ, call).randrange(dst.numel())
+            dst[got:].fill_(POISON)
+            raise TransferFailed(
+                what, f"short read: {got} of {dst.numel()} payload bytes (injected)"
+            )
+
+    def discard(self, slot: SlotId) -> None:
+        with self._lock:
+            self._discards += 1
+        self._inner.discard(slot)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _raw_read(extent: SlotExtent) -> bytes:
+    with _RawFile(extent) as raw:
+        return raw.read(0, extent.nbytes)
+
+
+class _RawFile:
+    """Buffered access to one slot's bytes.
+
+    Linux keeps buffered and O_DIRECT access to one file coherent (a direct read first
+    writes back dirty cached pages of its range; a direct write drops them), so bytes
+    changed here are what the inner store reads next.
+    """
+
+    def __init__(self, extent: SlotExtent) -> None:
+        self._extent = extent
+        self._fd = -1
+
+    def __enter__(self) -> _RawFile:
+        self._fd = os.open(self._extent.path, os.O_RDWR | os.O_CLOEXEC)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        os.close(self._fd)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        data = os.pread(self._fd, nbytes, self._extent.offset + offset)
+        if len(data) != nbytes:
+            raise UsageError("slot", f"slot extent {self._extent} is shorter than expected")
+        return data
+
+    def write(self, offset: int, data: bytes) -> None:
+        if os.pwrite(self._fd, data, self._extent.offset + offset) != len(data):
+            raise UsageError("slot", f"could not rewrite {len(data)} bytes of {self._extent}")

@@ -1,0 +1,217 @@
+"""Disk slots read straight into GPU memory with kvikio (GPUDirect Storage when present).
+
+Same data file, layout and slot format as :class:`~io_actors.backends.posix.PosixSlotStore`,
+which this store wraps: writes (whose source is a host page, by the protocol) and reads into
+host memory go through it unchanged; only reads into a CUDA tensor take the kvikio path.
+kvikio runs GDS when the driver and filesystem support it and its POSIX "compatibility mode"
+(host bounce buffers, then a copy to the device) otherwise; the mode in use is logged and
+reported in :meth:`KvikioSlotStore.gds`.
+
+Verifying a device read.  The header is small and read on the host first (one 4 KiB
+O_DIRECT read), then checked against the expected slot, key and length before any payload
+byte moves.  The payload goes straight into the GPU page, and its CRC-32 is computed *on the
+GPU* by :func:`~io_actors.slot_format.payload_checksum_torch`, which is bit-for-bit
+``zlib.crc32`` (what the writer stored), built from gathers and XORs on int32 tensors on a
+stream of this store's own.  The alternative, staging the payload through a host buffer to
+check it there, would put the bytes through host memory twice and defeat GDS; reading the
+payload back from the GPU to check it would add a copy per block.  The page holds unverified
+bytes while the check runs, which is harmless: a read that raises is never published, and the
+caller does not let any kernel read the page before ``read`` returns.
+
+Ordering obligations of the caller (the reader actor): before a device read, wait on a
+copy-engine fence taken after the ``ReadSlot`` command arrived, so that the page's previous
+copies and forward passes have finished; kvikio writes the page from outside the torch
+streams.  When ``read`` returns the bytes are complete and verified on the device.
+
+kvikio is imported lazily: this module imports on machines without CUDA (kvikio needs
+``libcuda.so.1`` even to import), and the store refuses to open there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+from io_actors.backends.posix import (
+    PosixSlotStore,
+    SlotStoreStatistics,
+    check_block_tensor,
+)
+from io_actors.slot_format import (
+    HEADER_SIZE,
+    SlotExtent,
+    check_key,
+    payload_checksum_torch,
+    verify_checksum,
+    verify_header,
+)
+from statekv.config import CacheConfig
+from statekv.errors import ConfigError, TransferFailed, UsageError
+from statekv.ids import BlockHash, SlotId
+
+_log = logging.getLogger(__name__)
+
+
+def _import_kvikio() -> Any:
+    if not torch.cuda.is_available():
+        raise ConfigError("kind", "the kvikio backend needs CUDA, and CUDA is not available")
+    try:
+        import kvikio
+        import kvikio.defaults
+    except (ImportError, OSError) as exc:
+        raise ConfigError(
+            "kind", f"the kvikio backend needs kvikio ({exc}); install statekv[cu12] or "
+            "statekv[cu13]"
+        ) from None
+    return kvikio
+
+
+def _compat_mode(kvikio: Any) -> bool:
+    defaults = kvikio.defaults
+    if hasattr(defaults, "is_compat_mode_preferred"):
+        return bool(defaults.is_compat_mode_preferred())
+    mode = defaults.compat_mode()
+    return bool(mode) if isinstance(mode, bool) else str(mode).endswith("ON")
+
+
+class KvikioSlotStore:
+    """:class:`~io_actors.interfaces.SlotStore` whose reads can fill GPU memory directly.
+
+    ``device`` is the CUDA device whose pages reads fill (default: the current device).
+    The other arguments are those of :class:`PosixSlotStore`.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        config: CacheConfig,
+        *,
+        device: torch.device | None = None,
+        direct_io: bool = True,
+        preallocate: bool = True,
+        sync_writes: bool = False,
+    ) -> None:
+        kvikio = _import_kvikio()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if not isinstance(device, torch.device) or device.type != "cuda":
+            raise ConfigError("device", f"must be a CUDA torch.device, got {device!r}")
+        self._device = device
+        self._host = PosixSlotStore(
+            directory, config, direct_io=direct_io, preallocate=preallocate,
+            sync_writes=sync_writes,
+        )
+        try:
+            self._file = kvikio.CuFile(str(self._host.path), "r")
+        except Exception as exc:
+            self._host.close()
+            raise ConfigError("directory", f"kvikio cannot open {self._host.path}: {exc}") from None
+        self._gds = not _compat_mode(kvikio)
+        _log.info(
+            "kvikio slot store %s: %s", self._host.path,
+            "GPUDirect Storage" if self._gds else "compatibility mode (POSIX, host bounce)",
+        )
+        with torch.cuda.device(device):
+            self._verify_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._cond = threading.Condition()
+        self._closed = False
+        self._in_flight = 0
+        self._device_reads = 0
+        self._device_read_failures = 0
+
+    @property
+    def device_reads(self) -> bool:
+        return True
+
+    @property
+    def gds(self) -> bool:
+        """Whether kvikio moves bytes with GPUDirect Storage (False: compatibility mode)."""
+        return self._gds
+
+    def slot_extent(self, slot: SlotId) -> SlotExtent:
+        return self._host.slot_extent(slot)
+
+    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
+        self._host.write(slot, key, src)
+
+    def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
+        if isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
+            self._host.read(slot, key, dst)
+            return
+        payload_len = self._host.payload_len
+        check_key(key)
+        check_block_tensor("dst", dst, payload_len, device_type="cuda")
+        with self._cond:
+            if self._closed:
+                raise UsageError("store", f"slot store {self._host.path} is closed")
+            self._in_flight += 1
+        try:
+            self._read_to_device(slot, key, dst, payload_len)
+        except TransferFailed:
+            with self._cond:
+                self._device_read_failures += 1
+            raise
+        else:
+            with self._cond:
+                self._device_reads += 1
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._cond.notify_all()
+
+    def _read_to_device(
+        self, slot: SlotId, key: BlockHash, dst: torch.Tensor, payload_len: int
+    ) -> None:
+        what = f"slot {slot}"
+        header = self._host.read_header(slot)
+        verify_header(header, what=what, slot=slot, key=key, payload_len=payload_len)
+        offset = self._host.slot_extent(slot).offset + HEADER_SIZE
+        try:
+            got = self._file.pread(dst, payload_len, offset).get()
+        except Exception as exc:
+            raise TransferFailed(what, f"kvikio read failed: {exc}") from exc
+        if got != payload_len:
+            raise TransferFailed(what, f"short read: {got} of {payload_len} payload bytes")
+        try:
+            with torch.cuda.device(dst.device), torch.cuda.stream(self._verify_stream):
+                actual = payload_checksum_torch(dst)
+        except RuntimeError as exc:
+            raise TransferFailed(what, f"device checksum failed: {exc}") from exc
+        verify_checksum(header, actual, what=what)
+
+    def discard(self, slot: SlotId) -> None:
+        """A no-op, for the reasons of :meth:`PosixSlotStore.discard`."""
+        self._host.discard(slot)
+
+    def close(self) -> None:
+        """Wait for device reads in flight, then close the kvikio handle and the file."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            while self._in_flight:
+                self._cond.wait()
+        self._file.close()
+        self._host.close()
+
+    def statistics(self) -> SlotStoreStatistics:
+        """The wrapped store's counters, device reads included."""
+        host = self._host.statistics()
+        with self._cond:
+            reads = host.reads + self._device_reads
+            failures = host.read_failures + self._device_read_failures
+        return SlotStoreStatistics(
+            writes=host.writes,
+            reads=reads,
+            write_failures=host.write_failures,
+            read_failures=failures,
+            bytes_written=host.bytes_written,
+            bytes_read=reads * self._host.payload_len,
+            bounced=host.bounced,
+            direct_io=host.direct_io,
+        )

@@ -1,0 +1,165 @@
+"""The user-facing configuration: the core's sizes and policies plus the I/O side.
+
+Sizes may be given in blocks (an int) or in bytes (a string with a unit: ``"8 GiB"``,
+``"512MB"``, ``"1.5 TiB"``); bytes are converted to whole blocks of this layout's block size,
+rounding down.  Every invalid value raises :class:`statekv.errors.ConfigError` naming the
+field.  Environment variables and command-line flags are read by the entry points (the CLI)
+into this record, never deeper.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+
+from statekv.config import CacheConfig, KVLayout, SpillMode
+from statekv.errors import ConfigError
+
+_UNITS: Final[dict[str, int]] = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)\s*$")
+
+BACKENDS: Final = ("posix", "kvikio")
+DEVICES: Final = ("auto", "cpu", "cuda")
+
+
+def blocks_from_size(field: str, value: object, block_bytes: int) -> int:
+    """Whole blocks in `value`: an int counts blocks, a string with a unit counts bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(field, f"must be a block count or a size like '8 GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(field, f"must be >= 0 blocks, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                field, f"cannot read size {value!r} (use blocks, or e.g. '512 MiB', '8 GiB')"
+            )
+        number = float(match.group(1))
+        if not math.isfinite(number):
+            raise ConfigError(field, f"size {value!r} is not finite")
+        return int(number * _UNITS[match.group(2).lower()]) // block_bytes
+    raise ConfigError(field, f"must be a block count or a size like '8 GiB', got {value!r}")
+
+
+def _size_field(default: int | str = 0) -> Any:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigError(attribute.name, f"must be blocks or a size string, got {value!r}")
+
+    return attrs.field(default=default, validator=check)
+
+
+def _positive_int(low: int, high: int) -> Any:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(
+                attribute.name, f"must be an integer in [{low}, {high}], got {value!r}"
+            )
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class StateKVConfig:
+    """Everything needed to open a cache on one rank."""
+
+    layout: KVLayout = attrs.field()
+    block_size: int = 16
+    gpu: int | str = _size_field()
+    """GPU pool: blocks or bytes."""
+    host: int | str = _size_field(0)
+    """Pinned host pool: blocks or bytes."""
+    reserved_host: int | str = _size_field(0)
+    """Extra host pages handed to spills while their victims drain."""
+    disk: int | str = _size_field(0)
+    """Disk tier: blocks (slots) or bytes; 0 disables it."""
+    disk_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    """Where slot files live; each rank and namespace gets its own subdirectory."""
+    backend: str = attrs.field(default="posix")
+    device: str = attrs.field(default="auto")
+    writers: int = attrs.field(default=2, validator=_positive_int(1, 256))
+    readers: int = attrs.field(default=2, validator=_positive_int(1, 256))
+    write_queue_depth: int = attrs.field(default=64, validator=_positive_int(1, 1 << 20))
+    spill_mode: SpillMode | str = SpillMode.ALL
+    spill_min_reuse: int = 1
+    protect_unexpired: bool = False
+    drop_on_pressure: bool = False
+    priority_levels: int = 4
+    max_ttl_seconds: float = 30 * 24 * 3600.0
+    model_fingerprint: str = ""
+    rank: int = attrs.field(default=0, validator=_positive_int(0, 1 << 16))
+    namespace: str = attrs.field(default="target")
+    """Separates caches that must never share slot files (a draft model's from the target's)."""
+
+    @backend.validator
+    def _check_backend(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if value not in BACKENDS:
+            raise ConfigError("backend", f"unknown backend {value!r} (known: {BACKENDS})")
+
+    @device.validator
+    def _check_device(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if value not in DEVICES:
+            raise ConfigError("device", f"unknown device {value!r} (known: {DEVICES})")
+
+    @namespace.validator
+    def _check_namespace(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value):
+            raise ConfigError("namespace", f"must be 1-64 of [A-Za-z0-9_-], got {value!r}")
+
+    @layout.validator
+    def _check_layout(self, _attribute: attrs.Attribute[KVLayout], value: object) -> None:
+        if not isinstance(value, KVLayout):
+            raise ConfigError("layout", f"must be a statekv.KVLayout, got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        # Building the core config validates every core field and the sizes.
+        core = self.core_config()
+        if core.disk_blocks and self.disk_dir is None:
+            raise ConfigError("disk_dir", "a disk tier needs a directory")
+
+    @property
+    def block_bytes(self) -> int:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not (
+            1 <= self.block_size <= 4096
+        ):
+            raise ConfigError("block_size", f"must be an integer in [1, 4096], got "
+                                            f"{self.block_size!r}")
+        return self.layout.block_bytes(self.block_size)
+
+    def core_config(self) -> CacheConfig:
+        """The pure core's config, sizes converted to blocks."""
+        bb = self.block_bytes
+        gpu = blocks_from_size("gpu", self.gpu, bb)
+        if gpu < 1:
+            raise ConfigError("gpu", f"{self.gpu!r} holds no block of {bb} bytes")
+        return CacheConfig(
+            block_size=self.block_size,
+            gpu_blocks=gpu,
+            host_blocks=blocks_from_size("host", self.host, bb),
+            reserved_host_blocks=blocks_from_size("reserved_host", self.reserved_host, bb),
+            disk_blocks=blocks_from_size("disk", self.disk, bb),
+            layout=self.layout,
+            spill_mode=self.spill_mode,
+            spill_min_reuse=self.spill_min_reuse,
+            protect_unexpired=self.protect_unexpired,
+            drop_on_pressure=self.drop_on_pressure,
+            write_queue_depth=self.write_queue_depth,
+            priority_levels=self.priority_levels,
+            max_ttl_seconds=self.max_ttl_seconds,
+            model_fingerprint=self.model_fingerprint,
+        )
+
+    def rank_directory(self) -> Path | None:
+        """This rank's own slot directory: <disk_dir>/<namespace>/rank_<rank>."""
+        if self.disk_dir is None:
+            return None
+        return self.disk_dir / self.namespace / f"rank_{self.rank}"

@@ -1,0 +1,299 @@
+"""Embedding statekv: an async API for trio programs and a blocking facade for the rest.
+
+Async (trio)::
+
+    async with open_cache(config) as cache:
+        match = cache.add_request("r1", prompt, ttl_seconds=600)
+        await cache.wait_ready("r1")          # only when match.disk_tokens > 0
+        ...
+
+Blocking (a synchronous serving loop, the common case)::
+
+    with BlockingCache(config) as cache:      # the trio loop runs in its own thread
+        match = cache.add_request("r1", prompt)
+        if cache.is_ready("r1"):              # O(1); parked while disk reads are in flight
+            cache.allocate_nowait("r1", len(prompt))
+            pages = cache.block_table("r1")   # index cache.kv_pool with these
+            ...forward pass writes KV...
+            cache.commit("r1", len(prompt))
+        cache.release("r1")
+
+Every method is thread-safe and returns without waiting on disk: the calls run the core's
+bookkeeping on the caller's thread under the scheduler's lock (microseconds) and hand disk
+work to the trio thread.  See README.md for the whole step protocol.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager, suppress
+from types import TracebackType
+
+import torch
+import trio
+
+from io_actors.backends import open_slot_store
+from io_actors.config import StateKVConfig
+from io_actors.gate import CompletionGate, OpenGate
+from io_actors.interfaces import SlotStore
+from io_actors.memory import KVPools, TorchCopyEngine
+from io_actors.reader_pool import ReaderPool
+from io_actors.scheduler import CloseReport, Scheduler, SystemStatistics
+from io_actors.writer_pool import WriterPool
+from statekv.config import CacheConfig
+from statekv.errors import ConfigError, UsageError
+from statekv.ids import PageId
+from statekv.manager import KVCacheManager, PrefixMatch, RequestStatus
+from statekv.trace import TraceSink
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' means CUDA when present, else the CPU (same code path, real copies)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "CUDA was asked for but torch sees no GPU")
+    return torch.device(name)
+
+
+class CacheAPI:
+    """The calls a serving loop makes; shared by the async API and the blocking facade."""
+
+    _scheduler: Scheduler
+    _pools: KVPools
+
+    @property
+    def config(self) -> CacheConfig:
+        return self._scheduler.core_config
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The GPU pool: [blocks, layers, 2 (K, V), block_size, kv_heads, head_dim]."""
+        return self._pools.gpu
+
+    @property
+    def device(self) -> torch.device:
+        return self._pools.gpu.device
+
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        *,
+        ttl_seconds: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> PrefixMatch:
+        """Register a request and take the longest cached prefix (see KVCacheManager)."""
+        return self._scheduler.add_request(
+            request_id, token_ids, ttl_seconds=ttl_seconds, priority=priority,
+            cache_salt=cache_salt, lora_id=lora_id,
+        )
+
+    def allocate_nowait(self, request_id: str, num_tokens: int) -> None:
+        """GPU pages for the request's first `num_tokens` tokens, or OutOfBlocks."""
+        self._scheduler.allocate_nowait(request_id, num_tokens)
+
+    def commit(self, request_id: str, num_computed_tokens: int) -> None:
+        """KV for tokens [0, num_computed_tokens) is written: share its full blocks."""
+        self._scheduler.commit(request_id, num_computed_tokens)
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._scheduler.append_tokens(request_id, token_ids)
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was cancelled."""
+        self._scheduler.release(request_id)
+
+    def is_ready(self, request_id: str) -> bool:
+        """Whether every block has landed on GPU (O(1)); a parked request is not."""
+        return self._scheduler.is_ready(request_id)
+
+    def block_table(self, request_id: str) -> tuple[PageId, ...]:
+        return self._scheduler.block_table(request_id)
+
+    def obtainable_gpu_blocks(self) -> int:
+        """GPU pages allocation could have now (empty plus evictable): for admission control."""
+        return self._scheduler.obtainable_gpu_blocks()
+
+    def request_status(self, request_id: str) -> RequestStatus:
+        return self._scheduler.request_status(request_id)
+
+    def statistics(self) -> SystemStatistics:
+        return self._scheduler.statistics()
+
+    def check_invariants(self) -> None:
+        self._scheduler.check_invariants()
+
+
+class AsyncCache(CacheAPI):
+    """The cache inside a trio program (from open_cache)."""
+
+    def __init__(self, scheduler: Scheduler, pools: KVPools) -> None:
+        self._scheduler = scheduler
+        self._pools = pools
+        self.close_report: CloseReport | None = None
+        self.drain_on_close = True
+        """Whether leaving open_cache waits for disk work in flight (else drops the queue)."""
+
+    async def wait_ready(self, request_id: str) -> None:
+        """Wait until the request's onboard reads have landed."""
+        await self._scheduler.wait_ready(request_id)
+
+
+@asynccontextmanager
+async def open_cache(
+    config: StateKVConfig,
+    *,
+    store: SlotStore | None = None,
+    gate: CompletionGate | None = None,
+    clock: Callable[[], float] | None = None,
+    trace: TraceSink | None = None,
+) -> AsyncIterator[AsyncCache]:
+    """Open a cache for a trio program; closing drains (or drops) disk work in flight.
+
+    `store` replaces the configured backend (tests wrap one in fault injection); `gate`
+    holds completions until released (the fuzz suite); `clock` replaces the wall clock.
+    """
+    if not isinstance(config, StateKVConfig):
+        raise UsageError("config", f"must be a StateKVConfig, got {config!r}")
+    core_config = config.core_config()
+    device = resolve_device(config.device)
+    pools = KVPools(core_config, device)
+    copies = TorchCopyEngine(pools)
+    owns_store = store is None
+    if core_config.disk_blocks and store is None:
+        directory = config.rank_directory()
+        assert directory is not None
+        store = open_slot_store(config.backend, directory, core_config)
+    try:
+        scheduler = Scheduler(KVCacheManager(core_config, trace=trace), copies, store,
+                              clock=clock)
+        gate = gate or OpenGate()
+        writer = reader = None
+        if store is not None:
+            writer = WriterPool(
+                store, pools.host_page, workers=config.writers,
+                queue_depth=config.write_queue_depth, gate=gate,
+                report=scheduler.report_completion,
+            )
+            reader = ReaderPool(
+                store, pools.gpu_page, new_staging=pools.new_staging_buffer, device=device,
+                workers=config.readers, queue_depth=max(1, core_config.gpu_blocks), gate=gate,
+                report=scheduler.report_completion,
+            )
+        cache = AsyncCache(scheduler, pools)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run, writer, reader)
+            ok = False
+            try:
+                yield cache
+                ok = True
+            finally:
+                with trio.CancelScope(shield=True):
+                    cache.close_report = await scheduler.close(
+                        drain=cache.drain_on_close and ok
+                    )
+    finally:
+        if store is not None and owns_store:
+            store.close()
+
+
+class BlockingCache(CacheAPI):
+    """The cache for a synchronous serving loop: its trio loop runs in a thread of its own."""
+
+    def __init__(
+        self,
+        config: StateKVConfig,
+        *,
+        store: SlotStore | None = None,
+        gate: CompletionGate | None = None,
+        clock: Callable[[], float] | None = None,
+        trace: TraceSink | None = None,
+    ) -> None:
+        self._open_args = (config, store, gate, clock, trace)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._drain = True
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self.close_report: CloseReport | None = None
+        self._thread = threading.Thread(target=self._main, name="statekv-trio", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        """Re-raise what stopped the trio thread (an actor crashed, or it never started)."""
+        error = self._error
+        if error is not None:
+            self._thread.join()
+            raise error
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._amain)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _amain(self) -> None:
+        config, store, gate, clock, trace = self._open_args
+        async with open_cache(config, store=store, gate=gate, clock=clock, trace=trace) as cache:
+            self._scheduler = cache._scheduler
+            self._pools = cache._pools
+            self._token = trio.lowlevel.current_trio_token()
+            self._stop = trio.Event()
+            self._ready.set()
+            await self._stop.wait()
+            # Leaving open_cache closes the scheduler: drain unless told otherwise.
+            cache.drain_on_close = self._drain
+        self.close_report = cache.close_report
+
+    def wait_ready(self, request_id: str, timeout: float | None = None) -> bool:
+        """Block until the request's onboard reads landed; False on timeout."""
+        done = threading.Event()
+        token = self._token
+        assert token is not None
+
+        async def waiter() -> None:
+            try:
+                await self._scheduler.wait_ready(request_id)
+            finally:
+                done.set()
+
+        def start() -> None:
+            trio.lowlevel.spawn_system_task(waiter)
+
+        if self.is_ready(request_id):
+            return True
+        token.run_sync_soon(start)
+        return done.wait(timeout) and (
+            not self._scheduler.has_request(request_id) or self.is_ready(request_id)
+        )
+
+    def close(self, *, drain: bool = True) -> CloseReport | None:
+        """Drain (or drop) disk work in flight, stop every thread; idempotent."""
+        if self._thread.is_alive():
+            self._drain = drain
+            token, stop = self._token, self._stop
+            if token is not None and stop is not None:
+                with suppress(trio.RunFinishedError):
+                    token.run_sync_soon(stop.set)
+            self._thread.join()
+        self._raise_if_failed()
+        return self.close_report
+
+    def __enter__(self) -> BlockingCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(drain=exc is None)

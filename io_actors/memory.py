@@ -1,0 +1,370 @@
+"""The KV memory pools and the engine that copies pages between them.
+
+:class:`KVPools` owns two preallocated tensors of pages, one on the compute device (L1) and
+one in host memory (L2), each page holding one block's KV contiguously.  The core hands out
+page numbers; nothing here allocates after construction.
+
+:class:`TorchCopyEngine` executes the core's ``CopyGpuToHost`` / ``CopyHostToGpu`` commands
+in command order on one dedicated CUDA stream (see its docstring for how it is ordered
+against the forward pass).  On a CPU device the same code path performs real, synchronous
+copies, so tests exercise the byte movement everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from typing import Final
+
+import attrs
+import torch
+
+from io_actors.interfaces import Fence
+from statekv.config import CacheConfig
+from statekv.errors import ConfigError, UsageError
+from statekv.ids import PageId
+
+_log = logging.getLogger(__name__)
+
+TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+"""The torch dtype of each KVLayout dtype name."""
+
+_PAGE_SIZE: Final = mmap.PAGESIZE
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """raises: ConfigError("dtype") for a name KVLayout does not know."""
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        known = sorted(TORCH_DTYPES)
+        raise ConfigError("dtype", f"unknown dtype {name!r} (known: {known})") from None
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def page_aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A zeroed uint8 host tensor whose first byte is page aligned (for O_DIRECT).
+
+    Anonymous mmap memory is page aligned and sized exactly; the tensor keeps the mapping
+    alive.
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+def _parse_device(device: object) -> torch.device:
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError as exc:
+            raise ConfigError("device", f"not a torch device: {device!r} ({exc})") from None
+    else:
+        raise ConfigError("device", f"must be a torch.device or a string, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{dev} requested but CUDA is not available")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if not 0 <= index < torch.cuda.device_count():
+            raise ConfigError("device", f"{dev}: only {torch.cuda.device_count()} CUDA devices")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ConfigError("device", f"must be cpu or cuda, got {dev}")
+    return dev
+
+
+class KVPools:
+    """The GPU page pool and the host page pool of one cache (one rank's shard).
+
+    ``gpu`` is ``[gpu_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` on the
+    device; ``host`` has the same page shape with ``host_blocks + reserved_host_blocks``
+    pages.  A page's bytes are contiguous, so a block moves with one copy and is written to
+    disk as one buffer.
+
+    The host pool is pinned when CUDA is available (a pageable copy runs at about a sixth of
+    pinned speed and cannot overlap compute); if pinning fails the pool falls back to
+    ordinary memory and the reason is logged.  Without pinning the pool lives in anonymous
+    mmap memory, which is page aligned, so disk I/O can use O_DIRECT on pages directly.
+    Pinned memory comes from torch's host allocator, which is page aligned too but rounds
+    each allocation up to a power of two: a 40 GiB pool pins 64 GiB.
+    """
+
+    def __init__(self, config: CacheConfig, device: torch.device | str) -> None:
+        if not isinstance(config, CacheConfig):
+            raise ConfigError("config", f"must be a CacheConfig, got {config!r}")
+        self.config: Final = config
+        self.device: Final = _parse_device(device)
+        layout = config.layout
+        self.dtype: Final = torch_dtype(layout.dtype)
+        self.page_shape: Final = (
+            layout.num_layers, 2, config.block_size, layout.num_kv_heads, layout.head_dim
+        )
+        self.block_nbytes: Final = config.block_bytes
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        if self.block_nbytes != element_bytes * _numel(self.page_shape):
+            raise ConfigError("layout", "block bytes disagree with the layout's shape and dtype")
+        self.gpu_pages: Final = config.gpu_blocks
+        self.host_pages: Final = config.host_blocks + config.reserved_host_blocks
+        self._check_fits("gpu_blocks", self.gpu_pages, on_host=self.device.type == "cpu")
+        self._check_fits("host_blocks", self.host_pages, on_host=True)
+        self.gpu: Final = self._allocate_gpu()
+        self.host_pinned: bool = False
+        self.host: Final = self._allocate_host()
+
+    def _check_fits(self, field: str, pages: int, *, on_host: bool) -> None:
+        # Host allocations are lazily committed (overcommit): without this check an absurd
+        # size "succeeds" here and the process is killed when the pages are first touched.
+        if not on_host:
+            return
+        nbytes = pages * self.block_nbytes
+        physical = _physical_memory()
+        if physical is not None and nbytes > physical:
+            raise ConfigError(
+                field, f"{pages} pages x {self.block_nbytes} bytes = {nbytes} bytes exceeds "
+                f"this machine's {physical} bytes of memory"
+            )
+
+    def _allocate_gpu(self) -> torch.Tensor:
+        shape = (self.gpu_pages, *self.page_shape)
+        try:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except RuntimeError as exc:
+            raise ConfigError(
+                "gpu_blocks", f"cannot allocate {self.gpu_pages} pages of {self.block_nbytes} "
+                f"bytes on {self.device}: {exc}"
+            ) from None
+
+    def _allocate_host(self) -> torch.Tensor:
+        shape = (self.host_pages, *self.page_shape)
+        if torch.cuda.is_available() and self.host_pages > 0:
+            try:
+                pinned = torch.zeros(shape, dtype=self.dtype, pin_memory=True)
+            except RuntimeError as exc:
+                _log.warning(
+                    "host pool: pinning %d bytes failed (%s); using pageable memory, host "
+                    "<-> GPU copies will be slower and synchronous",
+                    self.host_pages * self.block_nbytes, exc,
+                )
+            else:
+                self.host_pinned = True
+                return pinned
+        try:
+            flat = page_aligned_buffer(self.host_pages * self.block_nbytes)
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(
+                "host_blocks", f"cannot allocate {self.host_pages} pages of "
+                f"{self.block_nbytes} bytes: {exc}"
+            ) from None
+        return flat.view(self.dtype).view(shape)
+
+    def gpu_page(self, page: PageId) -> torch.Tensor:
+        """One GPU page as a 1-D uint8 view of its block_nbytes bytes."""
+        return _page_bytes(self.gpu, "gpu_page", page)
+
+    def host_page(self, page: PageId) -> torch.Tensor:
+        """One host page as a 1-D uint8 view of its block_nbytes bytes."""
+        return _page_bytes(self.host, "host_page", page)
+
+    def new_staging_buffer(self) -> torch.Tensor:
+        """A one-block uint8 host buffer, page aligned and pinned like the host pool.
+
+        For reader workers: each stages disk reads through its own buffer.
+        """
+        if self.host_pinned:
+            return torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=True)
+        return page_aligned_buffer(self.block_nbytes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _page_bytes(pool: torch.Tensor, field: str, page: int) -> torch.Tensor:
+    if isinstance(page, bool) or not isinstance(page, int):
+        raise UsageError(field, f"must be an integer page number, got {page!r}")
+    if not 0 <= page < pool.shape[0]:
+        raise UsageError(field, f"page {page} out of range [0, {pool.shape[0]})")
+    return pool[page].view(-1).view(torch.uint8)
+
+
+# --- the copy engine --------------------------------------------------------------------------
+
+
+class _DoneFence:
+    """The fence of a synchronous engine: every copy before it has already happened."""
+
+    def wait(self) -> None:
+        return None
+
+
+class _EventFence:
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        # Event.synchronize releases the GIL while it blocks.
+        self._event.synchronize()
+
+
+@attrs.frozen(kw_only=True)
+class CopyEngineStatistics:
+    """Counters of one copy engine."""
+
+    copies_to_host: int
+    """GPU -> host page copies enqueued."""
+    copies_to_gpu: int
+    """Host -> GPU page copies enqueued (pool pages and staging buffers)."""
+    bytes_to_host: int
+    bytes_to_gpu: int
+    fences: int
+    """Fences handed out."""
+    asynchronous: bool
+    """Whether copies run on a CUDA copy stream (False: synchronous CPU copies)."""
+
+
+class TorchCopyEngine:
+    """GPU <-> host page copies in command order on one dedicated CUDA copy stream.
+
+    Ordering, on CUDA:
+
+    - *Against the forward pass.*  Before each copy the copy stream waits for every kernel
+      already enqueued on the compute stream (``wait_stream`` records an event there and
+      makes the copy stream wait on it).  A copy out of a GPU page therefore sees the bytes
+      of the forward pass that wrote them, and a copy into a GPU page cannot overwrite bytes
+      that an earlier forward pass is still reading.  The compute stream is the one the
+      forward pass runs on: by default the stream current on the constructing thread
+      (torch's default stream unless the serving loop chose another); pass it explicitly
+      otherwise.  Capturing it once matters because torch's "current stream" is per thread,
+      and the engine is driven from actor and worker threads, not the serving thread.
+    - *Among copies.*  One stream executes them in enqueue order.
+    - *Forward pass after copies.*  :meth:`order_before_compute` makes the compute stream
+      wait for every copy enqueued so far (the serving loop calls it before each step).
+    - *Host threads after copies.*  :meth:`fence` records an event after every copy enqueued
+      so far, and after the compute work the copy stream has been made to wait for; a
+      worker thread blocks on ``Fence.wait()`` before it reads a host page just filled by a
+      copy, or before it writes a GPU page from outside the streams (kvikio, GDS).
+
+    On a CPU device every copy completes before its call returns and fences are no-ops.
+    Methods may be called from several threads: a lock keeps enqueue order equal to call
+    order.
+    """
+
+    def __init__(
+        self, pools: KVPools, *, compute_stream: torch.cuda.Stream | None = None
+    ) -> None:
+        if not isinstance(pools, KVPools):
+            raise ConfigError("pools", f"must be KVPools, got {pools!r}")
+        self._pools = pools
+        self._lock = threading.Lock()
+        self._copies_to_host = 0
+        self._copies_to_gpu = 0
+        self._fences = 0
+        self._pending_for_compute = False
+        self._async = pools.device.type == "cuda"
+        if self._async:
+            self._compute: torch.cuda.Stream | None = (
+                compute_stream
+                if compute_stream is not None
+                else torch.cuda.current_stream(pools.device)
+            )
+            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                device=pools.device
+            )
+        else:
+            if compute_stream is not None:
+                raise ConfigError("compute_stream", "only meaningful for a CUDA device")
+            self._compute = None
+            self._stream = None
+        self._non_blocking = self._async and pools.host_pinned
+
+    def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
+        src = self._pools.gpu_page(gpu_page)
+        dst = self._pools.host_page(host_page)
+        with self._lock:
+            self._enqueue(dst, src)
+            self._copies_to_host += 1
+
+    def copy_host_to_gpu(self, host_page: PageId, gpu_page: PageId) -> None:
+        src = self._pools.host_page(host_page)
+        dst = self._pools.gpu_page(gpu_page)
+        with self._lock:
+            self._enqueue(dst, src)
+            self._copies_to_gpu += 1
+
+    def copy_buffer_to_gpu(self, src: torch.Tensor, gpu_page: PageId) -> None:
+        """Enqueue a copy of a one-block host buffer (a reader's staging buffer) into a GPU
+        page, behind every earlier copy.  The buffer must not be reused before a fence taken
+        after this call has been waited on."""
+        if (
+            not isinstance(src, torch.Tensor) or src.device.type != "cpu"
+            or src.dtype != torch.uint8 or src.dim() != 1 or not src.is_contiguous()
+            or src.numel() != self._pools.block_nbytes
+        ):
+            raise UsageError(
+                "src", f"must be a contiguous 1-D uint8 host tensor of "
+                f"{self._pools.block_nbytes} bytes"
+            )
+        dst = self._pools.gpu_page(gpu_page)
+        with self._lock:
+            self._enqueue(dst, src)
+            self._copies_to_gpu += 1
+
+    def _enqueue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._stream is None or self._compute is None:
+            dst.copy_(src)
+            return
+        self._stream.wait_stream(self._compute)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=self._non_blocking)
+        self._pending_for_compute = True
+
+    def fence(self) -> Fence:
+        with self._lock:
+            self._fences += 1
+            if self._stream is None or self._compute is None:
+                return _DoneFence()
+            self._stream.wait_stream(self._compute)
+            # A blocking-sync event puts a waiting worker thread to sleep instead of spinning
+            # a core for the whole wait.
+            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            event.record(self._stream)
+            return _EventFence(event)
+
+    def order_before_compute(self) -> None:
+        with self._lock:
+            if self._stream is None or self._compute is None or not self._pending_for_compute:
+                return
+            self._compute.wait_stream(self._stream)
+            self._pending_for_compute = False
+
+    def statistics(self) -> CopyEngineStatistics:
+        with self._lock:
+            nbytes = self._pools.block_nbytes
+            return CopyEngineStatistics(
+                copies_to_host=self._copies_to_host,
+                copies_to_gpu=self._copies_to_gpu,
+                bytes_to_host=self._copies_to_host * nbytes,
+                bytes_to_gpu=self._copies_to_gpu * nbytes,
+                fences=self._fences,
+                asynchronous=self._async,
+            )

@@ -1,0 +1,364 @@
+"""The scheduler actor: owns the core, turns its commands into work, feeds completions back.
+
+Who runs what:
+
+* API calls (add a request, allocate, commit, release...) run on the caller's thread -- the
+  serving loop's -- under the scheduler's lock, which is held for microseconds: the core's
+  bookkeeping plus *enqueueing* the GPU <-> host copies it asked for, which are stream ordered
+  and must be on the copy stream before the caller's next forward pass.  Disk reads and
+  writes are only handed over (a deque and a thread-safe wake-up of the trio thread): the
+  caller never waits on disk I/O, and never hops threads.
+* On the trio thread, the scheduler's tasks move handed-over disk work into the pools: reads
+  straight into the reader pool's queue, writes through a feeder task that waits while the
+  writer pool's bounded queue is full -- that wait is the backpressure on spills.
+* Completions from the pools come back to the scheduler's completion task, which applies
+  them to the core under the same lock.  A request whose onboard reads have not landed stays
+  parked (`is_ready` is false, O(1)) until the last one is applied.
+
+The clock: the core never reads one; the scheduler passes wall-clock time made monotonic
+(retention deadlines must mean the same thing after a restart, and must never run
+backwards within one process).  Tensor-parallel ranks may inject a shared clock instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import attrs
+import trio
+
+from io_actors.interfaces import CopyEngine, SlotStore
+from io_actors.reader_pool import ReaderPool, ReadJob
+from io_actors.worker_threads import PoolStatistics
+from io_actors.writer_pool import WriteJob, WriterPool
+from statekv.config import CacheConfig
+from statekv.errors import InvariantViolation, UsageError
+from statekv.ids import PageId, RequestId, SlotId
+from statekv.manager import KVCacheManager, PrefixMatch, RequestStatus
+from statekv.messages import (
+    Completion,
+    CopyGpuToHost,
+    CopyHostToGpu,
+    FreeSlot,
+    ReadSlot,
+    SlotRead,
+    SlotReadFailed,
+    WriteSlot,
+)
+from statekv.stats import CacheStatistics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WallClock:
+    """time.time(), never running backwards."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            now = time.time()
+            self._last = max(self._last, now)
+            return self._last
+
+
+@attrs.frozen(kw_only=True)
+class SystemStatistics:
+    """One snapshot of everything: the core's counters and the pools'."""
+
+    cache: CacheStatistics
+    writer: PoolStatistics | None
+    reader: PoolStatistics | None
+    spill_backlog: int
+    """Writes handed over but waiting for room in the writer queue (backpressure)."""
+    slots_discarded: int
+
+
+@attrs.frozen(kw_only=True)
+class CloseReport:
+    """What closing the cache did with the work in flight."""
+
+    drained: bool
+    """Whether in-flight transfers were allowed to finish."""
+    writes_dropped: int
+    """Spills queued but not started when the cache closed (their content was not kept)."""
+    reads_dropped: int
+    writes_finished_during_close: int
+    reads_finished_during_close: int
+
+
+class Scheduler:
+    """The actor that owns a KVCacheManager."""
+
+    def __init__(
+        self,
+        core: KVCacheManager,
+        copies: CopyEngine,
+        store: SlotStore | None,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._core = core
+        self._copies = copies
+        self._store = store
+        self._clock: Callable[[], float] = clock or WallClock()
+        self._lock = threading.Lock()
+        self._handover: collections.deque[WriteJob | ReadJob] = collections.deque()
+        self._spill_backlog: collections.deque[WriteJob] = collections.deque()
+        self._spill_wakeup = trio.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._wake_pending = False
+        self._slots_in_flight: set[SlotId] = set()
+        self._slot_of_transfer: dict[int, SlotId] = {}
+        self._ready_waiters: dict[RequestId, list[trio.Event]] = {}
+        self._slots_discarded = 0
+        self._closed = False
+        self._writer: WriterPool | None = None
+        self._reader: ReaderPool | None = None
+        self._completions_send, self._completions_recv = trio.open_memory_channel[Completion](
+            float("inf")
+        )
+        self._all_closed = trio.Event()
+
+    # ------------------------------------------------------------------ the API (any thread)
+
+    @property
+    def core_config(self) -> CacheConfig:
+        return self._core.config
+
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        *,
+        ttl_seconds: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> PrefixMatch:
+        return self._call(lambda now: self._core.add_request(
+            request_id, token_ids, now=now, ttl_seconds=ttl_seconds, priority=priority,
+            cache_salt=cache_salt, lora_id=lora_id,
+        ))
+
+    def allocate_nowait(self, request_id: str, num_tokens: int) -> None:
+        self._call(lambda now: self._core.allocate_nowait(request_id, num_tokens, now=now))
+
+    def commit(self, request_id: str, num_computed_tokens: int) -> None:
+        self._call(lambda now: self._core.commit(request_id, num_computed_tokens, now=now))
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._call(lambda _now: self._core.append_tokens(request_id, token_ids))
+
+    def release(self, request_id: str) -> None:
+        self._call(lambda now: self._core.release(request_id, now=now))
+
+    def is_ready(self, request_id: str) -> bool:
+        with self._lock:
+            return self._core.is_ready(request_id)
+
+    def obtainable_gpu_blocks(self) -> int:
+        with self._lock:
+            return self._core.obtainable_gpu_blocks()
+
+    def has_request(self, request_id: str) -> bool:
+        with self._lock:
+            return self._core.has_request(request_id)
+
+    def block_table(self, request_id: str) -> tuple[PageId, ...]:
+        with self._lock:
+            return self._core.block_table(request_id)
+
+    def request_status(self, request_id: str) -> RequestStatus:
+        with self._lock:
+            return self._core.request_status(request_id)
+
+    def statistics(self) -> SystemStatistics:
+        with self._lock:
+            cache = self._core.statistics()
+        return SystemStatistics(
+            cache=cache,
+            writer=self._writer.statistics() if self._writer else None,
+            reader=self._reader.statistics() if self._reader else None,
+            spill_backlog=len(self._spill_backlog),
+            slots_discarded=self._slots_discarded,
+        )
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            self._core.check_invariants()
+
+    async def wait_ready(self, request_id: str) -> None:
+        """Wait (trio thread) until the request's onboard reads have all landed."""
+        event = trio.Event()
+        with self._lock:
+            if self._core.is_ready(request_id):
+                return
+            self._ready_waiters.setdefault(RequestId(request_id), []).append(event)
+        await event.wait()
+
+    def _call(self, op: Callable[[float], T]) -> T:
+        with self._lock:
+            if self._closed:
+                raise UsageError("cache", "the cache is closed")
+            result = op(self._clock())
+            self._dispatch_locked()
+            return result
+
+    # ------------------------------------------------------------------ commands
+
+    def _dispatch_locked(self) -> None:
+        """Execute copies now (enqueue on the copy stream); hand disk work to the trio side."""
+        commands = self._core.take_commands()
+        if not commands:
+            return
+        copies = self._copies
+        copied = False
+        fence = None
+        for cmd in commands:
+            if isinstance(cmd, CopyGpuToHost):
+                copies.copy_gpu_to_host(cmd.gpu_page, cmd.host_page)
+                copied = True
+                fence = None
+            elif isinstance(cmd, CopyHostToGpu):
+                copies.copy_host_to_gpu(cmd.host_page, cmd.gpu_page)
+                copied = True
+                fence = None
+            elif isinstance(cmd, WriteSlot | ReadSlot):
+                if cmd.slot in self._slots_in_flight:
+                    raise InvariantViolation(f"slot {cmd.slot} has a transfer in flight already")
+                self._slots_in_flight.add(cmd.slot)
+                self._slot_of_transfer[cmd.transfer] = cmd.slot
+                if fence is None:
+                    fence = copies.fence()
+                if isinstance(cmd, WriteSlot):
+                    self._handover.append(WriteJob(cmd, fence))
+                else:
+                    self._handover.append(ReadJob(cmd, fence))
+            elif isinstance(cmd, FreeSlot):
+                # A hint only (see SlotStore.discard): never I/O on this path, and ordered
+                # before any later write to the slot because it runs right here.
+                if self._store is not None:
+                    self._store.discard(cmd.slot)
+                self._slots_discarded += 1
+        if copied:
+            copies.order_before_compute()
+        if self._handover and not self._wake_pending and self._token is not None:
+            self._wake_pending = True
+            self._token.run_sync_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Trio thread: move handed-over disk work into the pools."""
+        with self._lock:
+            self._wake_pending = False
+            jobs = list(self._handover)
+            self._handover.clear()
+        for job in jobs:
+            if isinstance(job, WriteJob):
+                self._spill_backlog.append(job)
+                self._spill_wakeup.set()
+            else:
+                assert self._reader is not None
+                # The reader queue holds as many jobs as there are GPU pages: never full.
+                self._reader.submit_nowait(job)
+
+    async def _feed_spills(self) -> None:
+        """Trio task: move spills into the writer queue, waiting while it is full."""
+        writer = self._writer
+        assert writer is not None
+        while True:
+            while self._spill_backlog:
+                job = self._spill_backlog[0]
+                await writer.submit(job)
+                self._spill_backlog.popleft()
+            if self._closed and not self._handover:
+                return
+            self._spill_wakeup = trio.Event()
+            await self._spill_wakeup.wait()
+
+    async def report_completion(self, completion: Completion) -> None:
+        """Called by the pools (trio thread) for every completion."""
+        await self._completions_send.send(completion)
+
+    async def _apply_completions(self) -> None:
+        async for completion in self._completions_recv:
+            with self._lock:
+                slot = self._slot_of_transfer.pop(completion.transfer)
+                self._slots_in_flight.discard(slot)
+                self._core.handle(completion, now=self._clock())
+                self._dispatch_locked()
+                woken: list[trio.Event] = []
+                if isinstance(completion, SlotRead | SlotReadFailed) and self._ready_waiters:
+                    for rid in list(self._ready_waiters):
+                        if not self._core.has_request(rid) or self._core.is_ready(rid):
+                            woken += self._ready_waiters.pop(rid)
+            for event in woken:
+                event.set()
+
+    # ------------------------------------------------------------------ life
+
+    async def run(
+        self,
+        writer: WriterPool | None,
+        reader: ReaderPool | None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Host the pools and the scheduler's tasks until `close` has finished."""
+        self._writer, self._reader = writer, reader
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._apply_completions)
+            if writer is not None:
+                await nursery.start(writer.run)
+                nursery.start_soon(self._feed_spills)
+            if reader is not None:
+                await nursery.start(reader.run)
+            task_status.started()
+            await self._all_closed.wait()
+            self._completions_send.close()
+
+    async def close(self, *, drain: bool = True, timeout: float = 30.0) -> CloseReport:
+        """Stop taking calls; drain (or drop) disk work; stop the pools' threads."""
+        with self._lock:
+            self._closed = True
+        self._pump()
+        writes_dropped = reads_dropped = 0
+        busy_writes = (self._writer.busy if self._writer else 0) + len(self._spill_backlog)
+        busy_reads = self._reader.busy if self._reader else 0
+        if drain:
+            with trio.move_on_after(timeout):
+                while (self._spill_backlog or (self._writer and self._writer.busy)
+                       or (self._reader and self._reader.busy)):
+                    await trio.sleep(0.001)
+        if self._spill_backlog:
+            writes_dropped += len(self._spill_backlog)
+            self._spill_backlog.clear()
+        self._spill_wakeup.set()
+        if self._writer is not None:
+            writes_dropped += len(self._writer.close_queue(drop_queued=True))
+        if self._reader is not None:
+            reads_dropped += len(self._reader.close_queue(drop_queued=True))
+        # Jobs already in a thread cannot be abandoned (the thread owns the buffers): wait.
+        while (self._writer and self._writer.busy) or (self._reader and self._reader.busy):
+            await trio.sleep(0.001)
+        self._all_closed.set()
+        if writes_dropped or reads_dropped:
+            log.warning("closed with %d spills and %d onboards dropped", writes_dropped,
+                        reads_dropped)
+        return CloseReport(
+            drained=drain and not writes_dropped and not reads_dropped,
+            writes_dropped=writes_dropped,
+            reads_dropped=reads_dropped,
+            writes_finished_during_close=busy_writes - writes_dropped,
+            reads_finished_during_close=busy_reads - reads_dropped,
+        )
+

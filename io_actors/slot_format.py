@@ -1,0 +1,385 @@
+"""The on-disk slot format: one block's KV behind a self-describing, checksummed header.
+
+Layout of one slot (integers little-endian)::
+
+    offset 0      header block, HEADER_SIZE bytes
+                    magic        8s   b"STKVSLOT"
+                    version      u32  FORMAT_VERSION
+                    header_size  u32  HEADER_SIZE
+                    slot         u64  the slot number the writer meant
+                    payload_len  u64  bytes of KV that follow
+                    key          32s  the block's BlockHash
+                    payload_crc  u32  CRC-32 of the payload (zlib's polynomial and conventions)
+                    header_crc   u32  CRC-32 of the whole header block, this field read as zero
+                    zeros up to HEADER_SIZE
+    offset 4096   payload, payload_len bytes, zero padded to a multiple of ALIGN
+
+Why these fields:
+
+- Everything is a multiple of 4096 bytes so that O_DIRECT (which wants file offsets, lengths
+  and buffer addresses aligned to the device's logical block, 512 or 4096) and GPUDirect
+  Storage (4 KiB GPU pages) can move a slot without bounce copies.
+- The key binds the bytes to the block they belong to: a slot recycled for another block, a
+  write that never landed, or a stale file from another run reads as a key mismatch.  Keys
+  are content hashes (statekv.hashing), so bytes that carry the right key *and* a valid
+  checksum are the right KV wherever they are found.
+- The slot number catches misdirected I/O (a wrong offset) and a data file reopened with
+  another slot geometry.
+- The header checksum covers the whole 4 KiB header block, so no byte of it can rot
+  unnoticed; the payload checksum covers every payload byte.
+
+Checksum choice: CRC-32 as computed by ``zlib.crc32``.  Measured on this project's 2-vCPU
+CPU machine (AMD EPYC, zlib 1.2.13): about 3 GB/s per thread on 1-4 MiB buffers, against
+1.5 GB/s for sha256 / sha1 (SHA-NI), 0.65 GB/s for blake2b and md5; zlib.adler32 is no
+faster and weaker.  ``zlib.crc32`` releases the GIL for buffers over 5 KiB: two threads
+checksumming concurrently reach the same aggregate rate as two processes (5.2 GB/s on
+4 MiB buffers).  A CRC is not a MAC: it detects rot, torn and misdirected writes, not an
+adversary who can write the disk (who could as well rewrite the key).  Because a CRC is
+linear over GF(2), it can also be computed on the GPU with plain tensor ops
+(:func:`payload_checksum_torch`), which is what lets a GPUDirect read be verified without
+bringing the bytes back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import zlib
+from typing import TYPE_CHECKING, Final
+
+import attrs
+import torch
+
+from statekv.errors import TransferFailed, UsageError
+from statekv.hashing import DIGEST_SIZE
+from statekv.ids import BlockHash, SlotId
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
+ALIGN: Final = 4096
+"""Alignment of every offset and length in a slot (O_DIRECT and GDS)."""
+HEADER_SIZE: Final = 4096
+MAGIC: Final = b"STKVSLOT"
+FORMAT_VERSION: Final = 1
+KEY_SIZE: Final = DIGEST_SIZE
+
+_HEADER = struct.Struct("<8sIIQQ32sI")
+"""Everything before header_crc."""
+_CRC = struct.Struct("<I")
+_CRC_AT: Final = _HEADER.size
+_HEADER_USED: Final = _CRC_AT + _CRC.size
+_ZERO_CRC_FIELD: Final = bytes(_CRC.size)
+_U32: Final = 0xFFFFFFFF
+_U64: Final = 2**64 - 1
+
+
+def align_up(n: int) -> int:
+    """`n` rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def slot_nbytes(payload_len: int) -> int:
+    """Bytes one slot of `payload_len` payload bytes occupies on disk."""
+    _check_payload_len(payload_len)
+    return HEADER_SIZE + align_up(payload_len)
+
+
+def payload_checksum(data: ReadableBuffer, value: int = 0) -> int:
+    """The format's payload checksum of host bytes (releases the GIL above 5 KiB)."""
+    return zlib.crc32(data, value) & _U32
+
+
+def _check_payload_len(payload_len: object) -> None:
+    if isinstance(payload_len, bool) or not isinstance(payload_len, int):
+        raise UsageError("payload_len", f"must be an integer, got {payload_len!r}")
+    if not 1 <= payload_len <= _U64:
+        raise UsageError("payload_len", f"must be in [1, 2**64), got {payload_len}")
+
+
+def _check_field(field: str, value: object, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(field, f"must be an integer, got {value!r}")
+    if not 0 <= value <= high:
+        raise UsageError(field, f"must be in [0, {high}], got {value}")
+
+
+def check_key(key: object) -> None:
+    """raises: UsageError unless `key` is a BlockHash (32 bytes)."""
+    if not isinstance(key, bytes) or len(key) != KEY_SIZE:
+        raise UsageError("key", f"must be {KEY_SIZE} bytes (a BlockHash), got {key!r:.80}")
+
+
+def _header_crc(block: ReadableBuffer) -> int:
+    view = memoryview(block)
+    crc = zlib.crc32(view[:_CRC_AT])
+    crc = zlib.crc32(_ZERO_CRC_FIELD, crc)
+    return zlib.crc32(view[_HEADER_USED:HEADER_SIZE], crc) & _U32
+
+
+@attrs.frozen(kw_only=True)
+class SlotHeader:
+    """What a slot says about itself."""
+
+    slot: int
+    key: bytes
+    payload_len: int
+    payload_crc: int
+    version: int = FORMAT_VERSION
+
+    def __attrs_post_init__(self) -> None:
+        _check_field("slot", self.slot, _U64)
+        check_key(self.key)
+        _check_payload_len(self.payload_len)
+        _check_field("payload_crc", self.payload_crc, _U32)
+        _check_field("version", self.version, _U32)
+
+    def pack_into(self, block: WriteableBuffer) -> None:
+        """Write the full HEADER_SIZE header block (padding included) into `block`."""
+        view = memoryview(block).cast("B")
+        if view.nbytes < HEADER_SIZE:
+            raise UsageError("block", f"needs {HEADER_SIZE} bytes, got {view.nbytes}")
+        _HEADER.pack_into(
+            view, 0, MAGIC, self.version, HEADER_SIZE, self.slot, self.payload_len, self.key,
+            self.payload_crc,
+        )
+        view[_HEADER_USED:HEADER_SIZE] = bytes(HEADER_SIZE - _HEADER_USED)
+        _CRC.pack_into(view, _CRC_AT, _header_crc(view))
+
+    def pack(self) -> bytes:
+        block = bytearray(HEADER_SIZE)
+        self.pack_into(block)
+        return bytes(block)
+
+    @classmethod
+    def unpack(cls, block: ReadableBuffer, *, what: str) -> SlotHeader:
+        """Parse and self-check a header block; `what` names the slot in errors.
+
+        raises: TransferFailed when the block is short, not a slot header, of another
+        format version, or fails its header checksum.
+        """
+        view = memoryview(block).cast("B")
+        if view.nbytes < HEADER_SIZE:
+            raise TransferFailed(what, f"header truncated: {view.nbytes} of {HEADER_SIZE} bytes")
+        magic, version, header_size, slot, payload_len, key, payload_crc = _HEADER.unpack_from(
+            view, 0
+        )
+        if magic != MAGIC:
+            raise TransferFailed(
+                what, f"no slot header (magic {bytes(magic)!r}): never written, or overwritten"
+            )
+        if version != FORMAT_VERSION:
+            raise TransferFailed(
+                what, f"slot format version {version}, this build reads {FORMAT_VERSION}"
+            )
+        if header_size != HEADER_SIZE:
+            raise TransferFailed(what, f"header size {header_size}, expected {HEADER_SIZE}")
+        (stored_crc,) = _CRC.unpack_from(view, _CRC_AT)
+        actual_crc = _header_crc(view)
+        if stored_crc != actual_crc:
+            raise TransferFailed(
+                what, f"header checksum mismatch (stored {stored_crc:#010x}, "
+                f"computed {actual_crc:#010x})"
+            )
+        if payload_len == 0:
+            raise TransferFailed(what, "header claims an empty payload")
+        return cls(
+            slot=slot, key=bytes(key), payload_len=payload_len, payload_crc=payload_crc,
+            version=version,
+        )
+
+
+def verify_header(
+    header: SlotHeader, *, what: str, slot: SlotId, key: BlockHash, payload_len: int
+) -> None:
+    """raises: TransferFailed unless the header is the one the caller expects."""
+    if header.slot != slot:
+        raise TransferFailed(what, f"header names slot {header.slot}: misdirected write")
+    if header.key != key:
+        raise TransferFailed(
+            what, f"key mismatch: slot holds {header.key.hex()[:16]}..., "
+            f"expected {bytes(key).hex()[:16]}..."
+        )
+    if header.payload_len != payload_len:
+        raise TransferFailed(
+            what, f"payload length {header.payload_len}, expected {payload_len}"
+        )
+
+
+def verify_checksum(header: SlotHeader, actual_crc: int, *, what: str) -> None:
+    """raises: TransferFailed when the payload's checksum is not the header's."""
+    if actual_crc != header.payload_crc:
+        raise TransferFailed(
+            what, f"payload checksum mismatch (header {header.payload_crc:#010x}, "
+            f"payload {actual_crc:#010x}): corrupt or torn slot"
+        )
+
+
+def pack_slot(*, slot: SlotId, key: BlockHash, payload: ReadableBuffer) -> bytes:
+    """A whole slot image: header, payload, zero padding (tests and tools)."""
+    data = memoryview(payload).cast("B")
+    header = SlotHeader(
+        slot=slot, key=key, payload_len=data.nbytes, payload_crc=payload_checksum(data)
+    )
+    image = bytearray(slot_nbytes(data.nbytes))
+    header.pack_into(image)
+    image[HEADER_SIZE : HEADER_SIZE + data.nbytes] = data
+    return bytes(image)
+
+
+def unpack_slot(
+    image: ReadableBuffer, *, slot: SlotId, key: BlockHash, payload_len: int
+) -> memoryview:
+    """The payload of a whole slot image, fully verified.
+
+    raises: TransferFailed on a short image or any header or checksum mismatch.
+    """
+    what = f"slot {slot}"
+    view = memoryview(image).cast("B")
+    header = SlotHeader.unpack(view, what=what)
+    verify_header(header, what=what, slot=slot, key=key, payload_len=payload_len)
+    end = HEADER_SIZE + payload_len
+    if view.nbytes < end:
+        raise TransferFailed(what, f"short slot: {view.nbytes} bytes, needs {end}")
+    payload = view[HEADER_SIZE:end]
+    verify_checksum(header, payload_checksum(payload), what=what)
+    return payload
+
+
+@attrs.frozen(kw_only=True)
+class SlotExtent:
+    """Where one slot lives on disk (for tools and fault injection, never the hot path)."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+# --- the same checksum on any torch device ----------------------------------------------------
+#
+# zlib's CRC-32 is affine in the data: crc32(d) = crc32(zeros(len(d))) ^ R(d), where R is the
+# reflected CRC register run from zero state without the final inversion, a GF(2)-linear
+# function of the bytes.  R splits over fixed chunks of C bytes (the data left-padded with
+# zeros, which leave a zero register unchanged):
+#
+#     R(d_0 || ... || d_{n-1}) = XOR_j  Z^(C*(n-1-j)) ( R(d_j) )
+#
+# where Z is "feed one zero byte", a linear map on 32-bit values.  R(d_j) is the XOR over the
+# chunk's positions of a table lookup P[position][byte], and a linear map on a 32-bit value is
+# the XOR of four lookups, one per byte of the value.  Everything is gathers and XORs on int32
+# tensors, which every torch device runs exactly; the tables are built once per device and
+# chunk count.
+
+_CRC_CHUNK: Final = 4096
+"""Bytes per chunk (a power of two, for the XOR folds)."""
+_CRC_SLICE_CHUNKS: Final = 256
+"""Chunks processed per step: bounds the temporary memory to about 30 MiB."""
+
+
+@functools.cache
+def _crc_table() -> tuple[int, ...]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+        table.append(c)
+    return tuple(table)
+
+
+def _feed_zero_byte(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Z applied elementwise to int64 register values."""
+    return table[x & 0xFF] ^ (x >> 8)
+
+
+@functools.cache
+def _crc_cpu_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, ZC): P[j*256 + v] = R(byte v at position j of a chunk); ZC[b*256 + v] = Z^C(v << 8b)."""
+    table = torch.tensor(_crc_table(), dtype=torch.int64)
+    rows = [table]
+    for _ in range(_CRC_CHUNK - 1):
+        rows.append(_feed_zero_byte(rows[-1], table))
+    rows.reverse()
+    position = torch.cat(rows)
+    values = torch.arange(256, dtype=torch.int64)
+    x = torch.cat([values << (8 * b) for b in range(4)])
+    for _ in range(_CRC_CHUNK):
+        x = _feed_zero_byte(x, table)
+    return position, x
+
+
+def _apply_linear(tables: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A linear map given as four 256-entry byte tables (flattened), applied to int64 x."""
+    return (
+        tables[x & 0xFF]
+        ^ tables[256 + ((x >> 8) & 0xFF)]
+        ^ tables[512 + ((x >> 16) & 0xFF)]
+        ^ tables[768 + ((x >> 24) & 0xFF)]
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _crc_device_tables(device: torch.device, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, S) on `device`: S[k] are the byte tables of Z^(C*(chunks-1-k)), so chunk k's
+    register is shifted past every chunk after it."""
+    position, zc = _crc_cpu_tables()
+    shifts = [torch.cat([torch.arange(256, dtype=torch.int64) << (8 * b) for b in range(4)])]
+    for _ in range(chunks - 1):
+        shifts.append(_apply_linear(zc, shifts[-1]))
+    shifts.reverse()
+    s = torch.stack(shifts)
+    return position.to(torch.int32).to(device), s.to(torch.int32).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _crc_of_zeros(length: int) -> int:
+    return zlib.crc32(bytes(length)) & _U32
+
+
+def _xor_fold(x: torch.Tensor) -> torch.Tensor:
+    """XOR-reduce the last dimension, whose size is a power of two."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] ^ x[..., half:]
+    return x[..., 0]
+
+
+def payload_checksum_torch(data: torch.Tensor) -> int:
+    """:func:`payload_checksum` of a contiguous uint8 tensor on any device, computed there.
+
+    Equal to ``zlib.crc32`` of the same bytes.  On CUDA the work runs on the current stream
+    and the result is read back with one synchronizing ``.item()``.
+    """
+    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+        raise UsageError("data", f"must be a contiguous 1-D uint8 tensor, got {data.dtype} "
+                         f"{tuple(data.shape)}")
+    length = data.numel()
+    if length == 0:
+        return 0
+    chunks = -(-length // _CRC_CHUNK)
+    position, shifts = _crc_device_tables(data.device, chunks)
+    pad = chunks * _CRC_CHUNK - length
+    offsets = torch.arange(_CRC_CHUNK, device=data.device, dtype=torch.int64) * 256
+    total = torch.zeros((), dtype=torch.int32, device=data.device)
+    for first in range(0, chunks, _CRC_SLICE_CHUNKS):
+        last = min(first + _CRC_SLICE_CHUNKS, chunks)
+        start = first * _CRC_CHUNK - pad
+        stop = last * _CRC_CHUNK - pad
+        piece = data[max(start, 0) : stop].to(torch.int64)
+        if start < 0:
+            piece = torch.cat([piece.new_zeros(-start), piece])
+        regs = _xor_fold(position[piece.view(-1, _CRC_CHUNK) + offsets])
+        # Bit patterns live in int32; widen with a mask so the shifts below are logical.
+        wide = regs.to(torch.int64) & _U32
+        rows = shifts[first:last].to(torch.int64)
+        shifted = (
+            rows.gather(1, (wide & 0xFF).unsqueeze(1))
+            ^ rows.gather(1, (256 + ((wide >> 8) & 0xFF)).unsqueeze(1))
+            ^ rows.gather(1, (512 + ((wide >> 16) & 0xFF)).unsqueeze(1))
+            ^ rows.gather(1, (768 + ((wide >> 24) & 0xFF)).unsqueeze(1))
+        ).squeeze(1)
+        width = 1 << max(0, (shifted.numel() - 1).bit_length())
+        if width != shifted.numel():
+            shifted = torch.cat([shifted, shifted.new_zeros(width - shifted.numel())])
+        total = total ^ _xor_fold(shifted).to(torch.int32)
+    return (int(total.item()) & _U32) ^ _crc_of_zeros(length)

@@ -1,0 +1,100 @@
+"""Shared helpers for the integration tests of the actors: a small serving-loop driver that
+writes recognisable KV into the pages it is given and checks what comes back.
+
+The KV of a full block is derived from the block's tokens and position alone, so the bytes
+a request finds in its pages after an onboard can be checked against what any request that
+computed that prefix wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+
+import torch
+
+from io_actors.config import StateKVConfig
+from io_actors.embed import CacheAPI
+from statekv.config import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+BLOCK_SIZE = 4
+
+
+def small_config(tmp_path: object, **overrides: object) -> StateKVConfig:
+    args: dict[str, object] = {
+        "layout": LAYOUT, "block_size": BLOCK_SIZE, "gpu": 8, "host": 2, "reserved_host": 1,
+        "disk": 32, "disk_dir": tmp_path, "writers": 2, "readers": 2, "device": "cpu",
+    }
+    args.update(overrides)
+    return StateKVConfig(**args)  # type: ignore[arg-type]
+
+
+def block_payload(tokens: Sequence[int], nbytes: int) -> torch.Tensor:
+    """Deterministic bytes for the KV of one block whose prefix is `tokens`."""
+    seed = hashlib.blake2b(repr(list(tokens)).encode(), digest_size=8).digest()
+    out = bytearray()
+    counter = 0
+    while len(out) < nbytes:
+        out += hashlib.blake2b(seed + counter.to_bytes(8, "little"), digest_size=64).digest()
+        counter += 1
+    return torch.frombuffer(bytearray(out[:nbytes]), dtype=torch.uint8)
+
+
+def page_bytes(cache: CacheAPI, page: int) -> torch.Tensor:
+    return cache.kv_pool[page].reshape(-1).view(torch.uint8)
+
+
+def compute(cache: CacheAPI, rid: str, tokens: Sequence[int]) -> None:
+    """Act as a forward pass: allocate, write each new block's payload, commit."""
+    status = cache.request_status(rid)
+    cache.allocate_nowait(rid, len(tokens))
+    table = cache.block_table(rid)
+    bs = cache.config.block_size
+    nbytes = cache.kv_pool[0].numel() * cache.kv_pool.element_size()
+    for i in range(status.num_computed_tokens // bs, len(table)):
+        prefix = tokens[: min((i + 1) * bs, len(tokens))]
+        page_bytes(cache, table[i]).copy_(block_payload(prefix, nbytes))
+    cache.commit(rid, len(tokens))
+
+
+def check_pages(cache: CacheAPI, rid: str, tokens: Sequence[int], blocks: int) -> None:
+    """The first `blocks` pages of `rid` hold exactly what was computed for that prefix."""
+    table = cache.block_table(rid)
+    bs = cache.config.block_size
+    nbytes = cache.kv_pool[0].numel() * cache.kv_pool.element_size()
+    for i in range(blocks):
+        expected = block_payload(tokens[: (i + 1) * bs], nbytes)
+        got = page_bytes(cache, table[i])
+        assert torch.equal(got, expected), f"request {rid}: block {i} differs"
+
+
+def serve(cache: CacheAPI, rid: str, tokens: Sequence[int], **kwargs: object) -> None:
+    """Add, compute and release one request (blocking facade: waits for onboards)."""
+    match = cache.add_request(rid, tokens, **kwargs)  # type: ignore[arg-type]
+    wait_ready(cache, rid)
+    check_pages(cache, rid, tokens, match.matched_tokens // cache.config.block_size)
+    compute(cache, rid, tokens)
+    cache.release(rid)
+
+
+def wait_ready(cache: CacheAPI, rid: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cache.is_ready(rid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"request {rid} still parked after {timeout}s")
+        time.sleep(0.001)
+
+
+def wait_quiet(cache: CacheAPI, timeout: float = 10.0) -> None:
+    """Until no disk transfer is in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = cache.statistics()
+        if (stats.cache.writes_in_flight == 0 and stats.cache.reads_in_flight == 0
+                and stats.spill_backlog == 0):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"transfers still in flight: {stats}")
+        time.sleep(0.001)

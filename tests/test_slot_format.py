@@ -1,0 +1,201 @@
+"""The on-disk slot format: header fields, alignment, and every way a slot can be wrong."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from io_actors.slot_format import (
+    ALIGN,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    SlotHeader,
+    pack_slot,
+    payload_checksum,
+    payload_checksum_torch,
+    slot_nbytes,
+    unpack_slot,
+    verify_header,
+)
+from statekv.errors import TransferFailed, UsageError
+from statekv.ids import BlockHash, SlotId
+
+KEY = BlockHash(bytes(range(32)))
+OTHER_KEY = BlockHash(bytes(range(1, 33)))
+
+
+def _flip(image: bytes, index: int, bit: int) -> bytes:
+    data = bytearray(image)
+    data[index] ^= 1 << bit
+    return bytes(data)
+
+
+def test_header_round_trips_every_field() -> None:
+    header = SlotHeader(slot=7, key=KEY, payload_len=12345, payload_crc=0xDEADBEEF)
+    block = header.pack()
+    assert len(block) == HEADER_SIZE
+    assert block.startswith(MAGIC)
+    assert SlotHeader.unpack(block, what="slot 7") == header
+
+
+@pytest.mark.parametrize(
+    ("payload_len", "expected"),
+    [(1, HEADER_SIZE + ALIGN), (ALIGN, HEADER_SIZE + ALIGN), (ALIGN + 1, HEADER_SIZE + 2 * ALIGN)],
+)
+def test_slot_size_pads_payload_to_the_alignment(payload_len: int, expected: int) -> None:
+    assert slot_nbytes(payload_len) == expected
+    image = pack_slot(slot=SlotId(0), key=KEY, payload=bytes(payload_len))
+    assert len(image) == expected
+    assert len(image) % ALIGN == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=3 * ALIGN), slot=st.integers(0, 2**40))
+def test_unpacked_payload_is_byte_identical(payload: bytes, slot: int) -> None:
+    image = pack_slot(slot=SlotId(slot), key=KEY, payload=payload)
+    got = unpack_slot(image, slot=SlotId(slot), key=KEY, payload_len=len(payload))
+    assert bytes(got) == payload
+
+
+def test_wrong_key_is_refused() -> None:
+    image = pack_slot(slot=SlotId(3), key=KEY, payload=b"kv" * 100)
+    with pytest.raises(TransferFailed, match="key mismatch"):
+        unpack_slot(image, slot=SlotId(3), key=OTHER_KEY, payload_len=200)
+
+
+def test_header_of_another_slot_is_refused_as_misdirected() -> None:
+    image = pack_slot(slot=SlotId(3), key=KEY, payload=b"kv" * 100)
+    with pytest.raises(TransferFailed, match="misdirected"):
+        unpack_slot(image, slot=SlotId(4), key=KEY, payload_len=200)
+
+
+def test_unexpected_payload_length_is_refused() -> None:
+    image = pack_slot(slot=SlotId(3), key=KEY, payload=b"kv" * 100)
+    with pytest.raises(TransferFailed, match="payload length 200, expected 201"):
+        unpack_slot(image, slot=SlotId(3), key=KEY, payload_len=201)
+
+
+def test_other_format_version_is_refused() -> None:
+    header = SlotHeader(
+        slot=0, key=KEY, payload_len=4, payload_crc=payload_checksum(b"abcd"),
+        version=FORMAT_VERSION + 1,
+    )
+    image = header.pack() + b"abcd" + bytes(ALIGN - 4)
+    with pytest.raises(TransferFailed, match="version"):
+        unpack_slot(image, slot=SlotId(0), key=KEY, payload_len=4)
+
+
+def test_zeroed_slot_reads_as_never_written() -> None:
+    with pytest.raises(TransferFailed, match="never written"):
+        unpack_slot(bytes(2 * ALIGN), slot=SlotId(0), key=KEY, payload_len=ALIGN)
+
+
+@pytest.mark.parametrize("length", [0, 100, HEADER_SIZE - 1])
+def test_truncated_header_is_refused(length: int) -> None:
+    image = pack_slot(slot=SlotId(0), key=KEY, payload=b"x")
+    with pytest.raises(TransferFailed, match="truncated"):
+        SlotHeader.unpack(image[:length], what="slot 0")
+
+
+def test_truncated_payload_is_refused() -> None:
+    image = pack_slot(slot=SlotId(0), key=KEY, payload=bytes(3 * ALIGN))
+    with pytest.raises(TransferFailed, match="short slot"):
+        unpack_slot(image[: HEADER_SIZE + ALIGN], slot=SlotId(0), key=KEY, payload_len=3 * ALIGN)
+
+
+@settings(max_examples=200, deadline=None)
+@given(index=st.integers(0, HEADER_SIZE - 1), bit=st.integers(0, 7))
+@example(index=HEADER_SIZE - 1, bit=7)  # the last padding byte is covered too
+def test_any_flipped_header_bit_is_detected(index: int, bit: int) -> None:
+    image = pack_slot(slot=SlotId(5), key=KEY, payload=b"payload")
+    with pytest.raises(TransferFailed):
+        unpack_slot(_flip(image, index, bit), slot=SlotId(5), key=KEY, payload_len=7)
+
+
+@settings(max_examples=200, deadline=None)
+@given(index=st.integers(0, 2 * ALIGN - 1), bit=st.integers(0, 7))
+def test_any_flipped_payload_bit_fails_the_checksum(index: int, bit: int) -> None:
+    image = pack_slot(slot=SlotId(5), key=KEY, payload=os.urandom(2 * ALIGN))
+    with pytest.raises(TransferFailed, match="checksum mismatch"):
+        unpack_slot(
+            _flip(image, HEADER_SIZE + index, bit), slot=SlotId(5), key=KEY,
+            payload_len=2 * ALIGN,
+        )
+
+
+def test_verify_header_accepts_the_expected_header() -> None:
+    header = SlotHeader(slot=2, key=KEY, payload_len=10, payload_crc=1)
+    verify_header(header, what="slot 2", slot=SlotId(2), key=KEY, payload_len=10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"slot": -1}, "slot"),
+        ({"slot": True}, "slot"),
+        ({"key": b"short"}, "key"),
+        ({"key": "x" * 32}, "key"),
+        ({"payload_len": 0}, "payload_len"),
+        ({"payload_len": 1.5}, "payload_len"),
+        ({"payload_crc": 2**32}, "payload_crc"),
+        ({"version": -1}, "version"),
+    ],
+)
+def test_bad_header_fields_raise_usage_error_naming_the_field(
+    kwargs: dict[str, object], field: str
+) -> None:
+    base: dict[str, object] = {"slot": 0, "key": KEY, "payload_len": 1, "payload_crc": 0}
+    base.update(kwargs)
+    with pytest.raises(UsageError) as info:
+        SlotHeader(**base)  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_slot_size_of_a_bad_length_names_the_field() -> None:
+    with pytest.raises(UsageError) as info:
+        slot_nbytes(0)
+    assert info.value.field == "payload_len"
+
+
+def test_pack_into_a_short_buffer_names_the_field() -> None:
+    header = SlotHeader(slot=0, key=KEY, payload_len=1, payload_crc=0)
+    with pytest.raises(UsageError) as info:
+        header.pack_into(bytearray(100))
+    assert info.value.field == "block"
+
+
+def test_host_checksum_is_zlib_crc32() -> None:
+    data = os.urandom(10_000)
+    assert payload_checksum(data) == zlib.crc32(data)
+    assert payload_checksum(data[5000:], payload_checksum(data[:5000])) == zlib.crc32(data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.binary(min_size=0, max_size=3 * 4096 + 5))
+@example(data=b"\x00")
+@example(data=b"\xff" * 4096)
+@example(data=b"\x01" * 4097)
+def test_device_checksum_equals_zlib_crc32(data: bytes) -> None:
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
+        0, dtype=torch.uint8
+    )
+    assert payload_checksum_torch(tensor) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("length", [256 * 4096, 256 * 4096 + 1, 300 * 4096 + 17])
+def test_device_checksum_equals_zlib_crc32_across_slices(length: int) -> None:
+    data = os.urandom(length)
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert payload_checksum_torch(tensor) == zlib.crc32(data)
+
+
+def test_device_checksum_refuses_non_byte_tensors() -> None:
+    with pytest.raises(UsageError) as info:
+        payload_checksum_torch(torch.zeros(4, dtype=torch.float32))
+    assert info.value.field == "data"
