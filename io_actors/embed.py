@@ -39,7 +39,7 @@ from io_actors.gate import CompletionGate, OpenGate
 from io_actors.interfaces import SlotStore
 from io_actors.memory import KVPools, TorchCopyEngine
 from io_actors.reader_pool import ReaderPool
-from io_actors.scheduler import CloseReport, Scheduler, SystemStatistics
+from io_actors.scheduler import CloseReport, InlineIO, Scheduler, SystemStatistics
 from io_actors.writer_pool import WriterPool
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
@@ -151,11 +151,14 @@ async def open_cache(
     gate: CompletionGate | None = None,
     clock: Callable[[], float] | None = None,
     trace: TraceSink | None = None,
+    synchronous_io: bool = False,
 ) -> AsyncIterator[AsyncCache]:
     """Open a cache for a trio program; closing drains (or drops) disk work in flight.
 
     `store` replaces the configured backend (tests wrap one in fault injection); `gate`
-    holds completions until released (the fuzz suite); `clock` replaces the wall clock.
+    holds completions until released (the fuzz suite); `clock` replaces the wall clock;
+    `synchronous_io` runs disk transfers inside the cache calls (the naive design, kept
+    for comparison in the benchmarks).
     """
     if not isinstance(config, StateKVConfig):
         raise UsageError("config", f"must be a StateKVConfig, got {config!r}")
@@ -169,11 +172,12 @@ async def open_cache(
         assert directory is not None
         store = open_slot_store(config.backend, directory, core_config)
     try:
+        inline = InlineIO(store, pools, device) if synchronous_io and store is not None else None
         scheduler = Scheduler(KVCacheManager(core_config, trace=trace), copies, store,
-                              clock=clock)
+                              clock=clock, inline_io=inline)
         gate = gate or OpenGate()
         writer = reader = None
-        if store is not None:
+        if store is not None and inline is None:
             writer = WriterPool(
                 store, pools.host_page, workers=config.writers,
                 queue_depth=config.write_queue_depth, gate=gate,
@@ -212,8 +216,9 @@ class BlockingCache(CacheAPI):
         gate: CompletionGate | None = None,
         clock: Callable[[], float] | None = None,
         trace: TraceSink | None = None,
+        synchronous_io: bool = False,
     ) -> None:
-        self._open_args = (config, store, gate, clock, trace)
+        self._open_args = (config, store, gate, clock, trace, synchronous_io)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._drain = True
@@ -241,8 +246,9 @@ class BlockingCache(CacheAPI):
             self._ready.set()
 
     async def _amain(self) -> None:
-        config, store, gate, clock, trace = self._open_args
-        async with open_cache(config, store=store, gate=gate, clock=clock, trace=trace) as cache:
+        config, store, gate, clock, trace, synchronous_io = self._open_args
+        async with open_cache(config, store=store, gate=gate, clock=clock, trace=trace,
+                              synchronous_io=synchronous_io) as cache:
             self._scheduler = cache._scheduler
             self._pools = cache._pools
             self._token = trio.lowlevel.current_trio_token()

@@ -36,7 +36,7 @@ class ReadJob:
     fence: Fence
 
 
-class _SlotReader:
+class SlotReader:
     """One worker thread's executor, with its own staging buffer and stream."""
 
     def __init__(
@@ -103,6 +103,6 @@ class ReaderPool(WorkerThreads[ReadJob]):
     ) -> None:
         super().__init__(
             "reader", workers=workers, queue_depth=queue_depth,
-            make_worker=lambda _index: _SlotReader(store, gpu_page, new_staging, device),
+            make_worker=lambda _index: SlotReader(store, gpu_page, new_staging, device),
             gate=gate, report=report, is_failure=lambda c: isinstance(c, SlotReadFailed),
         )

@@ -30,12 +30,14 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import attrs
+import torch
 import trio
 
 from io_actors.interfaces import CopyEngine, SlotStore
-from io_actors.reader_pool import ReaderPool, ReadJob
+from io_actors.memory import KVPools
+from io_actors.reader_pool import ReaderPool, ReadJob, SlotReader
 from io_actors.worker_threads import PoolStatistics
-from io_actors.writer_pool import WriteJob, WriterPool
+from io_actors.writer_pool import SlotWriter, WriteJob, WriterPool
 from statekv.config import CacheConfig
 from statekv.errors import InvariantViolation, UsageError
 from statekv.ids import PageId, RequestId, SlotId
@@ -95,6 +97,32 @@ class CloseReport:
     reads_finished_during_close: int
 
 
+class InlineIO:
+    """Disk reads and writes run on the caller's thread, inside the cache call.
+
+    This is the naive design the benchmarks compare against (the serving loop's step waits
+    for every disk transfer it causes); production uses the pools.  Executors are made on
+    first use, on the calling thread, which then owns their staging buffer and stream.
+    """
+
+    def __init__(self, store: SlotStore, pools: KVPools, device: torch.device) -> None:
+        self._store = store
+        self._pools = pools
+        self._device = device
+        self._writer: SlotWriter | None = None
+        self._reader: SlotReader | None = None
+
+    def execute(self, job: WriteJob | ReadJob) -> Completion:
+        if isinstance(job, WriteJob):
+            if self._writer is None:
+                self._writer = SlotWriter(self._store, self._pools.host_page)
+            return self._writer.execute(job)
+        if self._reader is None:
+            self._reader = SlotReader(self._store, self._pools.gpu_page,
+                                      self._pools.new_staging_buffer, self._device)
+        return self._reader.execute(job)
+
+
 class Scheduler:
     """The actor that owns a KVCacheManager."""
 
@@ -105,8 +133,10 @@ class Scheduler:
         store: SlotStore | None,
         *,
         clock: Callable[[], float] | None = None,
+        inline_io: InlineIO | None = None,
     ) -> None:
         self._core = core
+        self._inline = inline_io
         self._copies = copies
         self._store = store
         self._clock: Callable[[], float] = clock or WallClock()
@@ -223,6 +253,7 @@ class Scheduler:
         copies = self._copies
         copied = False
         fence = None
+        inline: list[WriteJob | ReadJob] = []
         for cmd in commands:
             if isinstance(cmd, CopyGpuToHost):
                 copies.copy_gpu_to_host(cmd.gpu_page, cmd.host_page)
@@ -239,10 +270,11 @@ class Scheduler:
                 self._slot_of_transfer[cmd.transfer] = cmd.slot
                 if fence is None:
                     fence = copies.fence()
-                if isinstance(cmd, WriteSlot):
-                    self._handover.append(WriteJob(cmd, fence))
+                job = WriteJob(cmd, fence) if isinstance(cmd, WriteSlot) else ReadJob(cmd, fence)
+                if self._inline is not None:
+                    inline.append(job)
                 else:
-                    self._handover.append(ReadJob(cmd, fence))
+                    self._handover.append(job)
             elif isinstance(cmd, FreeSlot):
                 # A hint only (see SlotStore.discard): never I/O on this path, and ordered
                 # before any later write to the slot because it runs right here.
@@ -251,6 +283,14 @@ class Scheduler:
                 self._slots_discarded += 1
         if copied:
             copies.order_before_compute()
+        if inline:
+            assert self._inline is not None
+            for job in inline:
+                completion = self._inline.execute(job)
+                self._slots_in_flight.discard(self._slot_of_transfer.pop(completion.transfer))
+                self._core.handle(completion, now=self._clock())
+            self._dispatch_locked()
+            return
         if self._handover and not self._wake_pending and self._token is not None:
             self._wake_pending = True
             self._token.run_sync_soon(self._pump)

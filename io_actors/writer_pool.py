@@ -33,7 +33,7 @@ class WriteJob:
     fence: Fence
 
 
-class _SlotWriter:
+class SlotWriter:
     """One worker thread's executor."""
 
     def __init__(self, store: SlotStore, host_page: Callable[[PageId], torch.Tensor]) -> None:
@@ -69,6 +69,6 @@ class WriterPool(WorkerThreads[WriteJob]):
     ) -> None:
         super().__init__(
             "writer", workers=workers, queue_depth=queue_depth,
-            make_worker=lambda _index: _SlotWriter(store, host_page),
+            make_worker=lambda _index: SlotWriter(store, host_page),
             gate=gate, report=report, is_failure=lambda c: isinstance(c, SlotWriteFailed),
         )

@@ -178,3 +178,20 @@ def test_kv_pool_layout_matches_the_config(tmp_path: Path) -> None:
             layout.num_kv_heads, layout.head_dim,
         )
         assert cache.kv_pool.dtype == torch.float32
+
+
+def test_synchronous_io_mode_serves_identical_kv_without_pools(tmp_path: Path) -> None:
+    """The naive design the benchmarks compare against: disk I/O inside the cache calls."""
+    prompt = list(range(13))
+    with BlockingCache(small_config(tmp_path), synchronous_io=True) as cache:
+        serve(cache, "first", prompt)
+        churn(cache, 6)
+        match = cache.add_request("again", prompt)
+        assert match.disk_tokens == 12
+        assert cache.is_ready("again")  # the reads ran inside add_request
+        check_pages(cache, "again", prompt, 3)
+        cache.release("again")
+        stats = cache.statistics()
+        assert stats.writer is None and stats.reader is None
+        assert stats.cache.onboards_completed == 3
+        cache.check_invariants()
