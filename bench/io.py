@@ -1,0 +1,354 @@
+"""statekv's transfer paths against the limits of the machine they run on, same run.
+
+    python -m bench.io [--block-mib 2] [--threads 4] [--blocks 256] [--dir PATH] [--write]
+
+Every figure is a ratio against a limit measured in this run with the same block size and
+thread count (bench.disk_limits):
+
+* spill          host -> disk through the cache (evictions -> writer pool -> slot store,
+                 checksums and headers included) vs raw O_DIRECT sequential write;
+* onboard        disk -> GPU through the cache (reader pool, staging, H2D, checksum,
+                 publish) vs raw O_DIRECT read (and, with kvikio, vs kvikio's own rate);
+* recall         host -> GPU through the copy engine vs a plain pinned H2D copy;
+* step latency   p50 / p99 of a serving loop's decode step while another tenant keeps the
+                 disk saturated through the same cache, vs the same loop with no disk
+                 traffic.
+
+The spill and onboard phases isolate their direction: the cache uses the retained-only spill
+mode and only the measured prompt carries a TTL, so evictions made to find pages for the
+onboard drop content instead of writing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.disk_limits import pinned_h2d_rate, raw_read_rate, raw_write_rate
+from io_actors.config import StateKVConfig
+from io_actors.embed import BlockingCache, resolve_device
+from io_actors.memory import KVPools, TorchCopyEngine
+from statekv.config import KVLayout
+from statekv.errors import OutOfBlocks
+from statekv.ids import PageId
+
+
+def layout_for(block_mib: float, block_size: int) -> KVLayout:
+    """A Llama-8B-like layout (8 kv heads x 128, bf16) with as many layers as make a block
+    of about `block_mib` MiB."""
+    per_layer = 2 * block_size * 8 * 128 * 2
+    layers = max(1, round(block_mib * 2**20 / per_layer))
+    return KVLayout(num_layers=layers, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+
+
+def _wait(predicate: Any, timeout: float = 600.0) -> None:
+    deadline = time.perf_counter() + timeout
+    while not predicate():
+        if time.perf_counter() > deadline:
+            raise TimeoutError("benchmark phase did not finish")
+        time.sleep(0.0002)
+
+
+def _fill(cache: BlockingCache, rid: str, first_token: int, blocks: int,
+          ttl: float | None = None, *, write_bytes: bool = True) -> list[int]:
+    """A request of `blocks` full blocks of fresh tokens: computed (with `write_bytes`, bytes
+    written into its pages), committed and released, so its content is cached on GPU."""
+    bs = cache.config.block_size
+    tokens = [first_token + i for i in range(blocks * bs + 1)]
+    cache.add_request(rid, tokens, ttl_seconds=ttl)
+    cache.allocate_nowait(rid, len(tokens))
+    if write_bytes:
+        for page in cache.block_table(rid):
+            cache.kv_pool[page].fill_(float(page % 7) + 1.0)
+    cache.commit(rid, len(tokens))
+    cache.release(rid)
+    return tokens
+
+
+def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, float]:
+    """Spill and onboard rates through the cache, in GB/s."""
+    n = args.blocks
+    layout = layout_for(args.block_mib, args.block_size)
+    config = StateKVConfig(
+        layout=layout, block_size=args.block_size, gpu=2 * n + 1, host=n, reserved_host=n,
+        disk=2 * n, disk_dir=directory, writers=args.threads, readers=args.threads,
+        write_queue_depth=max(64, n), device=args.device, spill_mode="retained_only",
+    )
+    block_bytes = config.block_bytes
+    out: dict[str, float] = {}
+    with BlockingCache(config) as cache:
+        # GPU: req1 (retained) then req2 push req1 to host; req3 pushes req1 to disk.
+        first = _fill(cache, "req1", 0, n, ttl=3600.0)
+        _fill(cache, "req2", 10_000_000, 2 * n)
+        start = time.perf_counter()
+        _fill(cache, "req3", 20_000_000, n, write_bytes=False)
+        _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
+        spill_s = time.perf_counter() - start
+        stats = cache.statistics().cache
+        assert stats.spills_completed >= n, stats
+        out["spill_gb_per_s"] = n * block_bytes / spill_s / 1e9
+
+        start = time.perf_counter()
+        match = cache.add_request("again", first)
+        _wait(lambda: cache.is_ready("again"))
+        onboard_s = time.perf_counter() - start
+        assert match.disk_tokens == n * args.block_size, match
+        out["onboard_gb_per_s"] = n * block_bytes / onboard_s / 1e9
+        stats = cache.statistics().cache
+        assert stats.io_errors == 0 and stats.writes_in_flight == 0, stats
+        cache.release("again")
+    out["block_bytes"] = block_bytes
+    return out
+
+
+def recall_rate(args: argparse.Namespace) -> float:
+    """Host -> GPU page copies through the copy engine, GB/s (best of 5)."""
+    from statekv.config import CacheConfig
+
+    n = args.blocks
+    layout = layout_for(args.block_mib, args.block_size)
+    pools = KVPools(CacheConfig(block_size=args.block_size, gpu_blocks=n, host_blocks=n,
+                                layout=layout), resolve_device(args.device))
+    engine = TorchCopyEngine(pools)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for page in range(n):
+            engine.copy_host_to_gpu(PageId(page), PageId(page))
+        engine.fence().wait()
+        best = min(best, time.perf_counter() - start)
+    return n * pools.block_nbytes / best / 1e9
+
+
+def host_to_device_limit(nbytes: int, device: torch.device) -> float:
+    """The same-run limit for recall: one large pinned (CUDA) or plain (CPU) copy, GB/s."""
+    rate = pinned_h2d_rate(nbytes)
+    if rate is not None:
+        return rate
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
+    """Decode-step latency of a serving loop, with no disk traffic vs with the disk kept
+    busy by the same cache.
+
+    The disk traffic comes from a tenant whose cache calls run on the loop's own thread,
+    between steps, as a serving loop's own requests would: it keeps reads of disk-resident
+    prefixes in flight and releases content whose eviction spills.  Its requests never
+    enter the forward pass, so both runs do the same model work; each timed iteration
+    covers the tenant's calls and the step.
+    """
+    from models.config import preset
+    from models.model import PagedDecoder
+    from models.serving_loop import ServeRequest, ServingLoop
+
+    device = resolve_device(args.device)
+    model_config = preset(args.model, num_layers=args.model_layers or None)
+    model = PagedDecoder(model_config, device=device)
+    bs = args.block_size
+    result: dict[str, float] = {}
+    for phase in ("idle", "saturated"):
+        config = StateKVConfig(
+            layout=model_config.kv_layout(), block_size=bs, gpu=args.loop_gpu_blocks,
+            host=args.loop_gpu_blocks // 4, reserved_host=64, disk=8 * args.loop_gpu_blocks,
+            disk_dir=directory / phase, writers=args.threads, readers=args.threads,
+            device=args.device, model_fingerprint=model_config.fingerprint(),
+        )
+        with BlockingCache(config) as cache:
+            tenant = _DiskTenant(cache, blocks=8, in_flight=4) if phase == "saturated" else None
+            if tenant is not None:
+                tenant.prepare(rounds=3 * args.loop_gpu_blocks // 8)
+            loop = ServingLoop(model, cache, max_step_tokens=4096, prefill_chunk=512,
+                               max_running=args.decoders)
+            for i in range(args.decoders):
+                loop.submit(ServeRequest(request_id=f"d{i}", prompt=tuple(range(i, i + 64)),
+                                         max_new_tokens=args.decode_steps))
+            while loop.statistics().decode_tokens == 0:  # prefill is not what we time
+                loop.step()
+            before = cache.statistics().cache
+            iterations: list[float] = []
+            clock = time.perf_counter
+            while not loop.idle:
+                start = clock()
+                if tenant is not None:
+                    tenant.step()
+                loop.step()
+                iterations.append(clock() - start)
+            after = cache.statistics().cache
+            moved = (after.bytes_read + after.bytes_written
+                     - before.bytes_read - before.bytes_written)
+            result[f"{phase}_p50_ms"] = statistics.median(iterations) * 1e3
+            result[f"{phase}_p99_ms"] = _percentile(iterations, 99) * 1e3
+            result[f"{phase}_disk_gb_per_s"] = moved / sum(iterations) / 1e9
+    return result
+
+
+class _DiskTenant:
+    """Keeps `in_flight` onboards of `blocks`-block prefixes going, and feeds spills."""
+
+    def __init__(self, cache: BlockingCache, *, blocks: int, in_flight: int) -> None:
+        self._cache = cache
+        self._blocks = blocks
+        self._in_flight = in_flight
+        self._on_disk: list[list[int]] = []
+        self._reading: list[tuple[str, list[int]]] = []
+        self._next = 0
+
+    def _fresh(self) -> list[int]:
+        self._next += 1
+        bs = self._cache.config.block_size
+        return [200_000_000 + self._next * 100_000 + i for i in range(self._blocks * bs + 1)]
+
+    def _content(self) -> list[int]:
+        """Cache a fresh prompt's blocks (no model: its bytes do not matter here)."""
+        tokens = self._fresh()
+        rid = f"fill{self._next}"
+        cache = self._cache
+        cache.add_request(rid, tokens)
+        cache.allocate_nowait(rid, len(tokens))
+        cache.commit(rid, len(tokens))
+        cache.release(rid)
+        return tokens
+
+    def prepare(self, rounds: int) -> None:
+        """Push enough content through the tiers that plenty of it sits on disk."""
+        for _ in range(rounds):
+            self._on_disk.append(self._content())
+        _wait(lambda: self._cache.statistics().cache.writes_in_flight == 0)
+
+    def step(self) -> None:
+        cache = self._cache
+        still: list[tuple[str, list[int]]] = []
+        for rid, tokens in self._reading:
+            if cache.is_ready(rid):
+                cache.release(rid)          # its blocks go back down the tiers: spills
+                self._on_disk.append(tokens)
+                self._on_disk.append(self._content())
+            else:
+                still.append((rid, tokens))
+        self._reading = still
+        while len(self._reading) < self._in_flight and self._on_disk:
+            tokens = self._on_disk.pop(0)
+            self._next += 1
+            rid = f"read{self._next}"
+            try:
+                cache.add_request(rid, tokens)
+            except OutOfBlocks:
+                self._on_disk.insert(0, tokens)
+                return
+            self._reading.append((rid, tokens))
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--block-mib", type=float, default=2.0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model-layers", type=int, default=0)
+    parser.add_argument("--decoders", type=int, default=8)
+    parser.add_argument("--decode-steps", type=int, default=200)
+    parser.add_argument("--loop-gpu-blocks", type=int, default=512)
+    parser.add_argument("--machine", default="cpu", help="cpu, h200 or h200x2 (file name)")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+
+    base = Path(args.dir) if args.dir else None
+    with tempfile.TemporaryDirectory(prefix="statekv-bench-io-", dir=base) as tmp:
+        directory = Path(tmp)
+        layout = layout_for(args.block_mib, args.block_size)
+        block_bytes = layout.block_bytes(args.block_size)
+        total = args.blocks * block_bytes
+        raw_write = raw_write_rate(directory, block_bytes=block_bytes, threads=args.threads,
+                                   total_bytes=total)
+        raw_read = raw_read_rate(directory, block_bytes=block_bytes, threads=args.threads,
+                                 total_bytes=total)
+        phases = transfer_phases(args, directory / "cache")
+        recall = recall_rate(args)
+        h2d = host_to_device_limit(total, resolve_device(args.device))
+        latency = {} if args.skip_latency else step_latency(args, directory / "loop")
+
+    print(f"machine: {args.machine} ({platform.node()}), device {resolve_device(args.device)}")
+    print(f"block {block_bytes / 2**20:.2f} MiB, {args.threads} threads, {args.blocks} blocks, "
+          f"O_DIRECT={raw_write.direct}")
+    rows = [
+        ("spill host->disk", phases["spill_gb_per_s"], raw_write.gb_per_s, "raw O_DIRECT write"),
+        ("onboard disk->GPU", phases["onboard_gb_per_s"], raw_read.gb_per_s,
+         "raw O_DIRECT read"),
+        ("recall host->GPU", recall, h2d, "pinned H2D copy" if torch.cuda.is_available()
+         else "host memcpy"),
+    ]
+    for name, value, limit, limit_name in rows:
+        print(f"{name:<20}{value:8.2f} GB/s  vs {limit:8.2f} GB/s {limit_name:<20} "
+              f"= {value / limit:5.2f}x")
+    if latency:
+        print(f"step p50 idle {latency['idle_p50_ms']:.2f} ms, saturated "
+              f"{latency['saturated_p50_ms']:.2f} ms; p99 idle {latency['idle_p99_ms']:.2f} ms, "
+              f"saturated {latency['saturated_p99_ms']:.2f} ms "
+              f"(disk traffic while saturated: {latency['saturated_disk_gb_per_s']:.2f} GB/s)")
+
+    if args.write:
+        figures: dict[str, dict[str, object]] = {}
+        for key, (name, value, limit, limit_name) in zip(
+            ("spill_host_to_disk", "onboard_disk_to_gpu", "recall_host_to_gpu"), rows,
+            strict=True,
+        ):
+            del name
+            figures[key] = {"value": round(value, 3), "unit": "GB/s", "limit": round(limit, 3),
+                            "limit_name": f"{limit_name}, same run", "ratio":
+                            round(value / limit, 3)}
+        if latency:
+            for pct in ("p50", "p99"):
+                ratio = latency[f"saturated_{pct}_ms"] / latency[f"idle_{pct}_ms"]
+                figures[f"step_latency_{pct}_saturated_vs_idle"] = {
+                    "value": round(ratio, 3), "unit": "x", "ratio": round(ratio, 3),
+                    "idle_ms": round(latency[f"idle_{pct}_ms"], 3),
+                    "saturated_ms": round(latency[f"saturated_{pct}_ms"], 3),
+                    "disk_gb_per_s_while_saturated": round(
+                        latency["saturated_disk_gb_per_s"], 3),
+                }
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+        today = dt.date.today()
+        out = Path(__file__).parent / "results" / f"io-{args.machine}-{today:%Y%m%d}.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps({
+            "bench": "io", "machine": args.machine, "date": today.isoformat(),
+            "commit": commit, "command": "python -m bench.io " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                if k not in ("write", "dir", "skip_latency") and v is not None),
+            "figures": figures,
+        }, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

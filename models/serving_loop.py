@@ -1,0 +1,373 @@
+"""A continuous-batching serving loop that embeds statekv.
+
+Each step:
+
+1. admit arrived requests: ``add_request`` takes the longest cached prefix across GPU, host
+   and disk; a request whose prefix is being read back from disk is *parked*;
+2. un-park requests whose reads have all landed (``is_ready``, O(1)); a read that failed
+   rewinds the request, which then recomputes what it lost;
+3. build one batch under a token budget: a decode token for every running request, then
+   prefill chunks (long prompts are chunked);
+4. run the model: attention reads and writes K/V in statekv's GPU pool through each
+   request's block table;
+5. commit what was computed (full blocks become shareable), sample greedily, append the
+   token, release finished requests (their blocks stay cached, stamped with their TTL).
+
+Parked requests are never in the forward pass, and the loop never waits on disk: with the
+blocking facade every cache call returns in microseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+from statekv.config import CacheConfig
+from statekv.errors import OutOfBlocks, UsageError
+from statekv.ids import PageId
+from statekv.manager import PrefixMatch, RequestStatus
+
+from .model import Chunk, PagedDecoder, greedy
+
+
+class Cache(Protocol):
+    """What the loop needs of a cache (io_actors.CacheAPI has it)."""
+
+    @property
+    def kv_pool(self) -> torch.Tensor: ...
+
+    @property
+    def config(self) -> CacheConfig: ...
+
+    def add_request(self, request_id: str, token_ids: Sequence[int], *,
+                    ttl_seconds: float | None = ..., priority: int = ...,
+                    cache_salt: str | None = ..., lora_id: int | None = ...) -> PrefixMatch: ...
+
+    def allocate_nowait(self, request_id: str, num_tokens: int) -> None: ...
+
+    def commit(self, request_id: str, num_computed_tokens: int) -> None: ...
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def is_ready(self, request_id: str) -> bool: ...
+
+    def block_table(self, request_id: str) -> tuple[PageId, ...]: ...
+
+    def request_status(self, request_id: str) -> RequestStatus: ...
+
+    def obtainable_gpu_blocks(self) -> int: ...
+
+
+@attrs.frozen(kw_only=True)
+class ServeRequest:
+    """One request as a workload submits it."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    arrival: float = 0.0
+    """Seconds after the loop started at which the request arrives."""
+    ttl_seconds: float | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@attrs.define(kw_only=True)
+class RequestResult:
+    """What happened to one request."""
+
+    request_id: str
+    prompt_tokens: int
+    output: list[int] = attrs.field(factory=list)
+    arrival: float = 0.0
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    gpu_tokens: int = 0
+    host_tokens: int = 0
+    disk_tokens: int = 0
+    recomputed_tokens: int = 0
+    """Prompt tokens computed by the model (not taken from the cache)."""
+    parked_seconds: float = 0.0
+    fell_back: bool = False
+    """A disk read failed and the request recomputed the tokens it lost."""
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@attrs.define(eq=False)
+class _Running:
+    req: ServeRequest
+    result: RequestResult
+    tokens: list[int]
+    computed: int = 0
+    parked_since: float | None = None
+    matched: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class LoopStatistics:
+    steps: int
+    forward_tokens: int
+    prompt_tokens_computed: int
+    decode_tokens: int
+    parked_now: int
+    running_now: int
+    waiting_now: int
+    step_seconds: tuple[float, ...]
+    """Wall time of every step that ran a forward pass."""
+
+
+class ServingLoop:
+    """Continuous batching over a PagedDecoder and a statekv cache."""
+
+    def __init__(
+        self,
+        model: PagedDecoder,
+        cache: Cache,
+        *,
+        max_step_tokens: int = 512,
+        prefill_chunk: int = 256,
+        max_running: int = 64,
+        batch_invariant: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+        ready_everywhere: Callable[[list[str]], set[str]] | None = None,
+    ) -> None:
+        for field, value in (("max_step_tokens", max_step_tokens),
+                             ("prefill_chunk", prefill_chunk), ("max_running", max_running)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(field, f"must be an integer >= 1, got {value!r}")
+        self.model = model
+        self.cache = cache
+        self.max_step_tokens = max_step_tokens
+        self.prefill_chunk = prefill_chunk
+        self.max_running = max_running
+        self.batch_invariant = batch_invariant
+        self.block_size = cache.config.block_size
+        """Run each chunk on its own: a request's numerics then depend only on its own
+        chunking, never on what else shared its batch (the identity checks need that)."""
+        self._clock = clock
+        self._ready_everywhere = ready_everywhere
+        """Tensor parallel: of these parked requests, which landed on every rank (all ranks
+        must admit the same batch).  None: this cache's own is_ready decides."""
+        self._start = clock()
+        self._waiting: deque[ServeRequest] = deque()
+        self._running: dict[str, _Running] = {}
+        self._steps = 0
+        self._forward_tokens = 0
+        self._prompt_computed = 0
+        self._decode_tokens = 0
+        self._step_seconds: list[float] = []
+
+    def now(self) -> float:
+        """Seconds since the loop started."""
+        return self._clock() - self._start
+
+    def submit(self, request: ServeRequest) -> None:
+        if request.max_new_tokens < 1:
+            raise UsageError("max_new_tokens", f"must be >= 1, got {request.max_new_tokens}")
+        if not request.prompt:
+            raise UsageError("prompt", "a request needs at least one token")
+        self._waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    def statistics(self) -> LoopStatistics:
+        return LoopStatistics(
+            steps=self._steps, forward_tokens=self._forward_tokens,
+            prompt_tokens_computed=self._prompt_computed, decode_tokens=self._decode_tokens,
+            parked_now=sum(1 for r in self._running.values() if r.parked_since is not None),
+            running_now=len(self._running), waiting_now=len(self._waiting),
+            step_seconds=tuple(self._step_seconds),
+        )
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestResult]:
+        """Admit, un-park, run one batch; returns the requests that finished."""
+        self._steps += 1
+        now = self.now()
+        self._admit(now)
+        self._unpark(now)
+        plan = self._schedule()
+        if not plan:
+            return []
+        started = self._clock()
+        logits = self._forward(plan)
+        finished = self._advance(plan, logits)
+        self._step_seconds.append(self._clock() - started)
+        return finished
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _reserved_blocks(self) -> int:
+        """Pages running requests will still need to finish (prompt and every new token)."""
+        total = 0
+        for run in self._running.values():
+            final = len(run.req.prompt) + run.req.max_new_tokens
+            total += self._blocks_for(final) - len(self.cache.block_table(run.req.request_id))
+        return total
+
+    def _admit(self, now: float) -> None:
+        """Admit arrived requests, first come first served, while their pages are sure.
+
+        A request is admitted only when the GPU can hold its whole prompt and answer on top
+        of what the running requests will still need: no admitted request ever waits for
+        pages another admitted request holds, so the loop cannot deadlock.
+        """
+        cache = self.cache
+        if not self._waiting:
+            return
+        spare = cache.obtainable_gpu_blocks() - self._reserved_blocks()
+        while self._waiting and len(self._running) < self.max_running:
+            req = self._waiting[0]
+            if req.arrival > now:
+                break
+            need = self._blocks_for(len(req.prompt) + req.max_new_tokens)
+            if need > spare:
+                if not self._running and need > cache.obtainable_gpu_blocks():
+                    raise UsageError(
+                        "prompt", f"request {req.request_id!r} needs {need} GPU blocks; the "
+                        f"pool can never free that many",
+                    )
+                break
+            spare -= need
+            try:
+                match = cache.add_request(
+                    req.request_id, req.prompt, ttl_seconds=req.ttl_seconds,
+                    priority=req.priority, cache_salt=req.cache_salt,
+                )
+            except OutOfBlocks:
+                break
+            self._waiting.popleft()
+            result = RequestResult(
+                request_id=req.request_id, prompt_tokens=len(req.prompt), arrival=req.arrival,
+                admitted=now, gpu_tokens=match.gpu_tokens, host_tokens=match.host_tokens,
+                disk_tokens=match.disk_tokens,
+            )
+            run = _Running(req=req, result=result, tokens=list(req.prompt),
+                           computed=match.matched_tokens, matched=match.matched_tokens)
+            if not match.ready:
+                run.parked_since = now
+            self._running[req.request_id] = run
+
+    def _unpark(self, now: float) -> None:
+        parked = [r for r in self._running.values() if r.parked_since is not None]
+        if self._ready_everywhere is not None:
+            ready = self._ready_everywhere([r.req.request_id for r in parked])
+        else:
+            ready = {r.req.request_id for r in parked if self.cache.is_ready(r.req.request_id)}
+        for run in parked:
+            if run.req.request_id not in ready or run.parked_since is None:
+                continue
+            run.result.parked_seconds += now - run.parked_since
+            run.parked_since = None
+            status = self.cache.request_status(run.req.request_id)
+            computed = status.num_computed_tokens
+            if computed < run.computed:
+                # A read failed: the cache rewound the request; recompute from there.
+                run.result.fell_back = True
+                lost = run.computed - computed
+                run.result.disk_tokens -= min(lost, run.result.disk_tokens)
+                run.computed = computed
+
+    def _schedule(self) -> list[tuple[_Running, int]]:
+        """(request, new tokens) pairs of this step's batch, pages allocated."""
+        budget = self.max_step_tokens
+        plan: list[tuple[_Running, int]] = []
+        cache = self.cache
+        decodes = [r for r in self._running.values()
+                   if r.parked_since is None and r.computed >= len(r.req.prompt)]
+        prefills = [r for r in self._running.values()
+                    if r.parked_since is None and r.computed < len(r.req.prompt)]
+        for run in decodes + prefills:
+            if budget <= 0:
+                break
+            remaining = len(run.tokens) - run.computed
+            n = min(remaining, budget, self.prefill_chunk if remaining > 1 else 1)
+            if n <= 0:
+                continue
+            try:
+                cache.allocate_nowait(run.req.request_id, run.computed + n)
+            except OutOfBlocks:
+                continue  # no pages this step; it keeps its place and tries again
+            plan.append((run, n))
+            budget -= n
+        return plan
+
+    def _forward(self, plan: list[tuple[_Running, int]]) -> torch.Tensor:
+        pool = self.cache.kv_pool
+        chunks = [
+            Chunk(token_ids=run.tokens[run.computed:run.computed + n], start=run.computed,
+                  block_table=self.cache.block_table(run.req.request_id))
+            for run, n in plan
+        ]
+        self._forward_tokens += sum(n for _run, n in plan)
+        if self.batch_invariant:
+            rows = [self.model.forward(pool, [chunk]).last_logits for chunk in chunks]
+            return torch.cat(rows, dim=0)
+        return self.model.forward(pool, chunks).last_logits
+
+    def _advance(self, plan: list[tuple[_Running, int]], logits: torch.Tensor
+                 ) -> list[RequestResult]:
+        tokens = greedy(logits)
+        finished: list[RequestResult] = []
+        cache = self.cache
+        now = self.now()
+        for (run, n), token in zip(plan, tokens, strict=True):
+            rid = run.req.request_id
+            was_prefill = run.computed < len(run.req.prompt)
+            run.computed += n
+            cache.commit(rid, run.computed)
+            if was_prefill:
+                self._prompt_computed += n
+                run.result.recomputed_tokens += n
+                if run.computed < len(run.req.prompt):
+                    continue  # more prompt chunks to go; the logits are not a sample
+                run.result.first_token = now
+            else:
+                self._decode_tokens += 1
+            run.result.output.append(token)
+            if len(run.result.output) >= run.req.max_new_tokens:
+                run.result.finished = now
+                cache.release(rid)
+                del self._running[rid]
+                finished.append(run.result)
+            else:
+                run.tokens.append(token)
+                cache.append_tokens(rid, [token])
+        return finished
+
+    # ------------------------------------------------------------------ whole runs
+
+    def drain(self, *, on_finished: Callable[[RequestResult], None] | None = None,
+              timeout: float = 3600.0) -> list[RequestResult]:
+        """Step until every submitted request finished; returns them in finishing order."""
+        done: list[RequestResult] = []
+        deadline = self._clock() + timeout
+        while not self.idle:
+            if self._clock() > deadline:
+                raise TimeoutError("serving loop did not finish in time")
+            finished = self.step()
+            for result in finished:
+                done.append(result)
+                if on_finished is not None:
+                    on_finished(result)
+            if not finished and not self._any_runnable():
+                time.sleep(0.0005)  # everything parked or not yet arrived
+        return done
+
+    def _any_runnable(self) -> bool:
+        return any(r.parked_since is None for r in self._running.values())
