@@ -127,7 +127,7 @@ def recall_rate(args: argparse.Namespace) -> float:
             engine.copy_host_to_gpu(PageId(page), PageId(page))
         engine.fence().wait()
         best = min(best, time.perf_counter() - start)
-    return n * pools.block_nbytes / best / 1e9
+    return float(n * pools.block_nbytes / best / 1e9)
 
 
 def host_to_device_limit(nbytes: int, device: torch.device) -> float:

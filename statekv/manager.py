@@ -307,15 +307,21 @@ class KVCacheManager:
         self._cause = req.id
         try:
             blocks, pages = req.blocks, req.pages
-            for _ in range(needed):
-                page = self._take_gpu_page(now)
-                block = self._free_records.pop()
-                self._move(block, _E.ALLOCATED)
+            # Pages first: an eviction that drops content also frees its record.
+            empty = self._gpu.empty
+            new_pages = [empty.pop() if empty else self._take_gpu_page(now)
+                         for _ in range(needed)]
+            free_records = self._free_records
+            fresh = [free_records.pop() for _ in range(needed)]
+            self._move_all(fresh, _E.ALLOCATED)
+            depth = len(blocks)
+            for block, page in zip(fresh, new_pages, strict=True):
                 block.gpu_page = page
                 block.ref_count = 1
-                block.depth = len(blocks)
-                blocks.append(block)
-                pages.append(page)
+                block.depth = depth
+                depth += 1
+            pages.extend(new_pages)
+            blocks.extend(fresh)
         finally:
             self._cause = None
 
@@ -571,6 +577,22 @@ class KVCacheManager:
         if self._trace is not None:
             self._trace.record(self._now, block.id, self._cause, old, new, event)
 
+    def _move_all(self, blocks: list[Block], event: BlockEvent) -> None:
+        """_move for a batch of blocks (one call instead of one per block on hot paths)."""
+        table = TRANSITIONS
+        counts = self._state_counts
+        trace = self._trace
+        for block in blocks:
+            old = block.state
+            new = table.get((old, event))
+            if new is None:
+                raise IllegalTransition(block.id, old.name, event.name)
+            block.state = new
+            counts[old] -= 1
+            counts[new] += 1
+            if trace is not None:
+                trace.record(self._now, block.id, self._cause, old, new, event)
+
     def _advance(self, now: float) -> None:
         self._now = now
         if self._has_disk:
@@ -615,22 +637,18 @@ class KVCacheManager:
         """
         # First take every matched block out of the eviction orders, so that evictions
         # made below to find GPU pages can never pick one of them.
+        released, on_gpu = _S.RELEASED, _S.ON_GPU
+        if all(b.state is released or b.state is on_gpu for b in matched):
+            return self._take_gpu_hits(req, matched), 0, 0
         gpu_evictable = self._gpu.evictable
-        slow = False
         for block in matched:
             state = block.state
             if state is _S.RELEASED:
                 gpu_evictable.remove(block)
             elif state is _S.ON_HOST:
                 self._host.evictable.remove(block)
-                slow = True
             elif state is _S.ON_DISK:
                 self._disk.unfile(block)
-                slow = True
-            elif state is not _S.ON_GPU:
-                slow = True
-        if not slow:
-            return self._take_gpu_hits(req, matched), 0, 0
         gpu_hits = host_hits = disk_hits = 0
         for block in matched:
             state = block.state
@@ -667,15 +685,17 @@ class KVCacheManager:
 
     def _take_gpu_hits(self, req: _Request, matched: list[Block]) -> int:
         """The common case of _take_matched: every matched block is already on GPU."""
-        move = self._move
-        acquired = _E.ACQUIRED
-        blocks, pages = req.blocks, req.pages
+        remove = self._gpu.evictable.remove
+        released = _S.RELEASED
+        pages = req.pages
         for block in matched:
+            if block.state is released:
+                remove(block)
             block.reuse_count += 1
-            move(block, acquired)
             block.ref_count += 1
-            blocks.append(block)
             pages.append(block.gpu_page)  # type: ignore[arg-type]  # set in ON_GPU/RELEASED
+        self._move_all(matched, _E.ACQUIRED)
+        req.blocks.extend(matched)
         n = len(matched)
         req.num_computed = n * self._block_size
         req.committed = n
@@ -725,6 +745,8 @@ class KVCacheManager:
     def _let_go(self, req: _Request, blocks: list[Block]) -> None:
         """`req` stops holding `blocks` (tail first, so tails are evicted first)."""
         rid = req.id
+        priority = req.priority
+        cached: list[Block] = []
         for block in reversed(blocks):
             state = block.state
             if state is not _S.ON_GPU and rid in block.waiters:
@@ -732,12 +754,10 @@ class KVCacheManager:
             block.ref_count -= 1
             if block.ref_count:
                 continue
-            block.priority = req.priority
+            block.priority = priority
             if state is _S.ON_GPU:
                 if block.key is not None:
-                    self._move(block, _E.RELEASED)
-                    block.seq = self._next_seq()
-                    self._gpu.evictable.push(block)
+                    cached.append(block)
                 else:
                     self._discard(block, _E.DISCARDED)
             elif state is _S.ONBOARDING or state is _S.ERROR:
@@ -746,6 +766,14 @@ class KVCacheManager:
                 pass
             else:
                 raise InvariantViolation(f"request {rid!r} held {block!r}")
+        if cached:
+            self._move_all(cached, _E.RELEASED)
+            seq = self._seq
+            for block in cached:
+                seq += 1
+                block.seq = seq
+            self._seq = seq
+            self._gpu.evictable.push_all(cached, priority)
 
     def _discard(self, block: Block, event: BlockEvent) -> None:
         """The content leaves the cache: unindex it, free what storage it still owns."""

@@ -120,6 +120,24 @@ class PriorityLRU:
         self._mask |= 1 << level
         self.size += 1
 
+    def push_all(self, blocks: list[Block], level: int) -> None:
+        """Add `blocks`, oldest first, as the newest of priority `level` (their priority)."""
+        lst = self._levels[level]
+        tail = lst.tail
+        for block in blocks:
+            block.prev = tail
+            block.next = None
+            if tail is None:
+                lst.head = block
+            else:
+                tail.next = block
+            tail = block
+        lst.tail = tail
+        lst.size += len(blocks)
+        self.size += len(blocks)
+        if blocks:
+            self._mask |= 1 << level
+
     def remove(self, block: Block) -> None:
         level = block.priority
         lst = self._levels[level]
