@@ -1,0 +1,48 @@
+"""Random-weight paged-attention decoders and workload generators for statekv.
+
+Installed as ``statekv_models`` (a top-level ``models`` package would shadow users' own).
+"""
+
+from .config import MODEL_DTYPES, PRESETS, WEIGHTS_VERSION, ModelConfig, preset
+from .model import (
+    ATTENTION_BACKENDS,
+    AllReduce,
+    AttentionBackend,
+    Chunk,
+    PagedDecoder,
+    StepOutput,
+    generate_weight,
+    greedy,
+)
+from .workloads import (
+    ChatSession,
+    ChatWorkload,
+    ChatWorkloadConfig,
+    RagWorkload,
+    RagWorkloadConfig,
+    Workload,
+    WorkloadRequest,
+)
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "MODEL_DTYPES",
+    "PRESETS",
+    "WEIGHTS_VERSION",
+    "AllReduce",
+    "AttentionBackend",
+    "ChatSession",
+    "ChatWorkload",
+    "ChatWorkloadConfig",
+    "Chunk",
+    "ModelConfig",
+    "PagedDecoder",
+    "RagWorkload",
+    "RagWorkloadConfig",
+    "StepOutput",
+    "Workload",
+    "WorkloadRequest",
+    "generate_weight",
+    "greedy",
+    "preset",
+]
