@@ -113,6 +113,7 @@ class ReferenceCache:
             name: 0 for name in (
                 "requests_added", "requests_released", "requests_parked",
                 "requests_fallen_back", "hit_blocks_gpu", "hit_blocks_host", "hit_blocks_disk",
+                "hit_blocks_disk_retained",
                 "gpu_evictions", "host_offloads", "host_recalls", "offloads_skipped",
                 "host_drops", "spills", "spills_completed", "spill_failures", "bytes_written",
                 "onboards", "onboards_completed", "onboard_failures", "bytes_read",
@@ -294,6 +295,7 @@ class ReferenceCache:
                 b.waiters.append(rid)
                 req.pending += 1
                 hits[DISK] += 1
+                self.c["hit_blocks_disk_retained"] += is_live(b.expiry, now)
             elif b.tier in (HOST, SPILLING):
                 self._take_gpu_page()
                 self.commands.append(("CopyHostToGpu", b.key))
@@ -308,6 +310,7 @@ class ReferenceCache:
                 hits[HOST] += 1
             else:
                 assert b.tier == DISK
+                self.c["hit_blocks_disk_retained"] += is_live(b.expiry, now)
                 self._take_gpu_page()
                 self.next_transfer += 1
                 self.reads[self.next_transfer] = b
@@ -519,6 +522,7 @@ class ReferenceCache:
             hit_blocks_gpu=c["hit_blocks_gpu"],
             hit_blocks_host=c["hit_blocks_host"],
             hit_blocks_disk=c["hit_blocks_disk"],
+            hit_blocks_disk_retained=c["hit_blocks_disk_retained"],
             hit_tokens_gpu=c["hit_blocks_gpu"] * bs,
             hit_tokens_host=c["hit_blocks_host"] * bs,
             hit_tokens_disk=c["hit_blocks_disk"] * bs,

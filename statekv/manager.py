@@ -488,6 +488,7 @@ class KVCacheManager:
             hit_blocks_gpu=c.hit_blocks_gpu,
             hit_blocks_host=c.hit_blocks_host,
             hit_blocks_disk=c.hit_blocks_disk,
+            hit_blocks_disk_retained=c.hit_blocks_disk_retained,
             hit_tokens_gpu=c.hit_blocks_gpu * bs,
             hit_tokens_host=c.hit_blocks_host * bs,
             hit_tokens_disk=c.hit_blocks_disk * bs,
@@ -649,7 +650,7 @@ class KVCacheManager:
                 self._host.evictable.remove(block)
             elif state is _S.ON_DISK:
                 self._disk.unfile(block)
-        gpu_hits = host_hits = disk_hits = 0
+        gpu_hits = host_hits = disk_hits = retained_hits = 0
         for block in matched:
             state = block.state
             block.reuse_count += 1
@@ -661,10 +662,12 @@ class KVCacheManager:
                 block.waiters.append(req.id)
                 req.pending += 1
                 disk_hits += 1
+                retained_hits += is_live(block.expiry, self._now)
             elif state is _S.ON_HOST or state is _S.SPILLING:
                 self._recall(block)
                 host_hits += 1
             elif state is _S.ON_DISK:
+                retained_hits += is_live(block.expiry, self._now)
                 self._start_read(req, block)
                 disk_hits += 1
             else:
@@ -681,6 +684,7 @@ class KVCacheManager:
         c.hit_blocks_gpu += gpu_hits
         c.hit_blocks_host += host_hits
         c.hit_blocks_disk += disk_hits
+        c.hit_blocks_disk_retained += retained_hits
         return gpu_hits, host_hits, disk_hits
 
     def _take_gpu_hits(self, req: _Request, matched: list[Block]) -> int:

@@ -20,6 +20,7 @@ class Counters:
     hit_blocks_gpu: int = 0
     hit_blocks_host: int = 0
     hit_blocks_disk: int = 0
+    hit_blocks_disk_retained: int = 0
     gpu_evictions: int = 0
     host_offloads: int = 0
     host_recalls: int = 0
@@ -61,6 +62,8 @@ class CacheStatistics:
     hit_blocks_gpu: int
     hit_blocks_host: int
     hit_blocks_disk: int
+    hit_blocks_disk_retained: int
+    """Disk hits on content whose TTL was still running: the retention promise paying off."""
     hit_tokens_gpu: int
     hit_tokens_host: int
     hit_tokens_disk: int

@@ -175,6 +175,7 @@ CASES: list[tuple[str, Setup, int]] = [
     ("hit_blocks_host", host_hit, 1),
     ("hit_tokens_host", host_hit, BS),
     ("hit_blocks_disk", disk_hit, 1),
+    ("hit_blocks_disk_retained", lambda: disk_hit(ttl=100.0), 1),
     ("hit_tokens_disk", disk_hit, BS),
     ("gpu_evictions", evict_one_to_host, 1),
     ("host_offloads", evict_one_to_host, 1),
