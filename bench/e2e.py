@@ -1,0 +1,270 @@
+"""End to end: a multi-round chat whose KV working set is several times GPU + host.
+
+    python -m bench.e2e --model 70b-class --layers 8 --users 64 [--load 0.7] [--write]
+
+Five configurations at the same pool sizes, same workload, same offered load:
+
+  a  no reuse                    every request its own cache salt: everything recomputed
+  b  GPU-only prefix cache       no host, no disk
+  c  GPU + host                  no disk
+  d  GPU + host + disk           statekv's asynchronous spill and onboard
+  e  GPU + host + disk, naive    the same tier, but disk reads and writes run inside the
+                                 cache calls on the serving loop's thread
+
+For each: TTFT p50 / p99, output tok/s, input tok/s sustained vs offered, prompt tokens by
+the tier they came from.  The offered load is set from a calibration in the same run: the
+model's prefill rate (tokens/s) and the compute each request needs when its history is
+reused; `--load` is the fraction of that capacity offered.
+
+Why the model: per DEVICE.md, the KV of a 70B-class layer (8 kv heads x 128, bf16) costs
+4 KiB per token and recomputing it takes long enough that reading it back at about 1.6 GB/s
+or more breaks even at 4k-token prefixes; the disk there reads at about 2 GB/s.  A few
+layers keep the ratio (FLOPs per KV byte is a property of one layer) and fit one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.disk_limits import raw_read_rate
+from models.chat_run import Budgets, RunResult, run_workload, ttft_summary
+from models.config import preset
+from models.model import Chunk, PagedDecoder
+from models.workloads import ChatWorkload, ChatWorkloadConfig
+
+CONFIGS = ("a", "b", "c", "d", "e")
+NAMES = {
+    "a": "no reuse",
+    "b": "GPU-only prefix cache",
+    "c": "GPU + host",
+    "d": "GPU + host + disk (statekv)",
+    "e": "GPU + host + disk, sync I/O",
+}
+
+
+def prefill_rate(model: PagedDecoder, block_size: int, chunk: int, context: int) -> float:
+    """Tokens/s of prefilling `chunk` new tokens after `context` cached ones (same run)."""
+    blocks = (context + chunk) // block_size + 1
+    pool = model.new_pool(blocks, block_size)
+    table = list(range(blocks))
+    tokens = [7] * chunk
+    model.forward(pool, [Chunk(token_ids=tokens, start=context, block_table=table)])
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    repeats = 3
+    for _ in range(repeats):
+        model.forward(pool, [Chunk(token_ids=tokens, start=context, block_table=table)])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return repeats * chunk / (time.perf_counter() - start)
+
+
+def chat_config(args: argparse.Namespace, vocab: int, rate: float) -> ChatWorkloadConfig:
+    return ChatWorkloadConfig(
+        num_users=args.users, num_rounds=args.rounds, system_prompt_tokens=args.system_tokens,
+        user_history_tokens=args.history_tokens, question_tokens=args.question_tokens,
+        answer_tokens=args.answer_tokens, arrival_rate=rate, vocab_size=vocab, seed=args.seed,
+    )
+
+
+def offered_tokens(config: ChatWorkloadConfig, results: tuple[Any, ...]) -> int:
+    del config
+    return sum(r.prompt_tokens for r in results)
+
+
+def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
+    results = run.results
+    prompt = sum(r.prompt_tokens for r in results)
+    output = sum(len(r.output) for r in results)
+    p50, p99 = ttft_summary(run)
+    return {
+        "ttft_p50_s": p50, "ttft_p99_s": p99,
+        "output_tok_per_s": output / run.seconds,
+        "input_tok_per_s": prompt / run.seconds,
+        "offered_input_tok_per_s": offered_input_tps,
+        "sustained_vs_offered": prompt / run.seconds / offered_input_tps,
+        "tokens_gpu": sum(r.gpu_tokens for r in results),
+        "tokens_host": sum(r.host_tokens for r in results),
+        "tokens_disk": sum(r.disk_tokens for r in results),
+        "tokens_computed": sum(r.recomputed_tokens for r in results),
+        "seconds": run.seconds,
+        "io_errors": run.cache.cache.io_errors,
+    }
+
+
+def plot(summaries: dict[str, dict[str, float]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    keys = [k for k in CONFIGS if k in summaries]
+    labels = [f"({k}) {NAMES[k]}" for k in keys]
+    p50 = [summaries[k]["ttft_p50_s"] for k in keys]
+    p99 = [summaries[k]["ttft_p99_s"] for k in keys]
+    x = range(len(keys))
+    ax1.bar([i - 0.2 for i in x], p50, width=0.4, label="TTFT p50")
+    ax1.bar([i + 0.2 for i in x], p99, width=0.4, label="TTFT p99")
+    ax1.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=8)
+    ax1.set_ylabel("seconds")
+    ax1.set_yscale("log")
+    ax1.legend()
+    ax1.set_title("time to first token")
+    bottom = [0.0] * len(keys)
+    for tier, color in (("tokens_gpu", "#4c72b0"), ("tokens_host", "#55a868"),
+                        ("tokens_disk", "#c44e52"), ("tokens_computed", "#8c8c8c")):
+        values = [summaries[k][tier] / 1e3 for k in keys]
+        ax2.bar(list(x), values, bottom=bottom, color=color, label=tier.split("_")[1])
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax2.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=8)
+    ax2.set_ylabel("prompt tokens (thousands)")
+    ax2.legend()
+    ax2.set_title("where prompt tokens came from")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="70b-class")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--users", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--history-tokens", type=int, default=3072)
+    p.add_argument("--question-tokens", type=int, default=256)
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--gpu-gib", type=float, default=2.0)
+    p.add_argument("--host-gib", type=float, default=2.0)
+    p.add_argument("--disk-gib", type=float, default=32.0)
+    p.add_argument("--readers", type=int, default=8)
+    p.add_argument("--writers", type=int, default=4)
+    p.add_argument("--load", type=float, default=0.7, help="fraction of capacity offered")
+    p.add_argument("--configs", default="abcde")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", type=Path, default=None, help="disk tier directory")
+    p.add_argument("--machine", default="h200")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--write", action="store_true")
+    args = p.parse_args()
+
+    from io_actors.embed import resolve_device
+
+    device = resolve_device(args.device)
+    model_config = preset(args.model, num_layers=args.layers)
+    started = time.perf_counter()
+    model = PagedDecoder(model_config, device=device)
+    print(f"model {args.model} x{args.layers} layers on {device}: built in "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
+    kv_token = model_config.kv_bytes_per_token()
+    block_bytes = kv_token * args.block_size
+    gpu_blocks = int(args.gpu_gib * 2**30 // block_bytes)
+    host_blocks = int(args.host_gib * 2**30 // block_bytes)
+    disk_blocks = int(args.disk_gib * 2**30 // block_bytes)
+
+    # Same-run calibration: the model's prefill rate and the disk's raw read rate.
+    context = args.system_tokens + args.history_tokens
+    tps = prefill_rate(model, args.block_size, 2048, context)
+    disk_dir = args.dir or Path("/tmp/statekv-e2e")
+    disk_dir.mkdir(parents=True, exist_ok=True)
+    disk = raw_read_rate(disk_dir, block_bytes=block_bytes, threads=args.readers,
+                         total_bytes=2 * 2**30)
+    recompute_s_per_token = 1 / tps
+    read_s_per_token = kv_token / (disk.gb_per_s * 1e9)
+    print(f"prefill {tps:,.0f} tok/s at context {context}; disk read {disk.gb_per_s:.2f} GB/s; "
+          f"per token: recompute {recompute_s_per_token * 1e6:.1f} us vs read "
+          f"{read_s_per_token * 1e6:.1f} us ({kv_token} bytes of KV)", flush=True)
+
+    # Offered load: the compute a request needs when its history is reused.
+    new_first = args.history_tokens + args.question_tokens
+    new_later = args.question_tokens + args.answer_tokens
+    mean_new = (new_first + (args.rounds - 1) * new_later) / args.rounds
+    capacity = tps / (mean_new + 4 * args.answer_tokens)
+    rate = args.load * capacity
+    working_set = args.users * (context + args.rounds * new_later) * kv_token
+    print(f"offered {rate:.2f} requests/s ({args.load:.0%} of {capacity:.2f}); working set "
+          f"{working_set / 2**30:.1f} GiB vs GPU+host {args.gpu_gib + args.host_gib:.1f} GiB",
+          flush=True)
+
+    summaries: dict[str, dict[str, float]] = {}
+    for key in args.configs:
+        budgets = Budgets(
+            block_size=args.block_size, gpu_blocks=gpu_blocks,
+            host_blocks=host_blocks if key in "cde" else 0,
+            reserved_host_blocks=64 if key in "de" else 0,
+            disk_blocks=disk_blocks if key in "de" else 0,
+            writers=args.writers, readers=args.readers,
+        )
+        workload = ChatWorkload(chat_config(args, model_config.vocab_size, rate))
+        started = time.perf_counter()
+        run = run_workload(
+            model, workload, budgets, device=str(device), disk_dir=disk_dir / key,
+            batch_invariant=False, salt_every_request=key == "a", synchronous_io=key == "e",
+            max_step_tokens=8192, prefill_chunk=2048, max_running=128,
+        )
+        arrivals = max(r.arrival for r in run.results) or 1.0
+        offered = sum(r.prompt_tokens for r in run.results) / arrivals
+        summaries[key] = summarize(run, offered)
+        s = summaries[key]
+        print(f"({key}) {NAMES[key]:<30} TTFT p50 {s['ttft_p50_s']:7.2f} s  p99 "
+              f"{s['ttft_p99_s']:7.2f} s  in {s['input_tok_per_s']:9,.0f} tok/s "
+              f"({s['sustained_vs_offered']:.2f}x offered)  out "
+              f"{s['output_tok_per_s']:7,.0f} tok/s  tiers gpu/host/disk/computed "
+              f"{s['tokens_gpu']:.0f}/{s['tokens_host']:.0f}/{s['tokens_disk']:.0f}/"
+              f"{s['tokens_computed']:.0f}  [{time.perf_counter() - started:.0f} s]",
+              flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    today = dt.date.today()
+    png = args.out / f"e2e-{args.machine}-{today:%Y%m%d}.png"
+    if plot(summaries, png):
+        print(f"wrote {png}")
+    if args.write:
+        figures: dict[str, dict[str, object]] = {}
+        if "c" in summaries and "d" in summaries:
+            ratio = summaries["d"]["ttft_p50_s"] / summaries["c"]["ttft_p50_s"]
+            figures["ttft_p50_d_vs_c"] = {"value": round(ratio, 3), "unit": "x",
+                                          "ratio": round(ratio, 3)}
+        for key, s in summaries.items():
+            figures[f"{key}_sustained_input_vs_offered"] = {
+                "value": round(s["input_tok_per_s"], 1), "unit": "tok/s",
+                "limit": round(s["offered_input_tok_per_s"], 1),
+                "limit_name": "offered input tokens/s, same run",
+                "ratio": round(s["sustained_vs_offered"], 3),
+            }
+            figures[f"{key}_ttft_p50"] = {"value": round(s["ttft_p50_s"], 4), "unit": "s"}
+            figures[f"{key}_ttft_p99"] = {"value": round(s["ttft_p99_s"], 4), "unit": "s"}
+            figures[f"{key}_output_tok_per_s"] = {"value": round(s["output_tok_per_s"], 1),
+                                                  "unit": "tok/s"}
+        figures["disk_read_raw"] = {"value": round(disk.gb_per_s, 3), "unit": "GB/s"}
+        figures["prefill_rate"] = {"value": round(tps, 1), "unit": "tok/s"}
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+        out = args.out / f"e2e-{args.machine}-{today:%Y%m%d}.json"
+        out.write_text(json.dumps({
+            "bench": "e2e", "machine": args.machine, "date": today.isoformat(),
+            "commit": commit, "command": "python -m bench.e2e " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                if k not in ("write", "dir", "out")),
+            "figures": figures, "summaries": summaries,
+        }, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
