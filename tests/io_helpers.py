@@ -9,6 +9,7 @@ computed that prefix wrote.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Sequence
 
@@ -25,7 +26,9 @@ BLOCK_SIZE = 4
 def small_config(tmp_path: object, **overrides: object) -> StateKVConfig:
     args: dict[str, object] = {
         "layout": LAYOUT, "block_size": BLOCK_SIZE, "gpu": 8, "host": 2, "reserved_host": 1,
-        "disk": 32, "disk_dir": tmp_path, "writers": 2, "readers": 2, "device": "cpu",
+        "disk": 32, "disk_dir": tmp_path, "writers": 2, "readers": 2,
+        # The GPU machine runs the same tests on CUDA: STATEKV_TEST_DEVICE=cuda.
+        "device": os.environ.get("STATEKV_TEST_DEVICE", "cpu"),
     }
     args.update(overrides)
     return StateKVConfig(**args)  # type: ignore[arg-type]
@@ -55,7 +58,7 @@ def compute(cache: CacheAPI, rid: str, tokens: Sequence[int]) -> None:
     nbytes = cache.kv_pool[0].numel() * cache.kv_pool.element_size()
     for i in range(status.num_computed_tokens // bs, len(table)):
         prefix = tokens[: min((i + 1) * bs, len(tokens))]
-        page_bytes(cache, table[i]).copy_(block_payload(prefix, nbytes))
+        page_bytes(cache, table[i]).copy_(block_payload(prefix, nbytes).to(cache.device))
     cache.commit(rid, len(tokens))
 
 
@@ -66,7 +69,7 @@ def check_pages(cache: CacheAPI, rid: str, tokens: Sequence[int], blocks: int) -
     nbytes = cache.kv_pool[0].numel() * cache.kv_pool.element_size()
     for i in range(blocks):
         expected = block_payload(tokens[: (i + 1) * bs], nbytes)
-        got = page_bytes(cache, table[i])
+        got = page_bytes(cache, table[i]).cpu()
         assert torch.equal(got, expected), f"request {rid}: block {i} differs"
 
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
+# root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
+#   bench/on_gpu.sh tests io demo e2e fuzz tp
+set -uo pipefail
+OUT=${OUT:-/tmp/statekv-gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+DISK=${DISK:-/tmp/statekv-disk}
+mkdir -p "$DISK"
+sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
+run() {  # name, command...
+    local name=$1; shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    echo "=== $name: rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
+}
+for step in "$@"; do
+    case $step in
+    info) run info bash -c 'nvidia-smi -L; python3 -c "import torch, kvikio, trio; print(torch.__version__, torch.cuda.get_device_name(0), kvikio.__version__, trio.__version__)"; df -h /tmp | tail -1' ;;
+    tests) STATEKV_TEST_DEVICE=cuda run tests python3 -m pytest -q -p no:cacheprovider \
+        tests/test_memory.py tests/test_kvikio_store.py tests/test_io_actors.py \
+        tests/test_io_faults.py tests/test_model_paged_attention.py tests/test_serving_identity.py ;;
+    io) run io python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
+        --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
+        --loop-gpu-blocks 2048 --write ;;
+    demo) run demo python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
+    e2e) run e2e python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
+        ${E2E_ARGS:-} ;;
+    *) echo "unknown step $step" ;;
+    esac
+done
+cp -r bench/results "$OUT/results" 2>/dev/null || true
