@@ -40,20 +40,27 @@ from io_actors.interfaces import SlotStore
 from io_actors.memory import KVPools, TorchCopyEngine
 from io_actors.reader_pool import ReaderPool
 from io_actors.scheduler import CloseReport, InlineIO, Scheduler, SystemStatistics
+from io_actors.tracing import TraceRecorder
 from io_actors.writer_pool import WriterPool
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
-from statekv.ids import PageId
-from statekv.manager import KVCacheManager, PrefixMatch, RequestStatus
+from statekv.ids import PageId, TransferId
+from statekv.manager import CachedBlock, KVCacheManager, PrefixMatch, RequestStatus
+from statekv.messages import Completion
 from statekv.trace import TraceSink
 
 
 def resolve_device(name: str) -> torch.device:
     """'auto' means CUDA when present, else the CPU (same code path, real copies)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "CUDA was asked for but torch sees no GPU")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device", "CUDA was asked for but torch sees no GPU")
+        # Bound to the current device's index: reader threads call torch.cuda.set_device
+        # with it, which refuses an index-less device, and a tensor-parallel rank's current
+        # device is its own GPU (its local rank), not device 0.
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
@@ -127,6 +134,20 @@ class CacheAPI:
     def check_invariants(self) -> None:
         self._scheduler.check_invariants()
 
+    def cached_blocks(self) -> tuple[CachedBlock, ...]:
+        """Every block of the prefix index with its tier: for debugging, tests and the
+        cross-rank agreement checks of io_actors.distributed."""
+        return self._scheduler.cached_blocks()
+
+    def transfers_in_flight(self) -> tuple[TransferId, ...]:
+        """Disk transfers dispatched whose completion is not applied yet, oldest first."""
+        return self._scheduler.transfers_in_flight()
+
+    def filter_completions(self, completion_filter: Callable[[Completion], Completion]) -> None:
+        """Map every completion before it is applied (Scheduler.completion_filter); set it
+        before the first request: io_actors.distributed does."""
+        self._scheduler.completion_filter = completion_filter
+
 
 class AsyncCache(CacheAPI):
     """The cache inside a trio program (from open_cache)."""
@@ -152,16 +173,26 @@ async def open_cache(
     clock: Callable[[], float] | None = None,
     trace: TraceSink | None = None,
     synchronous_io: bool = False,
+    recorder: TraceRecorder | None = None,
 ) -> AsyncIterator[AsyncCache]:
     """Open a cache for a trio program; closing drains (or drops) disk work in flight.
 
     `store` replaces the configured backend (tests wrap one in fault injection); `gate`
     holds completions until released (the fuzz suite); `clock` replaces the wall clock;
     `synchronous_io` runs disk transfers inside the cache calls (the naive design, kept
-    for comparison in the benchmarks).
+    for comparison in the benchmarks); `recorder` records every transition and every
+    message between the actors (io_actors.tracing; off when None).
     """
     if not isinstance(config, StateKVConfig):
         raise UsageError("config", f"must be a StateKVConfig, got {config!r}")
+    if recorder is None and isinstance(trace, TraceRecorder):
+        recorder = trace  # a recorder passed as the core's sink records messages too
+    if recorder is not None:
+        # The recorder is the core's sink as well: one trace holds both, in one order.
+        if trace is not None and trace is not recorder:
+            raise UsageError("trace", "pass either `trace` or `recorder` (which records "
+                             "transitions too), not both")
+        trace = recorder
     core_config = config.core_config()
     device = resolve_device(config.device)
     pools = KVPools(core_config, device)
@@ -174,7 +205,7 @@ async def open_cache(
     try:
         inline = InlineIO(store, pools, device) if synchronous_io and store is not None else None
         scheduler = Scheduler(KVCacheManager(core_config, trace=trace), copies, store,
-                              clock=clock, inline_io=inline)
+                              clock=clock, inline_io=inline, recorder=recorder)
         gate = gate or OpenGate()
         writer = reader = None
         if store is not None and inline is None:
@@ -217,8 +248,10 @@ class BlockingCache(CacheAPI):
         clock: Callable[[], float] | None = None,
         trace: TraceSink | None = None,
         synchronous_io: bool = False,
+        recorder: TraceRecorder | None = None,
     ) -> None:
         self._open_args = (config, store, gate, clock, trace, synchronous_io)
+        self._recorder = recorder
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._drain = True
@@ -248,7 +281,8 @@ class BlockingCache(CacheAPI):
     async def _amain(self) -> None:
         config, store, gate, clock, trace, synchronous_io = self._open_args
         async with open_cache(config, store=store, gate=gate, clock=clock, trace=trace,
-                              synchronous_io=synchronous_io) as cache:
+                              synchronous_io=synchronous_io,
+                              recorder=self._recorder) as cache:
             self._scheduler = cache._scheduler
             self._pools = cache._pools
             self._token = trio.lowlevel.current_trio_token()

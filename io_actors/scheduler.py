@@ -36,12 +36,13 @@ import trio
 from io_actors.interfaces import CopyEngine, SlotStore
 from io_actors.memory import KVPools
 from io_actors.reader_pool import ReaderPool, ReadJob, SlotReader
+from io_actors.tracing import TraceRecorder
 from io_actors.worker_threads import PoolStatistics
 from io_actors.writer_pool import SlotWriter, WriteJob, WriterPool
 from statekv.config import CacheConfig
 from statekv.errors import InvariantViolation, UsageError
-from statekv.ids import PageId, RequestId, SlotId
-from statekv.manager import KVCacheManager, PrefixMatch, RequestStatus
+from statekv.ids import PageId, RequestId, SlotId, TransferId
+from statekv.manager import CachedBlock, KVCacheManager, PrefixMatch, RequestStatus
 from statekv.messages import (
     Completion,
     CopyGpuToHost,
@@ -126,6 +127,11 @@ class InlineIO:
 class Scheduler:
     """The actor that owns a KVCacheManager."""
 
+    completion_filter: Callable[[Completion], Completion] | None = None
+    """Maps every completion the pools report before it is applied (None: as reported).
+    Tensor-parallel ranks set it (io_actors.distributed): a transfer that failed on another
+    rank must be applied as failed on this one too, or the ranks' caches would diverge."""
+
     def __init__(
         self,
         core: KVCacheManager,
@@ -134,6 +140,7 @@ class Scheduler:
         *,
         clock: Callable[[], float] | None = None,
         inline_io: InlineIO | None = None,
+        recorder: TraceRecorder | None = None,
     ) -> None:
         self._core = core
         self._inline = inline_io
@@ -157,6 +164,9 @@ class Scheduler:
             float("inf")
         )
         self._all_closed = trio.Event()
+        # Recording (off when None): every hook below costs one `is None` test without it.
+        self._recorder = recorder
+        self._parked_traced: set[RequestId] = set()
 
     # ------------------------------------------------------------------ the API (any thread)
 
@@ -224,7 +234,22 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         with self._lock:
-            self._core.check_invariants()
+            try:
+                self._core.check_invariants()
+            except InvariantViolation as exc:
+                if self._recorder is not None:
+                    self._trace_invariant_locked(exc)
+                raise
+
+    def transfers_in_flight(self) -> tuple[TransferId, ...]:
+        """Disk transfers dispatched whose completion is not applied yet, oldest first."""
+        with self._lock:
+            return tuple(TransferId(t) for t in sorted(self._slot_of_transfer))
+
+    def cached_blocks(self) -> tuple[CachedBlock, ...]:
+        """Every block of the prefix index with its tier (KVCacheManager.cached_blocks)."""
+        with self._lock:
+            return self._core.cached_blocks()
 
     async def wait_ready(self, request_id: str) -> None:
         """Wait (trio thread) until the request's onboard reads have all landed."""
@@ -239,9 +264,41 @@ class Scheduler:
         with self._lock:
             if self._closed:
                 raise UsageError("cache", "the cache is closed")
-            result = op(self._clock())
-            self._dispatch_locked()
+            try:
+                result = op(self._clock())
+                if self._recorder is not None:
+                    self._trace_parks_locked(result)
+                self._dispatch_locked()
+            except InvariantViolation as exc:
+                if self._recorder is not None:
+                    self._trace_invariant_locked(exc)
+                raise
             return result
+
+    def _trace_parks_locked(self, result: object) -> None:
+        """Recording: the request this call parked, and those parked that it let go."""
+        recorder = self._recorder
+        assert recorder is not None
+        parks = isinstance(result, PrefixMatch) and not result.ready
+        if not parks and not self._parked_traced:
+            return
+        now = self._clock()
+        if isinstance(result, PrefixMatch) and parks:
+            self._parked_traced.add(result.request_id)
+            recorder.park(now, result.request_id,
+                          detail=f"{result.disk_tokens} tokens read back from disk")
+        core = self._core
+        for rid in [r for r in self._parked_traced
+                    if not core.has_request(r) or core.is_ready(r)]:
+            self._parked_traced.discard(rid)
+            recorder.unpark(now, rid, detail=None if core.has_request(rid)
+                            else "released while parked")
+
+    def _trace_invariant_locked(self, exc: InvariantViolation) -> None:
+        assert self._recorder is not None
+        block = getattr(exc, "block", None)
+        self._recorder.invariant_failed(str(exc), actor="scheduler", time=self._clock(),
+                                        block=block if isinstance(block, int) else None)
 
     # ------------------------------------------------------------------ commands
 
@@ -250,6 +307,8 @@ class Scheduler:
         commands = self._core.take_commands()
         if not commands:
             return
+        if self._recorder is not None:
+            self._recorder.commands(self._clock(), commands)
         copies = self._copies
         copied = False
         fence = None
@@ -288,7 +347,11 @@ class Scheduler:
             for job in inline:
                 completion = self._inline.execute(job)
                 self._slots_in_flight.discard(self._slot_of_transfer.pop(completion.transfer))
+                if self._recorder is not None:
+                    self._recorder.completion(self._clock(), completion)
                 self._core.handle(completion, now=self._clock())
+                if self._recorder is not None:
+                    self._trace_parks_locked(None)
             self._dispatch_locked()
             return
         if self._handover and not self._wake_pending and self._token is not None:
@@ -326,6 +389,8 @@ class Scheduler:
 
     async def report_completion(self, completion: Completion) -> None:
         """Called by the pools (trio thread) for every completion."""
+        if self.completion_filter is not None:
+            completion = self.completion_filter(completion)
         await self._completions_send.send(completion)
 
     async def _apply_completions(self) -> None:
@@ -333,7 +398,11 @@ class Scheduler:
             with self._lock:
                 slot = self._slot_of_transfer.pop(completion.transfer)
                 self._slots_in_flight.discard(slot)
+                if self._recorder is not None:
+                    self._recorder.completion(self._clock(), completion)
                 self._core.handle(completion, now=self._clock())
+                if self._recorder is not None:
+                    self._trace_parks_locked(None)
                 self._dispatch_locked()
                 woken: list[trio.Event] = []
                 if isinstance(completion, SlotRead | SlotReadFailed) and self._ready_waiters:
