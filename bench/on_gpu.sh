@@ -12,25 +12,28 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 DISK=${DISK:-/tmp/statekv-disk}
 mkdir -p "$DISK"
 sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
-run() {  # name, command...
-    local name=$1; shift
+run() {  # name, seconds allowed, command...
+    local name=$1 limit=$2; shift 2
     echo "=== $name: $*"
     local start=$SECONDS
-    "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     echo "=== $name: rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
 }
 for step in "$@"; do
     case $step in
-    info) run info bash -c 'nvidia-smi -L; python3 -c "import torch, kvikio, trio; print(torch.__version__, torch.cuda.get_device_name(0), kvikio.__version__, trio.__version__)"; df -h /tmp | tail -1' ;;
-    tests) STATEKV_TEST_DEVICE=cuda run tests python3 -m pytest -q -p no:cacheprovider \
+    info) run info 30 bash -c 'nvidia-smi -L; python3 -c "import torch, kvikio, trio; print(torch.__version__, torch.cuda.get_device_name(0), kvikio.__version__, trio.__version__)"; df -h /tmp | tail -1' ;;
+    tests) STATEKV_TEST_DEVICE=cuda run tests ${TESTS_S:-150} python3 -m pytest -q -x \
+        -p no:cacheprovider --timeout 60 --durations 5 \
         tests/test_memory.py tests/test_kvikio_store.py tests/test_io_actors.py \
         tests/test_io_faults.py tests/test_model_paged_attention.py tests/test_serving_identity.py ;;
-    io) run io python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
+    io) run io ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 --write ;;
-    demo) run demo python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
-    e2e) run e2e python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
+    demo) run demo 60 python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
+    e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
+    tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
+    fuzz) run fuzz ${FUZZ_S:-120} python3 -m fuzz --profile gpu ;;
     *) echo "unknown step $step" ;;
     esac
 done
