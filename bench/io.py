@@ -164,7 +164,8 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
     model = PagedDecoder(model_config, device=device)
     bs = args.block_size
     result: dict[str, float] = {}
-    for phase in ("idle", "saturated"):
+    # A first run warms up kernels, allocators and page caches; it is not reported.
+    for phase in ("warmup", "idle", "saturated"):
         config = StateKVConfig(
             layout=model_config.kv_layout(), block_size=bs, gpu=args.loop_gpu_blocks,
             host=args.loop_gpu_blocks // 4, reserved_host=64, disk=8 * args.loop_gpu_blocks,

@@ -107,8 +107,12 @@ class StateKVConfig:
 
     @device.validator
     def _check_device(self, _attribute: attrs.Attribute[str], value: object) -> None:
-        if value not in DEVICES:
-            raise ConfigError("device", f"unknown device {value!r} (known: {DEVICES})")
+        if value not in DEVICES and not (
+            isinstance(value, str) and re.fullmatch(r"cuda:[0-9]{1,3}", value)
+        ):
+            raise ConfigError(
+                "device", f"unknown device {value!r} (known: {DEVICES}, or cuda:N)"
+            )
 
     @namespace.validator
     def _check_namespace(self, _attribute: attrs.Attribute[str], value: object) -> None:

@@ -54,6 +54,10 @@ def resolve_device(name: str) -> torch.device:
     """'auto' means CUDA when present, else the CPU (same code path, real copies)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device", "CUDA was asked for but torch sees no GPU")
+        return torch.device(name)
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device", "CUDA was asked for but torch sees no GPU")
