@@ -76,8 +76,12 @@ def run_workload(
     `salt_every_request` gives each request its own cache salt: nothing is ever reused, the
     no-cache baseline the identity check compares with.
     """
-    with tempfile.TemporaryDirectory(prefix="statekv-run-") as tmp:
-        directory = disk_dir or Path(tmp)
+    if disk_dir is not None:
+        disk_dir.mkdir(parents=True, exist_ok=True)
+    # A fresh directory per run, removed afterwards: slot files are preallocated, and runs
+    # one after the other must not add up on the disk.
+    with tempfile.TemporaryDirectory(prefix="statekv-run-", dir=disk_dir) as tmp:
+        directory = Path(tmp)
         config = StateKVConfig(
             layout=model.config.kv_layout(), block_size=budgets.block_size,
             gpu=budgets.gpu_blocks, host=budgets.host_blocks,
