@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from types import TracebackType
 
+import attrs
 import torch
 import trio
 
@@ -254,6 +255,11 @@ class BlockingCache(CacheAPI):
         synchronous_io: bool = False,
         recorder: TraceRecorder | None = None,
     ) -> None:
+        if isinstance(config, StateKVConfig):
+            # CUDA's current device is per thread: resolve "cuda"/"auto" here, on the caller's
+            # thread (a tensor-parallel rank has selected its own GPU), not on the cache's
+            # trio thread, which starts on device 0.
+            config = attrs.evolve(config, device=str(resolve_device(config.device)))
         self._open_args = (config, store, gate, clock, trace, synchronous_io)
         self._recorder = recorder
         self._ready = threading.Event()
