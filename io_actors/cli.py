@@ -3,6 +3,7 @@
     statekv demo [options]            the serving-loop demo (see `statekv demo --help`)
     statekv trace view TRACE [-o F]   one self-contained HTML timeline of a recorded trace
     statekv trace summary TRACE       counts by transition, longest parks, slowest transfers
+    statekv trace perfetto TRACE      the trace in Chrome trace-event format (Perfetto)
 
 Command-line flags are read here, once, into configuration records; nothing deeper reads the
 command line or the environment.
