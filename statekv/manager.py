@@ -799,14 +799,14 @@ class KVCacheManager:
         if block.disk_slot is not None:
             self._disk.empty.append(block.disk_slot)
             self._outbox.append(FreeSlot(slot=block.disk_slot))
+        # Back to a FREE record's defaults.  Holders, waiters and the heap position are
+        # already cleared whenever a block is discarded (check_invariants verifies it).
         block.key = block.parent_key = None
         block.gpu_page = block.host_page = None
         block.disk_slot = None
         block.transfer = None
         block.expiry = None
-        block.reuse_count = block.depth = block.priority = block.ref_count = 0
-        block.waiters.clear()
-        block.heap_pos = -1
+        block.reuse_count = block.depth = block.priority = 0
         self._free_records.append(block)
 
     def _unindex(self, block: Block) -> None:
@@ -1149,6 +1149,10 @@ class KVCacheManager:
                 raise InvariantViolation(f"{block!r}: cached without a key")
             if st in (_S.FREE, _S.ERROR) and block.key is not None:
                 raise InvariantViolation(f"{block!r}: indexed in state {st.name}")
+            if st is _S.FREE and (block.heap_pos != -1 or block.expiry is not None
+                                  or block.reuse_count or block.waiters or block.prev
+                                  or block.next):
+                raise InvariantViolation(f"{block!r}: a free record kept old fields")
             if block.key is not None and self._index.get(block.key) is not block:
                 raise InvariantViolation(f"{block!r}: key not indexed to it")
             if st is _S.RELEASED and block.ref_count:

@@ -166,10 +166,24 @@ class PriorityLRU:
         return self._levels[level].head
 
     def pop(self) -> Block:
-        block = self.peek()
-        if block is None:
+        """Remove and return the next victim (peek + remove, inlined: one per eviction)."""
+        mask = self._mask
+        if not mask:
             raise IndexError("pop from an empty PriorityLRU")
-        self.remove(block)
+        level = (mask & -mask).bit_length() - 1
+        lst = self._levels[level]
+        block = lst.head
+        assert block is not None
+        nxt = block.next
+        lst.head = nxt
+        if nxt is None:
+            lst.tail = None
+            self._mask = mask & ~(1 << level)
+        else:
+            nxt.prev = None
+        block.next = None
+        lst.size -= 1
+        self.size -= 1
         return block
 
     def __iter__(self) -> Iterator[Block]:
