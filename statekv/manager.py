@@ -782,16 +782,7 @@ class KVCacheManager:
     def _discard(self, block: Block, event: BlockEvent) -> None:
         """The content leaves the cache: unindex it, free what storage it still owns."""
         self._move(block, event)
-        key = block.key
-        if key is not None:
-            del self._index[key]
-            parent = block.parent_key
-            assert parent is not None
-            left = self._children[parent] - 1
-            if left:
-                self._children[parent] = left
-            else:
-                del self._children[parent]
+        self._unindex(block)
         if block.gpu_page is not None:
             self._gpu.empty.append(block.gpu_page)
         if block.host_page is not None:
@@ -801,7 +792,6 @@ class KVCacheManager:
             self._outbox.append(FreeSlot(slot=block.disk_slot))
         # Back to a FREE record's defaults.  Holders, waiters and the heap position are
         # already cleared whenever a block is discarded (check_invariants verifies it).
-        block.key = block.parent_key = None
         block.gpu_page = block.host_page = None
         block.disk_slot = None
         block.transfer = None
@@ -810,7 +800,7 @@ class KVCacheManager:
         self._free_records.append(block)
 
     def _unindex(self, block: Block) -> None:
-        """Remove a block from the prefix index, keeping the record (it is failing)."""
+        """Remove a block from the prefix index (its content is leaving or failing)."""
         key = block.key
         if key is None:
             return
