@@ -380,8 +380,14 @@ class Scheduler:
         while True:
             while self._spill_backlog:
                 job = self._spill_backlog[0]
-                await writer.submit(job)
-                self._spill_backlog.popleft()
+                try:
+                    await writer.submit(job)
+                except trio.ClosedResourceError:
+                    return  # closed without draining: close() counted the backlog as dropped
+                # close() may have cleared the backlog while this task waited for room in a
+                # full queue: then the job is no longer the backlog's to pop.
+                if self._spill_backlog and self._spill_backlog[0] is job:
+                    self._spill_backlog.popleft()
             if self._closed and not self._handover:
                 return
             self._spill_wakeup = trio.Event()
@@ -448,12 +454,15 @@ class Scheduler:
                 while (self._spill_backlog or (self._writer and self._writer.busy)
                        or (self._reader and self._reader.busy)):
                     await trio.sleep(0.001)
-        if self._spill_backlog:
-            writes_dropped += len(self._spill_backlog)
-            self._spill_backlog.clear()
         self._spill_wakeup.set()
         if self._writer is not None:
-            writes_dropped += len(self._writer.close_queue(drop_queued=True))
+            dropped = self._writer.close_queue(drop_queued=True)
+            writes_dropped += len(dropped)
+            # The feeder may be waiting in submit() with the backlog's first job: draining the
+            # full queue let that job in, and close_queue dropped it already.
+            taken = {id(job) for job in dropped}
+            writes_dropped += sum(1 for job in self._spill_backlog if id(job) not in taken)
+        self._spill_backlog.clear()
         if self._reader is not None:
             reads_dropped += len(self._reader.close_queue(drop_queued=True))
         # Jobs already in a thread cannot be abandoned (the thread owns the buffers): wait.
