@@ -12,7 +12,7 @@ TORCH_CPU := torch==2.13.0
 CROSSHAIR_TARGETS := statekv.arith statekv.lifecycle
 CROSSHAIR_TIMEOUT ?= 4
 
-.PHONY: test demo lint typecheck spec crosshair pytest bench-core clean
+.PHONY: test demo lint typecheck spec crosshair pytest bench-core clean fuzz fuzz-ci fuzz-gpu
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,20 @@ demo: $(STAMP)
 
 bench-core: $(STAMP)
 	$(BIN)/python -m bench.core
+
+# Race fuzzing (fuzz/README.md).  `make test` runs the CI profile through pytest
+# (tests/test_fuzz_machines.py); `make fuzz` soaks every machine with new seeds until
+# FUZZ_MINUTES pass; `make fuzz-gpu` runs the GPU profile (CUDA pools, kvikio) on a GPU machine.
+FUZZ_MINUTES ?= 120
+
+fuzz-ci: $(STAMP)
+	$(BIN)/python -m fuzz --profile ci
+
+fuzz: $(STAMP)
+	$(BIN)/python -m fuzz --profile soak --minutes $(FUZZ_MINUTES)
+
+fuzz-gpu: $(STAMP)
+	$(BIN)/python -m fuzz --profile gpu
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info

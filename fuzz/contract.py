@@ -1,0 +1,126 @@
+"""The command contract of ``statekv.messages``, checked on the stream of commands and
+completions as they happen -- independently of the core's own bookkeeping.
+
+The core's ``check_invariants`` verifies its structures against each other; this checker
+verifies what the core *tells the actors to do*, which is what would hurt real bytes:
+
+* at most one transfer per slot: a spill never claims a slot whose read (or write) is in
+  flight, and two writes to one slot never race;
+* a read names the content that the last landed write put in its slot, so a prefix-tree
+  entry never points at recycled bytes;
+* a slot is never freed while a transfer on it is in flight;
+* a GPU page with a read in flight is never the source or destination of a copy, nor the
+  destination of a second read: it is not on any free list until the read lands.
+
+Every harness feeds it the commands in the order the core emitted them and the completions in
+the order the core applied them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from statekv.ids import BlockHash, PageId, SlotId, TransferId
+from statekv.messages import (
+    Command,
+    Completion,
+    CopyGpuToHost,
+    CopyHostToGpu,
+    FreeSlot,
+    ReadSlot,
+    SlotRead,
+    SlotReadFailed,
+    SlotWriteFailed,
+    SlotWritten,
+    WriteSlot,
+)
+
+
+class ContractViolation(AssertionError):
+    """The core asked the actors for something that could corrupt or lose KV."""
+
+
+class CommandContract:
+    """Transfers in flight and slot contents, as the command stream describes them."""
+
+    def __init__(self) -> None:
+        self.writes: dict[TransferId, WriteSlot] = {}
+        self.reads: dict[TransferId, ReadSlot] = {}
+        self.busy: dict[SlotId, TransferId] = {}
+        self.slot_content: dict[SlotId, BlockHash] = {}
+        """What each slot holds according to the writes that landed."""
+        self.read_pages: dict[PageId, TransferId] = {}
+        """GPU pages that a read in flight is filling."""
+        self.failed_writes = 0
+        self.failed_reads = 0
+
+    def commands(self, commands: Iterable[Command]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, WriteSlot):
+                self._claim(cmd.slot, cmd.transfer, cmd)
+                self.writes[cmd.transfer] = cmd
+            elif isinstance(cmd, ReadSlot):
+                self._claim(cmd.slot, cmd.transfer, cmd)
+                held = self.slot_content.get(cmd.slot)
+                if held != cmd.key:
+                    raise ContractViolation(
+                        f"{cmd} reads a slot that holds other content ({_short(held)})"
+                    )
+                if cmd.gpu_page in self.read_pages:
+                    raise ContractViolation(
+                        f"{cmd} targets GPU page {cmd.gpu_page}, which read "
+                        f"{self.read_pages[cmd.gpu_page]} is still filling"
+                    )
+                self.read_pages[cmd.gpu_page] = cmd.transfer
+                self.reads[cmd.transfer] = cmd
+            elif isinstance(cmd, FreeSlot):
+                if cmd.slot in self.busy:
+                    raise ContractViolation(
+                        f"slot {cmd.slot} freed while transfer {self.busy[cmd.slot]} is in flight"
+                    )
+                self.slot_content.pop(cmd.slot, None)
+            elif isinstance(cmd, CopyGpuToHost | CopyHostToGpu):
+                if cmd.gpu_page in self.read_pages:
+                    raise ContractViolation(
+                        f"{cmd} touches GPU page {cmd.gpu_page} while read "
+                        f"{self.read_pages[cmd.gpu_page]} is filling it"
+                    )
+            else:
+                raise ContractViolation(f"unknown command {cmd!r}")
+
+    def _claim(self, slot: SlotId, transfer: TransferId, cmd: Command) -> None:
+        if slot in self.busy:
+            raise ContractViolation(
+                f"{cmd} claims slot {slot} while transfer {self.busy[slot]} is in flight on it"
+            )
+        self.busy[slot] = transfer
+
+    def completion(self, completion: Completion) -> None:
+        tid = completion.transfer
+        if isinstance(completion, SlotWritten | SlotWriteFailed):
+            write = self.writes.pop(tid, None)
+            if write is None:
+                raise ContractViolation(f"{completion} completes no write in flight")
+            del self.busy[write.slot]
+            if isinstance(completion, SlotWritten):
+                self.slot_content[write.slot] = write.key
+            else:
+                self.failed_writes += 1
+                self.slot_content.pop(write.slot, None)
+        elif isinstance(completion, SlotRead | SlotReadFailed):
+            read = self.reads.pop(tid, None)
+            if read is None:
+                raise ContractViolation(f"{completion} completes no read in flight")
+            del self.busy[read.slot]
+            del self.read_pages[read.gpu_page]
+            if isinstance(completion, SlotReadFailed):
+                self.failed_reads += 1
+        else:
+            raise ContractViolation(f"unknown completion {completion!r}")
+
+    def quiet(self) -> bool:
+        return not self.writes and not self.reads
+
+
+def _short(key: BlockHash | None) -> str:
+    return "nothing" if key is None else key.hex()[:12]

@@ -1,0 +1,461 @@
+"""Machine 1: the pure core against the executable reference model of ``specs/``.
+
+No I/O, no threads: the machine plays the actors itself.  Hypothesis drives the real
+:class:`~statekv.KVCacheManager` and :class:`~specs.reference_model.ReferenceCache` with
+the same operations -- requests with shared prefixes, salts, priorities and TTLs; allocation,
+commits and decode; releases and cancellations of parked requests; writes and reads that land
+or fail in an order it picks (oldest or newest of a kind, by transfer id); the clock -- and
+after every step checks that
+
+* both succeed or fail alike, emit the same commands (kinds, and keys of disk transfers),
+  match the same prefixes by tier, agree on readiness, computed tokens, every counter of
+  ``statistics()`` and which content is cached on which tier with which retention stamp;
+* the command stream keeps its contract (:mod:`fuzz.contract`): one transfer per slot, a read
+  names its slot's content, nothing touches a GPU page a read is filling;
+* no GPU page with a read in flight is on the free list, no slot with a transfer in flight is
+  on the empty list, and a ready request holds no page a read is still filling;
+* ``check_invariants()`` holds.
+
+This is the fast machine (thousands of steps per second): it explores the decision logic,
+the system machine (:mod:`fuzz.system_machine`) the actors and the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+import hypothesis.strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition
+
+from fuzz.contract import CommandContract
+from fuzz.steps import Counts, fuzz_rule, note
+from fuzz.tracefile import new_sink
+from specs.reference_model import DISK, GPU, HOST, READING, SPILLING, ReferenceCache
+from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
+from statekv.ids import TransferId
+from statekv.lifecycle import BlockState
+from statekv.messages import (
+    Completion,
+    ReadSlot,
+    SlotRead,
+    SlotReadFailed,
+    SlotWriteFailed,
+    SlotWritten,
+    WriteSlot,
+)
+from statekv.trace import TraceSink
+
+T = TypeVar("T")
+
+TIER_OF = {
+    BlockState.ON_GPU: GPU,
+    BlockState.RELEASED: GPU,
+    BlockState.ON_HOST: HOST,
+    BlockState.SPILLING: SPILLING,
+    BlockState.ON_DISK: DISK,
+    BlockState.ONBOARDING: READING,
+}
+
+# A few documents that prompts share prefixes of, so that matches happen often; the second
+# shares the first's first two blocks (block size 2), the third shares nothing.
+DOCUMENTS = (
+    (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12),
+    (1, 2, 3, 4, 9, 9, 9, 9),
+    (5, 5, 5, 5, 5),
+)
+SALTS = (None, None, "tenant-b")
+TTLS = (None, 0, 1.0, 5.0, 30.0)
+CLOCK_STEPS = (0.5, 1.0, 5.0, 30.0)
+
+
+@st.composite
+def core_configs(draw: st.DrawFn) -> CacheConfig:
+    disk = draw(st.integers(0, 8))
+    host = draw(st.integers(1 if disk else 0, 3))
+    return CacheConfig(
+        block_size=draw(st.sampled_from([2, 2, 4])),
+        gpu_blocks=draw(st.integers(4, 8)),
+        host_blocks=host,
+        reserved_host_blocks=draw(st.integers(0, 2)) if disk else 0,
+        disk_blocks=disk,
+        # Half the caches spill everything: the gated modes drop most victims, and disk
+        # round trips are where the races are.
+        spill_mode=draw(st.sampled_from([SpillMode.ALL, SpillMode.ALL, SpillMode.RETAINED_ONLY,
+                                         SpillMode.REUSED])),
+        spill_min_reuse=draw(st.integers(1, 2)),
+        protect_unexpired=draw(st.booleans()),
+        drop_on_pressure=draw(st.booleans()),
+        write_queue_depth=draw(st.integers(1, 3)),
+        priority_levels=draw(st.integers(1, 3)),
+    )
+
+
+@attrs.frozen
+class RequestSpec:
+    """What one new request asks for (precomputed, so that a rule draws it in one choice)."""
+
+    prompt: tuple[int, ...]
+    ttl: float | None = None
+    priority: int = 0
+    salt: str | None = None
+
+
+def _prompts() -> list[tuple[int, ...]]:
+    """Prompts cut from the documents, plus short private tails; simplest first, so that
+    shrinking (towards index 0) simplifies the prompt."""
+    out: list[tuple[int, ...]] = []
+    for tail in ((), (0,), (1, 2), (3, 3, 3)):
+        for cut in range(1, 13):
+            for doc in DOCUMENTS:
+                prompt = doc[:cut] + tail
+                if prompt not in out:
+                    out.append(prompt)
+    return out
+
+
+PROMPTS = _prompts()
+REQUESTS = [
+    RequestSpec(prompt, ttl, priority, salt)
+    for salt in (None, "tenant-b")
+    for priority in (0, 1, 2)
+    for ttl in TTLS
+    for prompt in PROMPTS
+]
+"""Every request a rule may add, as one sampled choice (cheap to draw, shrinks well)."""
+requests = st.sampled_from(REQUESTS)
+
+
+@attrs.frozen
+class ChurnSpec:
+    """A request of fresh tokens: `blocks` full blocks (None: as many as the GPU holds)."""
+
+    blocks: int | None
+    ttl: float | None = None
+    land: bool = False
+
+
+churns = st.sampled_from([
+    ChurnSpec(blocks, ttl, land)
+    for land in (False, True)
+    for ttl in (None, 2.0, 10.0)
+    for blocks in (1, 2, 4, None)
+])
+
+
+@attrs.frozen
+class RequestAction:
+    """Something the serving loop does to live request number `pick` (modulo how many)."""
+
+    kind: str
+    """"compute" (1 + `amount` more tokens, then commit if ready), "decode" (append token
+    `amount`), "release", or "cancel" (release a parked request, if any is parked)."""
+    pick: int
+    amount: int = 0
+
+
+request_actions = st.sampled_from(
+    [RequestAction("compute", pick, extra) for extra in (0, 1, 3, 8) for pick in range(4)]
+    + [RequestAction("release", pick) for pick in range(4)]
+    + [RequestAction("decode", pick, token) for token in range(3) for pick in range(4)]
+    + [RequestAction("cancel", pick) for pick in range(4)]
+)
+
+
+@attrs.frozen
+class TransferAction:
+    """Which pending disk transfer reports next, and how."""
+
+    kind: str
+    """"write" or "read": the oldest (or newest) of that kind reports, or, when none of that
+    kind is pending, the oldest of the other kind; "drain": every transfer lands, writes
+    first, oldest first."""
+    newest: bool = False
+    ok: bool = True
+
+
+transfer_actions = st.sampled_from(
+    [TransferAction(kind, newest, ok)
+     for ok in (True, False) for newest in (False, True) for kind in ("write", "read")]
+    + [TransferAction("drain")]
+)
+
+
+class CoreVsSpec(RuleBasedStateMachine):
+    """The real core and the reference model, step by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        Counts.examples += 1
+        self.real: KVCacheManager | None = None
+        self.model: ReferenceCache
+        self.trace: TraceSink | None = None
+        self.contract = CommandContract()
+        self.now = 0.0
+        self.writes: list[TransferId] = []
+        self.reads: list[TransferId] = []
+        self.live: list[str] = []
+        self.next_id = 0
+        self.next_token = 0
+        self.served: list[list[int]] = []
+
+    @property
+    def core(self) -> KVCacheManager:
+        assert self.real is not None
+        return self.real
+
+    @initialize(config=core_configs())
+    def build(self, config: CacheConfig) -> None:
+        self.trace = new_sink()
+        self.real = KVCacheManager(config, trace=self.trace)
+        self.model = ReferenceCache(config)
+
+    # -------------------------------------------------------------- both sides, compared
+
+    def both(self, real: Callable[[], T], model: Callable[[], Any]) -> T | None:
+        """Run one operation on both; they must succeed or fail alike."""
+        Counts.operations += 1
+        try:
+            out = real()
+        except (OutOfBlocks, UsageError) as exc:
+            try:
+                model()
+            except type(exc):
+                return None
+            raise AssertionError(f"real raised {exc!r}, the model did not") from None
+        model()
+        self.collect_commands()
+        return out
+
+    def collect_commands(self) -> None:
+        real = self.core.take_commands()
+        model = self.model.commands
+        self.model.commands = []
+        real_kinds = [
+            (type(c).__name__, c.key if isinstance(c, WriteSlot | ReadSlot) else None)
+            for c in real
+        ]
+        model_kinds = [(kind, key if kind in ("WriteSlot", "ReadSlot") else None)
+                       for kind, key in model]
+        assert real_kinds == model_kinds, (real_kinds, model_kinds)
+        self.contract.commands(real)
+        for c in real:
+            if isinstance(c, WriteSlot):
+                self.writes.append(c.transfer)
+            elif isinstance(c, ReadSlot):
+                self.reads.append(c.transfer)
+
+    def complete(self, tid: TransferId, completion: Completion, ok: bool) -> None:
+        self.contract.completion(completion)
+        if isinstance(completion, SlotWritten | SlotWriteFailed):
+            self.both(lambda: self.core.handle(completion, now=self.now),
+                      lambda: self.model.write_done(tid, ok, self.now))
+        else:
+            self.both(lambda: self.core.handle(completion, now=self.now),
+                      lambda: self.model.read_done(tid, ok, self.now))
+
+    # -------------------------------------------------------------- requests
+    #
+    # Every rule draws at most one choice: Hypothesis spends most of a step's time per
+    # choice drawn, and one sampled record prints as readably as several arguments.
+
+    @fuzz_rule(spec=requests)
+    def add_request(self, spec: RequestSpec) -> None:
+        self._add(list(spec.prompt), spec.ttl, spec.priority, spec.salt)
+
+    def _add(
+        self, prompt: list[int], ttl: float | None, priority: int, salt: str | None
+    ) -> str | None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        priority = min(priority, self.core.config.priority_levels - 1)
+        Counts.operations += 1
+        try:
+            match = self.core.add_request(
+                rid, prompt, now=self.now, ttl_seconds=ttl, priority=priority, cache_salt=salt
+            )
+        except (OutOfBlocks, UsageError) as exc:
+            try:
+                self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
+                                       priority=priority, cache_salt=salt)
+            except type(exc):
+                return None
+            raise AssertionError(f"real raised {exc!r}, the model did not") from None
+        expected = self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
+                                          priority=priority, cache_salt=salt)
+        got = (match.matched_tokens, match.gpu_tokens, match.host_tokens, match.disk_tokens,
+               match.ready)
+        assert got == (expected.matched_tokens, expected.gpu_tokens, expected.host_tokens,
+                       expected.disk_tokens, expected.ready)
+        self.collect_commands()
+        self.live.append(rid)
+        return rid
+
+    def _serve(
+        self, prompt: list[int], ttl: float | None, priority: int, salt: str | None = None
+    ) -> None:
+        """Add, compute and release one request (released unserved if it is parked)."""
+        rid = self._add(prompt, ttl, priority, salt)
+        if rid is None:
+            return
+        self.served.append(prompt)
+        if self.core.is_ready(rid):
+            self._compute(rid, 100)
+        self._release(rid)
+
+    @fuzz_rule(spec=requests)
+    def serve_whole_request(self, spec: RequestSpec) -> None:
+        self._serve(list(spec.prompt), spec.ttl, spec.priority, spec.salt)
+
+    @fuzz_rule(spec=requests)
+    def comes_back_after_eviction(self, spec: RequestSpec) -> None:
+        """A conversation whose KV was pushed down to disk comes back: serve it, serve two
+        GPU-sized fresh requests landing every transfer, then ask for it again (kept, and
+        parked while its blocks are read back)."""
+        prompt = list(spec.prompt)
+        self._serve(prompt, spec.ttl, spec.priority, spec.salt)
+        cfg = self.core.config
+        for _ in range(2):
+            self.next_token += 1
+            full = cfg.gpu_blocks * cfg.block_size - 1
+            self._serve([100 + self.next_token * 64 + i for i in range(full)], None, 0)
+            self._drain()
+        self._add(prompt, spec.ttl, spec.priority, spec.salt)
+
+    @precondition(lambda self: self.served)
+    @fuzz_rule(pick=st.integers(0, 63))
+    def revisit(self, pick: int) -> None:
+        """Ask again for a prompt served before (a multi-round chat's next turn): kept
+        (pick odd) or served whole, with a TTL when pick % 4 >= 2."""
+        prompt = self.served[(pick // 4) % len(self.served)]
+        ttl = 5.0 if pick % 4 >= 2 else None
+        if pick % 2:
+            self._add(prompt, ttl, 0, None)
+        else:
+            self._serve(prompt, ttl, 0)
+
+    @fuzz_rule(spec=churns)
+    def churn(self, spec: ChurnSpec) -> None:
+        """Serve a request of never-seen tokens: it pushes older content down the tiers.
+        With `land`, every transfer then lands: repeated, it fills the disk."""
+        self.next_token += 1
+        cfg = self.core.config
+        full = cfg.gpu_blocks * cfg.block_size - 1
+        size = full if spec.blocks is None else min(spec.blocks * cfg.block_size + 1, full)
+        self._serve([100 + self.next_token * 64 + i for i in range(size)], spec.ttl, 0)
+        if spec.land:
+            self._drain()
+
+    @precondition(lambda self: self.live)
+    @fuzz_rule(action=request_actions)
+    def act_on_a_request(self, action: RequestAction) -> None:
+        """Compute, decode, release or cancel one of the live requests."""
+        if action.kind == "cancel":
+            parked = [rid for rid in self.live if not self.core.is_ready(rid)]
+            if parked:
+                self._release(parked[action.pick % len(parked)])
+            return
+        rid = self.live[action.pick % len(self.live)]
+        if action.kind == "compute":
+            self._compute(rid, action.amount)
+        elif action.kind == "release":
+            self._release(rid)
+        else:
+            token = action.amount
+            self.both(lambda: self.core.append_tokens(rid, [token]),
+                      lambda: self.model.append_tokens(rid, [token]))
+
+    def _compute(self, rid: str, extra: int) -> None:
+        """Allocate pages for 1 + `extra` more known tokens, then commit them if ready."""
+        status = self.core.request_status(rid)
+        target = min(status.num_tokens, status.num_computed_tokens + 1 + extra)
+        self.both(lambda: self.core.allocate_nowait(rid, target, now=self.now),
+                  lambda: self.model.allocate_nowait(rid, target, now=self.now))
+        if self.core.is_ready(rid) and \
+                len(self.core.block_table(rid)) * self.core.config.block_size >= target:
+            self.both(lambda: self.core.commit(rid, target, now=self.now),
+                      lambda: self.model.commit(rid, target, now=self.now))
+
+    def _release(self, rid: str) -> None:
+        self.live.remove(rid)
+        self.both(lambda: self.core.release(rid, now=self.now),
+                  lambda: self.model.release(rid, now=self.now))
+
+    # -------------------------------------------------------------- transfers
+
+    @precondition(lambda self: self.writes or self.reads)
+    @fuzz_rule(action=transfer_actions)
+    def complete_a_transfer(self, action: TransferAction) -> None:
+        """A pending write or read lands or fails (picked by transfer id), or all land."""
+        if action.kind == "drain":
+            self._drain()
+            return
+        wanted = self.reads if action.kind == "read" else self.writes
+        pending = wanted or self.writes or self.reads
+        tid = pending.pop(-1 if action.newest and pending is wanted else 0)
+        completion: Completion
+        if pending is self.reads:
+            completion = (SlotRead(transfer=tid) if action.ok
+                          else SlotReadFailed(transfer=tid, cause="short read"))
+        else:
+            completion = (SlotWritten(transfer=tid) if action.ok
+                          else SlotWriteFailed(transfer=tid, cause="EIO"))
+        self.complete(tid, completion, action.ok)
+
+    def _drain(self) -> None:
+        """Every transfer in flight lands, oldest first (writes, then reads)."""
+        while self.writes or self.reads:
+            if self.writes:
+                tid = self.writes.pop(0)
+                self.complete(tid, SlotWritten(transfer=tid), True)
+            else:
+                tid = self.reads.pop(0)
+                self.complete(tid, SlotRead(transfer=tid), True)
+
+    @fuzz_rule(dt=st.sampled_from(CLOCK_STEPS))
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+        self.both(lambda: self.core.advance(self.now), lambda: self.model.advance(self.now))
+
+    # -------------------------------------------------------------- invariants
+
+    @invariant()
+    def agrees_with_the_spec(self) -> None:
+        real = self.real
+        if real is None:
+            return
+        real.check_invariants()
+        assert real.statistics() == self.model.statistics()
+        real_cached = {
+            b.key: (TIER_OF[b.state], b.ref_count, b.reuse_count, b.expiry)
+            for b in real.cached_blocks()
+        }
+        assert real_cached == self.model.cached()
+        contract = self.contract
+        reading = contract.read_pages
+        for rid in self.live:
+            ready = real.is_ready(rid)
+            assert ready == self.model.is_ready(rid)
+            assert real.request_status(rid).num_computed_tokens == self.model.num_computed(rid)
+            if ready and reading:
+                pending = [p for p in real.block_table(rid) if p in reading]
+                assert not pending, f"{rid} is ready but reads still fill pages {pending}"
+        if reading:
+            free = [p for p in real._gpu.empty if p in reading]
+            assert not free, f"GPU pages {free} are free while reads fill them"
+        if contract.busy:
+            empty = [s for s in real._disk.empty if s in contract.busy]
+            assert not empty, f"slots {empty} are empty while transfers use them"
+
+    def teardown(self) -> None:
+        real = self.real
+        if real is None:
+            return
+        stats = real.statistics()
+        for name in ("spills", "onboards", "onboard_failures", "spill_failures",
+                     "displacements", "expirations", "gate_drops", "pressure_drops",
+                     "admission_refusals", "requests_fallen_back", "host_recalls",
+                     "offloads_skipped", "disk_busy_refusals"):
+            if getattr(stats, name):
+                note(f"reached {name}")

@@ -1,0 +1,80 @@
+"""A completion gate that holds every finished transfer until the fuzz harness releases it.
+
+The real write or read has already happened when a completion reaches the gate (the bytes are
+in the slot, or in the GPU page); only its report to the scheduler waits.  Releasing one held
+completion at a time, chosen by transfer id, makes Hypothesis -- not thread timing -- decide
+which pending write or read the core learns about next.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import trio
+
+from statekv.ids import TransferId
+from statekv.messages import Completion, SlotReadFailed, SlotWriteFailed, SlotWritten
+
+
+class FuzzGate:
+    """:class:`io_actors.gate.CompletionGate` holding completions by transfer id."""
+
+    def __init__(self, notify: Callable[[], None]) -> None:
+        self._notify = notify
+        self._lock = threading.Lock()
+        self._held: dict[TransferId, tuple[Completion, trio.Event]] = {}
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._open = False
+
+    async def hold(self, completion: Completion) -> None:
+        with self._lock:
+            if self._open:
+                return
+            event = trio.Event()
+            self._token = trio.lowlevel.current_trio_token()
+            self._held[completion.transfer] = (completion, event)
+        self._notify()
+        await event.wait()
+
+    def held(self) -> dict[TransferId, Completion]:
+        """Completions waiting at the gate, by transfer id."""
+        with self._lock:
+            return {tid: held[0] for tid, held in self._held.items()}
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """(writes held, reads held, failed writes held, failed reads held)."""
+        writes = reads = failed_writes = failed_reads = 0
+        with self._lock:
+            for completion, _event in self._held.values():
+                if isinstance(completion, SlotWritten | SlotWriteFailed):
+                    writes += 1
+                    failed_writes += isinstance(completion, SlotWriteFailed)
+                else:
+                    reads += 1
+                    failed_reads += isinstance(completion, SlotReadFailed)
+        return writes, reads, failed_writes, failed_reads
+
+    def release(self, tid: TransferId) -> Completion:
+        """Let the completion of transfer `tid` through to the scheduler."""
+        with self._lock:
+            completion, event = self._held.pop(tid)
+            token = self._token
+        assert token is not None
+        token.run_sync_soon(event.set)
+        return completion
+
+    def open(self) -> None:
+        """Let every held completion through, and every later one pass at once."""
+        with self._lock:
+            self._open = True
+            held = list(self._held.values())
+            self._held.clear()
+            token = self._token
+        if token is None:
+            return
+        for _completion, event in held:
+            try:
+                token.run_sync_soon(event.set)
+            except trio.RunFinishedError:
+                return

@@ -1,0 +1,278 @@
+"""Planted bugs: the seed's races put back into the real code, to show the machines catch them.
+
+Each entry re-introduces one bug that the seed shipped (its commit list is the race
+catalogue of fuzz/README.md) by wrapping a method of the real code for the duration of a
+``with`` block; nothing is copied or edited.  ``python -m fuzz.planted NAME`` runs the
+machine that should catch it and prints the shrunk steps; tests/test_fuzz_planted.py asserts
+that each is caught, and how short the shrunk example is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine
+
+from fuzz.core_machine import CoreVsSpec
+from fuzz.runner import run_machine
+from fuzz.system_machine import SystemMachine
+from io_actors.backends import posix
+from io_actors.scheduler import Scheduler
+from statekv.block import Block
+from statekv.lifecycle import BlockEvent, BlockState
+from statekv.manager import KVCacheManager
+from statekv.pools import DiskSlots
+
+
+@contextmanager
+def _wrapped(owner: type, name: str,
+             make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Replace ``owner.name`` by ``make(original)`` inside the block."""
+    original = owner.__dict__[name]
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def release_during_onboard() -> AbstractContextManager[None]:
+    """Seed: releaseBlocks freed a block whose disk read was still in flight, so a stranger's
+    prefill and the late read collided in one GPU page."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def _let_go(self: KVCacheManager, req: Any, blocks: list[Block]) -> None:
+            original(self, req, blocks)
+            for block in blocks:
+                if block.state is BlockState.ONBOARDING and block.ref_count == 0:
+                    assert block.gpu_page is not None
+                    if block.gpu_page not in self._gpu.empty:
+                        self._gpu.empty.append(block.gpu_page)
+        return _let_go
+
+    return _wrapped(KVCacheManager, "_let_go", make)
+
+
+def slot_reused_before_read() -> AbstractContextManager[None]:
+    """Seed: onboardBlock queued the read, then returned the slot's card to the free queue at
+    once, so the next spill could overwrite the slot before the read ran."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def _start_read(self: KVCacheManager, req: Any, block: Block) -> None:
+            original(self, req, block)
+            assert block.disk_slot is not None
+            self._disk.empty.append(block.disk_slot)
+        return _start_read
+
+    return _wrapped(KVCacheManager, "_start_read", make)
+
+
+def displaced_identity_left_in_tree() -> AbstractContextManager[None]:
+    """Seed: a spill that displaced disk content did not detach the displaced identity, so
+    the prefix tree kept pointing at a slot whose bytes were recycled."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def _discard(self: KVCacheManager, block: Block, event: BlockEvent) -> None:
+            key = block.key if block.state is BlockState.ON_DISK else None
+            original(self, block, event)
+            if key is not None and event is BlockEvent.DROPPED:
+                self._index[key] = block
+        return _discard
+
+    return _wrapped(KVCacheManager, "_discard", make)
+
+
+def spills_displace_before_empty_slots() -> AbstractContextManager[None]:
+    """Seed: empty disk slots were filed above fresh content, so spills displaced each other
+    while empty slots sat unused."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def _spill(self: KVCacheManager, victim: Block, now: float) -> None:
+            disk = self._disk
+            if disk.empty and disk.next_victim(True) is not None:
+                empty, disk.empty = disk.empty, []
+                try:
+                    original(self, victim, now)
+                finally:
+                    disk.empty = empty + disk.empty
+            else:
+                original(self, victim, now)
+        return _spill
+
+    return _wrapped(KVCacheManager, "_spill", make)
+
+
+def stale_deadline_kept() -> AbstractContextManager[None]:
+    """Seed: a retained block's deadline entry stayed behind when the block left the disk
+    (the deadline set leaked, and later walks met stale entries)."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def unfile(self: DiskSlots, block: Block) -> None:
+            if block.heap_pos < 0:
+                original(self, block)
+        return unfile
+
+    return _wrapped(DiskSlots, "unfile", make)
+
+
+def reap_never_runs() -> AbstractContextManager[None]:
+    """Seed: slots whose reads had landed were reclaimed only by a reap that never ran while
+    the disk looked full, so spills wedged for good."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def _read_landed(self: KVCacheManager, block: Block) -> None:
+            slot = block.disk_slot
+            original(self, block)
+            if slot in self._disk.empty:
+                self._disk.empty.remove(slot)
+        return _read_landed
+
+    return _wrapped(KVCacheManager, "_read_landed", make)
+
+
+def checksum_not_verified() -> AbstractContextManager[None]:
+    """Seed: short reads and I/O errors were logged and the block published anyway; here,
+    the payload checksum is not verified, so a flipped bit is served as KV."""
+
+    def accept_any(*_args: object, **_kwargs: object) -> None:
+        return None
+
+    @contextmanager
+    def planted() -> Iterator[None]:
+        # The store imported the function by name: replace it where the store looks it up.
+        name = "verify_checksum"
+        original = vars(posix)[name]
+        setattr(posix, name, accept_any)
+        try:
+            yield
+        finally:
+            setattr(posix, name, original)
+
+    return planted()
+
+
+def scheduler_waits_for_writes() -> AbstractContextManager[None]:
+    """Seed: loadFromFile waited for the slot's pending writes on the scheduler, so onboarding
+    a just-spilled block parked the whole engine behind the write queue.  Here a new request
+    waits, in the serving loop's call, until no write is in flight."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def add_request(self: Scheduler, *args: Any, **kwargs: Any) -> Any:
+            while self.statistics().cache.writes_in_flight:
+                time.sleep(0.001)
+            return original(self, *args, **kwargs)
+        return add_request
+
+    return _wrapped(Scheduler, "add_request", make)
+
+
+def feeder_pops_a_cleared_backlog() -> AbstractContextManager[None]:
+    """Found by this suite (not the seed): closing without draining cleared the spill backlog
+    while the spill feeder waited in submit() on a full writer queue; the feeder then popped
+    the empty backlog, crashed the scheduler's nursery, the pools lost count of their jobs,
+    and close() waited for them forever.  This is the feeder as it was before the fix."""
+
+    def make(_fixed: Callable[..., Any]) -> Callable[..., Any]:
+        async def _feed_spills(self: Scheduler) -> None:
+            writer = self._writer
+            assert writer is not None
+            while True:
+                while self._spill_backlog:
+                    job = self._spill_backlog[0]
+                    await writer.submit(job)
+                    self._spill_backlog.popleft()
+                if self._closed and not self._handover:
+                    return
+                self._spill_wakeup = trio.Event()
+                await self._spill_wakeup.wait()
+        return _feed_spills
+
+    return _wrapped(Scheduler, "_feed_spills", make)
+
+
+@attrs.frozen
+class Planted:
+    name: str
+    plant: Callable[[], AbstractContextManager[None]]
+    machine: type[RuleBasedStateMachine]
+    examples: int
+    """Examples the machine gets to find it (the test's budget)."""
+
+
+PLANTED = {
+    p.name: p for p in (
+        Planted("release-during-onboard", release_during_onboard, CoreVsSpec, 1000),
+        Planted("slot-reused-before-read", slot_reused_before_read, CoreVsSpec, 1000),
+        Planted("displaced-identity-left-in-tree", displaced_identity_left_in_tree,
+                CoreVsSpec, 1000),
+        Planted("spills-displace-before-empty-slots", spills_displace_before_empty_slots,
+                CoreVsSpec, 1000),
+        Planted("stale-deadline-kept", stale_deadline_kept, CoreVsSpec, 1000),
+        Planted("reap-never-runs", reap_never_runs, CoreVsSpec, 1000),
+        Planted("checksum-not-verified", checksum_not_verified, SystemMachine, 1000),
+        Planted("release-during-onboard-system", release_during_onboard, SystemMachine, 1000),
+        Planted("scheduler-waits-for-writes", scheduler_waits_for_writes, SystemMachine, 1000),
+        Planted("feeder-pops-a-cleared-backlog", feeder_pops_a_cleared_backlog, SystemMachine,
+                3000),
+    )
+}
+
+
+@attrs.frozen
+class Caught:
+    error: BaseException
+    steps: list[str]
+    """The shrunk example's steps, as Hypothesis printed them."""
+
+
+def hunt(planted: Planted, failure_dir: Path, *, examples: int | None = None,
+         echo: Callable[[str], None] = lambda _line: None) -> Caught | None:
+    """Run the planted bug's machine; the shrunk failure, or None if it was not found."""
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        lines.append(line)
+        echo(line)
+
+    config = settings(
+        max_examples=examples or planted.examples, stateful_step_count=50, deadline=None,
+        database=None, suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
+    )
+    with planted.plant():
+        try:
+            run_machine(planted.machine, config, failure_dir=failure_dir, echo=report)
+        except Exception as exc:  # the planted bug surfacing, whatever check catches it
+            text = "\n".join([*lines, *map(str, getattr(exc, "__notes__", []))])
+            steps = [line.strip() for line in text.splitlines()
+                     if line.strip().startswith("state.") and "teardown" not in line
+                     and "agrees_with_the_spec" not in line]
+            return Caught(error=exc, steps=steps)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fuzz.planted", description=__doc__)
+    parser.add_argument("name", choices=sorted(PLANTED))
+    parser.add_argument("--failures", type=Path, default=Path(".hypothesis/fuzz-planted"))
+    args = parser.parse_args(argv)
+    planted = PLANTED[args.name]
+    caught = hunt(planted, args.failures, echo=print)
+    if caught is None:
+        print(f"NOT caught: {planted.name}")
+        return 1
+    print(f"caught {planted.name}: {type(caught.error).__name__}, shrunk to "
+          f"{len(caught.steps)} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""Machine 2: the whole system -- real actors, real files, real torch copies -- against the spec.
+
+Each example opens a :class:`~io_actors.embed.BlockingCache` (its trio loop in a thread of its
+own, the writer and reader pools on threads of their own) over a real slot store in a fresh
+temporary directory, with torch copies on the device (CUDA in the GPU profile), through a
+:class:`fuzz.driver.Driver`.  Two seams are the harness's:
+
+* the **completion gate** (:class:`fuzz.gate.FuzzGate`): every transfer does its real I/O,
+  then its completion waits; a rule releases the oldest or newest pending write or read, by
+  transfer id, so Hypothesis decides the order in which the core learns about them;
+* the **store** (:class:`fuzz.store.FuzzStore`): a rule arms a fault -- EIO on open, read or
+  write, ENOSPC, short or torn transfers, a bit flip on disk, a slow call -- for the next
+  write or read the core issues, or stalls the disk: every later write blocks in the store
+  until a rule unstalls it (a disk that stopped answering; the writer queue fills and spills
+  back up behind it).
+
+The rules play the serving loop: requests with shared prefixes, salts, TTLs and priorities;
+compute (allocate, write KV into the pages, commit); decode; release; cancel while parked;
+churn and bursts of spills; fill the disk; advance the clock (TTLs run out while transfers
+are in flight); drain; and close without draining, with whatever is in flight, then start
+over with a fresh cache.
+
+After every step the machine waits until the system is quiet -- every job handed to a pool is
+either reported, or held at the gate, or stalled in the store, read from the pools'
+``statistics()``, the scheduler's ``spill_backlog`` and the gate's and store's counts (never
+``wait_all_tasks_blocked``, which cannot see worker threads) -- then runs every check of
+:meth:`fuzz.driver.Driver.check`, and checks that every store call that failed is a failed
+completion, counted or still held at the gate.  Every serving-loop call is watched
+(:class:`fuzz.driver.Watchdog`): none may wait on disk I/O, even with the disk stalled and
+the writer queue full.  Teardown drains,
+releases every request and runs :meth:`~fuzz.driver.Driver.check_nothing_leaks`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import ClassVar
+
+import hypothesis.strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition
+
+from fuzz.core_machine import CLOCK_STEPS, ChurnSpec, RequestSpec, churns, requests
+from fuzz.driver import CLOSE_TIMEOUT, Driver, LiveRequest, SystemSpec, system_specs
+from fuzz.gate import FuzzGate
+from fuzz.steps import Counts, fuzz_rule, note
+from fuzz.store import READ_FAULTS, WRITE_FAULTS
+from io_actors.backends.faults import Fault, Op
+from io_actors.tracing import TraceRecorder
+from statekv.ids import TransferId
+from statekv.messages import Command, ReadSlot, SlotRead, SlotReadFailed, WriteSlot
+
+SETTLE_TIMEOUT = 30.0
+"""Seconds the system may take to become quiet after a step before the step fails."""
+
+
+class SystemMachine(RuleBasedStateMachine):
+    """The real system, with completion order and faults chosen by Hypothesis."""
+
+    device: ClassVar[str] = "cpu"
+    """Where the KV pools live ("cuda" in the GPU profile)."""
+    backend: ClassVar[str] = "posix"
+    """The slot store under the fault layer ("kvikio" in the GPU profile, when installed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        Counts.examples += 1
+        self.driver: Driver | None = None
+        self.trace: TraceRecorder | None = None
+        self.changed = threading.Condition()
+        self.gate = FuzzGate(self.notify)
+        self.arm_write: Fault | None = None
+        self.arm_read: Fault | None = None
+        self.stall_writes = False
+
+    def notify(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    @initialize(spec=system_specs())
+    def open(self, spec: SystemSpec) -> None:
+        self.driver = Driver(spec, device=self.device, backend=self.backend, gate=self.gate,
+                             on_commands=self.on_commands, notify=self.notify,
+                             rescue=self.gate.open)
+        self.trace = self.driver.trace
+        note(f"writers={spec.writers} readers={spec.readers}")
+
+    @property
+    def d(self) -> Driver:
+        assert self.driver is not None
+        return self.driver
+
+    def on_commands(self, commands: list[Command]) -> None:
+        """Called as the scheduler takes commands, before it executes any: an armed fault goes
+        to the next transfer of its kind, and every write stalls while the disk is stalled,
+        by transfer identity."""
+        store = self.d.fuzz_store
+        for cmd in commands:
+            if isinstance(cmd, WriteSlot):
+                if self.arm_write is not None:
+                    store.assign(Op.WRITE, cmd.slot, cmd.key, self.arm_write)
+                    self.arm_write = None
+                if self.stall_writes:
+                    store.stall(Op.WRITE, cmd.slot, cmd.key)
+            elif isinstance(cmd, ReadSlot) and self.arm_read is not None:
+                store.assign(Op.READ, cmd.slot, cmd.key, self.arm_read)
+                self.arm_read = None
+
+    # -------------------------------------------------------------- quiescence
+
+    def quiet(self) -> bool:
+        """Whether nothing can move until the harness acts (see the module docstring)."""
+        d = self.d
+        stats = d.api.statistics()
+        core, writer, reader = stats.cache, stats.writer, stats.reader
+        assert writer is not None and reader is not None
+        w_held, r_held, _, _ = self.gate.counts()
+        if not (core.reads_in_flight == r_held and reader.in_flight == r_held
+                and reader.queued == 0):
+            return False
+        stalled = d.fuzz_store.stalled
+        # Every job a writer thread took is held at the gate or stalled in the store.
+        if writer.in_flight - w_held != stalled:
+            return False
+        queued, backlog = writer.queued, stats.spill_backlog
+        # Jobs wait for a thread only while every thread is stalled.
+        if queued and stalled < writer.workers:
+            return False
+        # A backlog means the spill feeder waits in submit() on a full queue: its job is
+        # counted as queued and is still in the backlog.  Queued jobs are then the queue's
+        # `depth`, the one the pool's pump holds while it waits for a free thread, and the
+        # feeder's.
+        if backlog and queued != d.spec.write_queue_depth + 2:
+            return False
+        return core.writes_in_flight == w_held + stalled + queued + backlog - (backlog > 0)
+
+    def settle(self) -> None:
+        """Wait until the system is quiet; a crashed actor or a hang fails the step."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT
+        wait = 0.00005
+        while not self.quiet():
+            self.d.raise_if_crashed()
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the system did not settle in {SETTLE_TIMEOUT}s: "
+                    f"{self.d.api.statistics()}, gate {self.gate.counts()}, "
+                    f"stalled {self.d.fuzz_store.stalled}"
+                )
+            with self.changed:
+                self.changed.wait(wait)
+            wait = min(wait * 2, 0.002)
+        self.d.raise_if_crashed()
+
+    # -------------------------------------------------------------- rules: requests
+    #
+    # Every rule draws at most one choice (see fuzz.core_machine).
+
+    @fuzz_rule(spec=requests)
+    def add_request(self, spec: RequestSpec) -> None:
+        self.d.add(list(spec.prompt), spec.ttl, spec.priority, spec.salt)
+
+    @fuzz_rule(spec=requests)
+    def serve_whole_request(self, spec: RequestSpec) -> None:
+        self.d.serve(list(spec.prompt), spec.ttl, spec.priority, spec.salt)
+
+    @fuzz_rule(spec=requests)
+    def comes_back_after_eviction(self, spec: RequestSpec) -> None:
+        """A conversation whose KV was pushed down to disk comes back: serve it, serve two
+        GPU-sized fresh requests landing every transfer, then ask for it again (kept, and
+        parked while its blocks are read back -- the reads stay held at the gate)."""
+        d = self.d
+        prompt = list(spec.prompt)
+        d.serve(prompt, spec.ttl, spec.priority, spec.salt)
+        for _ in range(2):
+            d.serve(d.fresh_prompt(None), None, 0)
+            self.drain_all()
+        d.add(prompt, spec.ttl, spec.priority, spec.salt)
+
+    @precondition(lambda self: self.driver is not None and self.d.served)
+    @fuzz_rule(pick=st.integers(0, 63))
+    def revisit(self, pick: int) -> None:
+        """A prompt served before, asked again (a chat's next turn): kept (pick odd) or served
+        whole, with a TTL when pick % 4 >= 2."""
+        prompt, salt = self.d.served[(pick // 4) % len(self.d.served)]
+        ttl = 5.0 if pick % 4 >= 2 else None
+        if pick % 2:
+            self.d.add(prompt, ttl, 0, salt)
+        else:
+            self.d.serve(prompt, ttl, 0, salt)
+
+    @fuzz_rule(spec=churns)
+    def churn(self, spec: ChurnSpec) -> None:
+        """Serve fresh tokens, pushing older content down the tiers; with `land`, every
+        transfer then lands."""
+        self.d.serve(self.d.fresh_prompt(spec.blocks), spec.ttl, 0)
+        if spec.land:
+            self.drain_all()
+
+    @fuzz_rule(count=st.integers(2, 4))
+    def spill_burst(self, count: int) -> None:
+        """Serve `count` full-size fresh requests back to back, landing nothing: a burst of
+        evictions that fills the host tier and the writer queue."""
+        for _ in range(count):
+            self.d.serve(self.d.fresh_prompt(None), None, 0)
+
+    @fuzz_rule(ttl=st.sampled_from([None, 2.0, 10.0]))
+    def fill_disk(self, ttl: float | None) -> None:
+        """Churn full-size requests, landing every transfer, until no slot is empty."""
+        d = self.d
+        for _ in range(d.spec.disk):
+            if d.api.statistics().cache.disk_empty_slots == 0:
+                break
+            d.serve(d.fresh_prompt(None), ttl, 0)
+            self.drain_all()
+
+    def pick(self, pick: int) -> LiveRequest:
+        live = self.d.live
+        return list(live.values())[pick % len(live)]
+
+    @precondition(lambda self: self.driver is not None and self.d.live)
+    @fuzz_rule(pick=st.integers(0, 63))
+    def compute(self, pick: int) -> None:
+        """Compute 1 + pick // 8 more tokens of live request pick % 8."""
+        self.d.compute(self.pick(pick % 8), pick // 8)
+
+    @precondition(lambda self: self.driver is not None and self.d.live)
+    @fuzz_rule(pick=st.integers(0, 31))
+    def decode(self, pick: int) -> None:
+        """Append token pick // 8 to live request pick % 8."""
+        self.d.decode(self.pick(pick % 8), pick // 8)
+
+    @precondition(lambda self: self.driver is not None and self.d.live)
+    @fuzz_rule(pick=st.integers(0, 7))
+    def release(self, pick: int) -> None:
+        self.d.release(self.pick(pick).rid)
+
+    @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
+    @fuzz_rule(pick=st.integers(0, 7))
+    def cancel_parked(self, pick: int) -> None:
+        """Release a request whose onboard reads are still in flight."""
+        parked = [rid for rid in self.d.live if not self.d.api.is_ready(rid)]
+        if parked:
+            self.d.release(parked[pick % len(parked)])
+
+    # -------------------------------------------------------------- rules: transfers
+
+    def held(self, reads: bool) -> list[TransferId]:
+        kinds = (SlotRead, SlotReadFailed)
+        return sorted(tid for tid, c in self.gate.held().items()
+                      if isinstance(c, kinds) == reads)
+
+    def land(self, tid: TransferId) -> None:
+        """Let one held completion through and wait until the core has applied it."""
+        self.gate.release(tid)
+        self.settle()
+
+    @precondition(lambda self: self.driver is not None and self.gate.counts()[0])
+    @fuzz_rule(newest=st.booleans())
+    def complete_a_write(self, newest: bool) -> None:
+        """The oldest (or newest) pending write reports, by transfer id."""
+        writes = self.held(reads=False)
+        self.land(writes[-1 if newest else 0])
+
+    @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
+    @fuzz_rule(newest=st.booleans())
+    def complete_a_read(self, newest: bool) -> None:
+        """The oldest (or newest) pending read reports, by transfer id."""
+        reads = self.held(reads=True)
+        self.land(reads[-1 if newest else 0])
+
+    @fuzz_rule(fault=st.sampled_from(WRITE_FAULTS))
+    def fail_next_write(self, fault: Fault) -> None:
+        """The next write the core issues meets `fault` at the store."""
+        self.arm_write = fault
+
+    @fuzz_rule(fault=st.sampled_from(READ_FAULTS))
+    def fail_next_read(self, fault: Fault) -> None:
+        """The next read the core issues meets `fault` at the store."""
+        self.arm_read = fault
+
+    @fuzz_rule()
+    def stall_the_disk(self) -> None:
+        """Every write issued from now on blocks in the store until the disk is unstalled:
+        the writer threads stop, the writer queue fills, spills back up behind it -- and the
+        serving loop must not notice."""
+        self.stall_writes = True
+
+    @precondition(lambda self: self.stall_writes)
+    @fuzz_rule()
+    def unstall_the_disk(self) -> None:
+        self.unstall()
+
+    def unstall(self) -> None:
+        self.stall_writes = False
+        self.d.fuzz_store.unstall()
+
+    @fuzz_rule(dt=st.sampled_from(CLOCK_STEPS))
+    def advance_clock(self, dt: float) -> None:
+        """Time passes (the core sees it at its next call or completion): TTLs run out,
+        possibly while their blocks' transfers are in flight."""
+        self.d.now += dt
+
+    @fuzz_rule()
+    def drain(self) -> None:
+        self.drain_all()
+
+    @fuzz_rule()
+    def close_with_work_in_flight(self) -> None:
+        """Shut down without draining, whatever is pending (held, queued, stalled, backed up
+        behind a full writer queue), then start over with a fresh cache of the same shape.
+
+        The close must finish (the harness fails a close that hangs), stop every thread, and
+        account for every transfer: each is either applied to the core or reported dropped.
+        """
+        d = self.d
+        self.gate.open()
+        closer = d.start_close(d.api, drain=False)
+        # A stalled disk goes on only once the close is under way: the writes it holds
+        # finish while the close drops what is queued behind them.
+        closer.wait_until_closing(CLOSE_TIMEOUT)
+        time.sleep(0.002)
+        self.unstall()
+        report = closer.wait(CLOSE_TIMEOUT)
+        assert report is not None
+        with d.frozen():
+            d._check_locked()
+            stats = d.core.statistics()
+        assert (stats.writes_in_flight, stats.reads_in_flight) == (
+            report.writes_dropped, report.reads_dropped), (
+            f"{stats.writes_in_flight} writes and {stats.reads_in_flight} reads never "
+            f"completed, but the close report says {report}"
+        )
+        threads = d.new_threads()
+        assert not threads, f"threads left running after close: {threads}"
+        note("closed with work dropped" if report.writes_dropped or report.reads_dropped
+             else "closed with nothing to drop")
+        spec = d.spec
+        d.clean_up()
+        self.driver = None
+        self.gate = FuzzGate(self.notify)
+        self.arm_write = self.arm_read = None
+        self.stall_writes = False
+        self.open(spec)
+
+    def drain_all(self) -> None:
+        """Unstall the disk and land every transfer, oldest first (writes, then reads)."""
+        self.unstall()
+        while True:
+            self.settle()
+            writes, reads = self.held(reads=False), self.held(reads=True)
+            if not writes and not reads:
+                return
+            self.land(writes[0] if writes else reads[0])
+
+    # -------------------------------------------------------------- invariants
+
+    @invariant()
+    def system_agrees_with_the_spec(self) -> None:
+        if self.driver is None:
+            return
+        self.settle()
+        d = self.d
+        with d.frozen():
+            d._check_locked()
+            _, _, failed_writes, failed_reads = self.gate.counts()
+            d.check_errors_counted(failed_writes, failed_reads)
+
+    def teardown(self) -> None:
+        driver = self.driver
+        if driver is None:
+            return
+        # A failed step (or Hypothesis ending an example early) is propagating: check
+        # nothing more, just clean up.
+        failing = sys.exc_info()[0] is not None
+        try:
+            if not failing:
+                self.drain_all()
+                for rid in list(driver.live):
+                    driver.release(rid)
+                self.drain_all()
+                driver.check_nothing_leaks()
+                self.report_events()
+        finally:
+            self.gate.open()
+            driver.clean_up()
+
+    def report_events(self) -> None:
+        """What this example reached (shown by Hypothesis' statistics)."""
+        d = self.d
+        stats = d.core.statistics()
+        note("slowest serving-loop call " + (
+            f"{d.watchdog.slowest * 1000:.0f} ms" if d.watchdog.slowest > 0.05
+            else "under 50 ms"))
+        for name in ("spills_completed", "onboards_completed", "onboard_failures",
+                     "spill_failures", "displacements", "expirations", "requests_fallen_back",
+                     "host_recalls", "pressure_drops", "admission_refusals"):
+            if getattr(stats, name):
+                note(f"reached {name}")

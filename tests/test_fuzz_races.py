@@ -1,0 +1,400 @@
+"""Each race class of the seed's commit list, reached by a rule sequence of the system machine.
+
+Every test drives the real system (actors, files, torch copies) through the machine's own
+rules, with every invariant checked after every step, asserts that the racy situation was
+really reached, and -- where the race is a bug the seed shipped -- plants that bug back
+(fuzz/planted.py) and asserts that the same sequence now fails.  fuzz/README.md maps each
+race to its test, the rule that reaches it and the invariant that catches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import attrs
+import pytest
+
+from fuzz import planted
+from fuzz.core_machine import DOCUMENTS, ChurnSpec, RequestSpec
+from fuzz.driver import SystemSpec
+from fuzz.store import READ_FAULTS, WRITE_FAULTS
+from fuzz.system_machine import SystemMachine
+from io_actors.backends.faults import Fault
+from statekv.config import SpillMode
+from statekv.hashing import chain_key, root_key, token_bytes
+from statekv.stats import CacheStatistics
+
+BASE = SystemSpec(
+    block_size=2, gpu=4, host=2, reserved_host=0, disk=4, spill_mode=SpillMode.ALL,
+    spill_min_reuse=1, protect_unexpired=False, drop_on_pressure=False, write_queue_depth=2,
+    priority_levels=1, writers=1, readers=1, direct_io=False,
+)
+PROMPT = DOCUMENTS[0][:5]
+"""Two full blocks and one more token."""
+FILL = ChurnSpec(None, None, True)
+"""A GPU-sized request of fresh tokens, every transfer landed after it."""
+
+
+@pytest.fixture(autouse=True)
+def _quiet_injected_faults() -> None:
+    logging.getLogger("io_actors").setLevel(logging.ERROR)
+
+
+class Run:
+    """A system machine driven by hand: each step is a rule, then every invariant."""
+
+    def __init__(self, **spec: Any) -> None:
+        self.m = SystemMachine()
+        self.m.open(attrs.evolve(BASE, **spec))
+
+    def __call__(self, rule: str, **args: Any) -> CacheStatistics:
+        getattr(self.m, rule)(**args)
+        self.m.system_agrees_with_the_spec()
+        return self.stats()
+
+    def stats(self) -> CacheStatistics:
+        return self.m.d.core.statistics()
+
+    def tiers(self, prompt: tuple[int, ...] = PROMPT, salt: str | None = None) -> list[str]:
+        """The state of each full block of `prompt` ("-" when not cached)."""
+        key = root_key("", salt, None)
+        cached = {b.key: b.state.name for b in self.m.d.core.cached_blocks()}
+        out = []
+        for i in range(len(prompt) // 2):
+            key = chain_key(key, token_bytes(prompt[2 * i:2 * i + 2]))
+            out.append(cached.get(key, "-"))
+        return out
+
+    def to_disk(self, ttl: float | None = None) -> None:
+        """Serve PROMPT, then push its blocks through the host tier onto disk."""
+        self("serve_whole_request", spec=RequestSpec(PROMPT, ttl))
+        self("churn", spec=FILL)
+        self("churn", spec=FILL)
+        assert self.tiers() == ["ON_DISK", "ON_DISK"]
+
+    def held(self) -> tuple[int, int]:
+        writes, reads, _, _ = self.m.gate.counts()
+        return writes, reads
+
+    def teardown(self) -> None:
+        self.m.teardown()
+
+
+@contextmanager
+def system(**spec: Any) -> Iterator[Run]:
+    run = Run(**spec)
+    try:
+        yield run
+    finally:
+        run.teardown()
+
+
+def fails_when_planted(plant: Callable[[], AbstractContextManager[None]],
+                       scenario: Callable[[], None]) -> BaseException:
+    """Run `scenario` with the seed's bug planted; it must fail.  The failure is returned."""
+    with plant(), pytest.raises(Exception) as info:
+        scenario()
+    return info.value
+
+
+# ------------------------------------------------------------------ the seed's races
+
+
+def test_release_during_onboard_keeps_the_page_until_the_read_lands() -> None:
+    """releaseBlocks freed a block whose disk read was in flight (seed)."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            assert run.held() == (0, 2)
+            run("cancel_parked", pick=0)
+            # Reached: both reads in flight for blocks nobody holds any more...
+            assert run.tiers() == ["ONBOARDING", "ONBOARDING"]
+            # ...while another request takes every page it can.
+            run("churn", spec=ChurnSpec(None))
+            run("complete_a_read", newest=True)
+            run("complete_a_read", newest=False)
+            assert run.tiers() == ["RELEASED", "RELEASED"]
+
+    scenario()
+    fails_when_planted(planted.release_during_onboard, scenario)
+
+
+def test_a_slot_with_a_pending_read_is_never_claimed_by_a_spill() -> None:
+    """onboardBlock gave the slot back before its read ran; a spill overwrote it (seed)."""
+
+    def scenario() -> None:
+        with system(disk=2) as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            busy = run.stats().disk_busy_refusals
+            # Reached: the disk's only slots have reads in flight when spills want them.
+            run("churn", spec=ChurnSpec(1))
+            stats = run("churn", spec=ChurnSpec(1))
+            assert stats.disk_busy_refusals > busy
+            run("drain")
+
+    scenario()
+    fails_when_planted(planted.slot_reused_before_read, scenario)
+
+
+def test_a_displaced_block_leaves_the_prefix_tree() -> None:
+    """A spill that displaced disk content left its identity in the tree (seed)."""
+
+    def scenario() -> None:
+        with system(disk=2) as run:
+            run.to_disk()
+            stats = run("churn", spec=FILL)
+            assert stats.displacements > 0  # reached
+            assert "ON_DISK" not in run.tiers()
+            match = run.m.d.add(list(PROMPT), None, 0, None)
+            assert match is not None and not match.serials  # recomputed, never onboarded
+            run("drain")
+
+    scenario()
+    fails_when_planted(planted.displaced_identity_left_in_tree, scenario)
+
+
+def test_spills_use_empty_slots_before_displacing() -> None:
+    """Empty slots were filed above fresh content: spills displaced each other (seed)."""
+
+    def scenario() -> None:
+        with system(disk=4) as run:
+            run.to_disk()
+            empty = run.stats().disk_empty_slots
+            stats = run("churn", spec=FILL)
+            # Reached: a spill while both empty slots and displaceable content exist.
+            assert stats.disk_empty_slots < empty and stats.displacements == 0
+            assert run.tiers() == ["ON_DISK", "ON_DISK"]
+
+    scenario()
+    fails_when_planted(planted.spills_displace_before_empty_slots, scenario)
+
+
+def test_onboarding_a_retained_block_removes_its_deadline() -> None:
+    """The deadline set kept entries of blocks that left the disk (seed)."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk(ttl=30.0)
+            assert run.stats().disk_retained_blocks == 2
+            run("add_request", spec=RequestSpec(PROMPT))
+            assert run.stats().disk_retained_blocks == 0  # reached: left the disk
+            run("drain")
+
+    scenario()
+    fails_when_planted(planted.stale_deadline_kept, scenario)
+
+
+def test_slots_come_back_when_reads_land_so_spills_never_wedge() -> None:
+    """Landed reads were reaped only when the disk did not look full: spills wedged (seed)."""
+
+    def scenario() -> None:
+        with system(disk=2) as run:
+            run.to_disk()
+            assert run.stats().disk_empty_slots == 0  # reached: a full disk...
+            run("add_request", spec=RequestSpec(PROMPT))
+            run("drain")  # ...whose reads land
+            assert run.stats().disk_empty_slots == 2
+            run("release", pick=0)
+            spills = run.stats().spills
+            assert run("churn", spec=FILL).spills > spills
+
+    scenario()
+    fails_when_planted(planted.reap_never_runs, scenario)
+
+
+def test_a_flipped_bit_is_never_served() -> None:
+    """Short reads and I/O errors were logged and the bytes published anyway (seed)."""
+
+    def scenario() -> None:
+        with system() as run:
+            run("fail_next_write", fault=Fault.BIT_FLIP)
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            stats = run("drain")
+            assert stats.onboard_failures == 1 and stats.requests_fallen_back == 1
+            run("serve_whole_request", spec=RequestSpec(PROMPT))  # still serving
+
+    scenario()
+    fails_when_planted(planted.checksum_not_verified, scenario)
+
+
+@pytest.mark.parametrize("fault", WRITE_FAULTS, ids=lambda f: f.value)
+def test_every_write_fault_is_counted_and_the_cache_keeps_serving(fault: Fault) -> None:
+    with system() as run:
+        run("fail_next_write", fault=fault)
+        run.to_disk() if fault is not Fault.EIO_OPEN and fault not in _LOUD else _spill(run)
+        run("add_request", spec=RequestSpec(PROMPT))
+        run("drain")
+        run("release", pick=0)
+        run("serve_whole_request", spec=RequestSpec(PROMPT))
+
+
+_LOUD = {Fault.EIO, Fault.ENOSPC, Fault.SHORT_WRITE, Fault.TORN_WRITE}
+
+
+def _spill(run: Run) -> None:
+    """Push PROMPT to disk when its first write fails loudly (the block stays on host)."""
+    run("serve_whole_request", spec=RequestSpec(PROMPT))
+    run("churn", spec=FILL)
+    stats = run("churn", spec=FILL)
+    assert stats.spill_failures == 1 and stats.io_errors == 1
+
+
+@pytest.mark.parametrize("fault", READ_FAULTS, ids=lambda f: f.value)
+def test_every_read_fault_falls_back_to_recompute(fault: Fault) -> None:
+    with system() as run:
+        run.to_disk()
+        run("fail_next_read", fault=fault)
+        run("add_request", spec=RequestSpec(PROMPT))
+        stats = run("drain")
+        if fault is Fault.SLOW:
+            assert stats.onboard_failures == 0
+        else:
+            assert stats.onboard_failures == 1 and stats.requests_fallen_back == 1
+        run("compute", pick=63)
+        run("release", pick=0)
+        run("serve_whole_request", spec=RequestSpec(PROMPT))
+
+
+def test_a_hit_on_a_block_still_spilling_is_recalled_without_waiting() -> None:
+    """Onboarding a just-spilled slot waited behind the write queue on the scheduler (seed)."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.m.d.watchdog.limit = 1.0  # calls take microseconds; do not wait long here
+            run("serve_whole_request", spec=RequestSpec(PROMPT))
+            run("stall_the_disk")
+            run("churn", spec=ChurnSpec(None))
+            run("churn", spec=ChurnSpec(None))
+            assert run.tiers() == ["SPILLING", "SPILLING"]  # reached: writes stuck on disk
+            recalls = run.stats().host_recalls
+            stats = run("add_request", spec=RequestSpec(PROMPT))
+            assert stats.host_recalls == recalls + 2 and stats.reads_in_flight == 0
+            assert run.m.d.api.is_ready(next(iter(run.m.d.live)))
+
+    scenario()
+    error = fails_when_planted(planted.scheduler_waits_for_writes, scenario)
+    assert "waited on disk I/O" in str(error)
+
+
+def test_a_request_is_parked_until_every_block_landed() -> None:
+    """Reads were barriered on the scheduler; readiness is per block now (seed)."""
+    with system(readers=2) as run:
+        run.to_disk()
+        run("add_request", spec=RequestSpec(PROMPT))
+        rid = next(iter(run.m.d.live))
+        assert run.held() == (0, 2) and not run.m.d.api.is_ready(rid)
+        run("complete_a_read", newest=True)
+        assert not run.m.d.api.is_ready(rid)  # reached: one block landed, one not
+        run("complete_a_read", newest=True)
+        assert run.m.d.api.is_ready(rid)
+
+
+def test_a_prompt_ending_inside_a_disk_block_reuses_only_full_blocks() -> None:
+    """A disk block served a partial match from pool memory: garbage (seed)."""
+    with system() as run:
+        run.to_disk()
+        stats = run("add_request", spec=RequestSpec(PROMPT[:3]))
+        # Reached: the second block is on disk and half of it is the prompt's.
+        assert stats.hit_blocks_disk == 1 and run.tiers() == ["ONBOARDING", "ON_DISK"]
+        run("drain")
+        run("compute", pick=63)
+
+
+def test_writes_landing_out_of_order_with_two_writers() -> None:
+    """N writers drain one queue; same-slot writes stay ordered (seed)."""
+    with system(writers=2, host=3) as run:
+        run("serve_whole_request", spec=RequestSpec(DOCUMENTS[0][:7]))
+        run("churn", spec=ChurnSpec(None))
+        stats = run("churn", spec=ChurnSpec(None))
+        assert stats.writes_in_flight >= 2  # reached
+        run("complete_a_write", newest=True)
+        run("drain")
+
+
+def test_reserved_host_pages_go_out_and_come_back() -> None:
+    """Async spills hand out a reserved host page while the victim drains (seed)."""
+    with system(reserved_host=2) as run:
+        run("serve_whole_request", spec=RequestSpec(PROMPT))
+        run("churn", spec=ChurnSpec(None))
+        stats = run("churn", spec=ChurnSpec(None))
+        assert stats.host_reserved_pages < 2 and stats.writes_in_flight  # reached: out
+        stats = run("drain")
+        assert stats.host_reserved_pages == 2  # and back in
+
+
+def test_pressure_sheds_best_effort_spills_never_retained_ones() -> None:
+    """Drop-on-pressure: best-effort spills shed at the gate, retained ones never (seed)."""
+    with system(drop_on_pressure=True, write_queue_depth=1, host=3, reserved_host=1) as run:
+        run("serve_whole_request", spec=RequestSpec(DOCUMENTS[0][:7], 30.0))
+        run("stall_the_disk")
+        run("spill_burst", count=3)
+        stats = run.stats()
+        assert stats.pressure_drops > 0  # reached
+        assert run.tiers(DOCUMENTS[0][:7]).count("-") == 0  # the retained blocks survive
+        run("drain")
+
+
+def test_a_full_disk_of_live_ttls_refuses_spills_until_they_expire() -> None:
+    """protect_unexpired: refuse new blocks while the disk is full of live TTLs (seed)."""
+    with system(disk=2, protect_unexpired=True) as run:
+        run.to_disk(ttl=30.0)
+        stats = run("churn", spec=FILL)
+        assert stats.admission_refusals > 0 and stats.displacements == 0  # reached
+        run("advance_clock", dt=30.0)
+        stats = run("churn", spec=FILL)
+        assert stats.expirations == 2 and stats.displacements > 0
+
+
+def test_the_reuse_gate_counts_reuse_across_tiers() -> None:
+    """Spill only blocks reused >= k times; the counter survives tier moves (seed)."""
+    with system(spill_mode=SpillMode.REUSED, spill_min_reuse=1) as run:
+        run("serve_whole_request", spec=RequestSpec(PROMPT))
+        run("churn", spec=FILL)
+        stats = run("churn", spec=FILL)
+        assert stats.gate_drops >= 2 and run.tiers() == ["-", "-"]  # never reused: dropped
+        run("serve_whole_request", spec=RequestSpec(PROMPT))
+        run("serve_whole_request", spec=RequestSpec(PROMPT))  # reused once
+        run("churn", spec=FILL)
+        run("churn", spec=FILL)
+        assert run.tiers() == ["ON_DISK", "ON_DISK"]
+
+
+def closing_with_spills_backed_up() -> None:
+    with system(host=3, reserved_host=2, write_queue_depth=1) as run:
+        run("stall_the_disk")
+        run("spill_burst", count=4)
+        stats = run.m.d.api.statistics()
+        assert stats.spill_backlog > 0  # reached: the feeder waits on a full queue
+        run("close_with_work_in_flight")
+        run("serve_whole_request", spec=RequestSpec(PROMPT))
+
+
+def test_closing_with_spills_backed_up_behind_a_stalled_disk_finishes() -> None:
+    """Found by this suite: close(drain=False) hung when spills were backed up behind a full
+    writer queue (the spill feeder crashed, the pools lost count of their jobs)."""
+    closing_with_spills_backed_up()
+
+
+def test_closing_with_spills_backed_up_hangs_with_the_old_feeder() -> None:
+    """The same steps with the feeder as it was: the close hangs, and the harness says so.
+
+    In a child process: the hung cache's threads cannot be stopped, and must not outlive
+    the test in this one.
+    """
+    code = ("from fuzz.planted import feeder_pops_a_cleared_backlog\n"
+            "from tests.test_fuzz_races import closing_with_spills_backed_up\n"
+            "with feeder_pops_a_cleared_backlog():\n"
+            "    closing_with_spills_backed_up()\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, check=False)
+    assert child.returncode != 0
+    assert "closing the cache hung" in child.stderr, child.stderr[-2000:]
