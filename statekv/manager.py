@@ -780,21 +780,23 @@ class KVCacheManager:
             self._gpu.evictable.push_all(cached, priority)
 
     def _discard(self, block: Block, event: BlockEvent) -> None:
-        """The content leaves the cache: unindex it, free what storage it still owns."""
+        """The content leaves the cache: unindex it, free the GPU or host page it still owns.
+
+        Never a disk slot: whoever takes a block off disk (displacement, a landed or failed
+        read) frees or passes on its slot first, since only it knows whether a transfer still
+        uses the slot.
+        """
+        if block.disk_slot is not None or block.transfer is not None:
+            raise InvariantViolation(f"discarding {block!r} with a disk slot or a transfer")
         self._move(block, event)
         self._unindex(block)
         if block.gpu_page is not None:
             self._gpu.empty.append(block.gpu_page)
         if block.host_page is not None:
             self._host.give_back(block.host_page)
-        if block.disk_slot is not None:
-            self._disk.empty.append(block.disk_slot)
-            self._outbox.append(FreeSlot(slot=block.disk_slot))
         # Back to a FREE record's defaults.  Holders, waiters and the heap position are
         # already cleared whenever a block is discarded (check_invariants verifies it).
         block.gpu_page = block.host_page = None
-        block.disk_slot = None
-        block.transfer = None
         block.expiry = None
         block.reuse_count = block.depth = block.priority = 0
         self._free_records.append(block)
@@ -1151,13 +1153,18 @@ class KVCacheManager:
                 raise InvariantViolation(f"{block!r}: on GPU with no holder")
         if counts != self._state_counts:
             raise InvariantViolation(f"state counts {self._state_counts} but found {counts}")
-        if len(gpu_owner) != cfg.gpu_blocks:
-            raise InvariantViolation(f"{cfg.gpu_blocks} GPU pages but {len(gpu_owner)} owned")
+        # Every page and slot has exactly one owner, and nothing else is owned: a lost id
+        # or a stray one (None, an id past the pool) is as wrong as a doubly owned one.
         host_total = cfg.host_blocks + cfg.reserved_host_blocks
-        if len(host_owner) != host_total:
-            raise InvariantViolation(f"{host_total} host pages but {len(host_owner)} owned")
-        if len(slot_owner) != cfg.disk_blocks:
-            raise InvariantViolation(f"{cfg.disk_blocks} slots but {len(slot_owner)} owned")
+        for what, owned, total in (("GPU pages", gpu_owner, cfg.gpu_blocks),
+                                   ("host pages", host_owner, host_total),
+                                   ("slots", slot_owner, cfg.disk_blocks)):
+            if owned.keys() != set(range(total)):
+                missing = sorted(set(range(total)) - owned.keys())
+                stray = [item for item in owned if item not in range(total)]
+                raise InvariantViolation(
+                    f"{total} {what}: owned {len(owned)}, unowned {missing}, stray {stray}"
+                )
         if len(self._host.reserved) > self._host.reserve_target:
             raise InvariantViolation("host reserve above its target")
         if self._host.empty and len(self._host.reserved) < self._host.reserve_target:

@@ -20,11 +20,10 @@ class PagePool:
 
     __slots__ = ("capacity", "empty", "evictable")
 
-    def __init__(self, capacity: int, priority_levels: int, first_page: int = 0) -> None:
+    def __init__(self, capacity: int, priority_levels: int) -> None:
         self.capacity = capacity
         # A stack: popping from the end is O(1); lowest page ids are handed out first.
-        self.empty: list[PageId] = [PageId(p) for p in reversed(range(first_page,
-                                                                      first_page + capacity))]
+        self.empty: list[PageId] = [PageId(p) for p in reversed(range(capacity))]
         self.evictable = PriorityLRU(priority_levels)
 
     def obtainable(self) -> int:

@@ -96,7 +96,15 @@ class Executor:
         """Take the manager's commands and start them, checking the ordering contract."""
         cmds = self.cache.take_commands()
         busy = {c.slot for c in self.writes.values()} | {c.slot for c in self.reads.values()}
+        cfg = self.cache.config
+        bounds = {"slot": cfg.disk_blocks, "gpu_page": cfg.gpu_blocks,
+                  "host_page": cfg.host_blocks + cfg.reserved_host_blocks}
         for cmd in cmds:
+            # Every page and slot a command names exists: an actor would index with it.
+            for field, bound in bounds.items():
+                if hasattr(cmd, field):
+                    value = getattr(cmd, field)
+                    assert isinstance(value, int) and 0 <= value < bound, f"{cmd}: bad {field}"
             if isinstance(cmd, WriteSlot):
                 assert cmd.slot not in busy, f"second transfer on slot {cmd.slot}: {cmd}"
                 busy.add(cmd.slot)

@@ -15,7 +15,7 @@ from statekv.block import Block
 from statekv.lifecycle import BlockEvent
 from statekv.messages import CopyHostToGpu, SlotReadFailed
 from statekv.orderings import BlockList, PriorityLRU, RetentionHeap
-from tests.harness import block_keys, fresh_tokens, make
+from tests.harness import Executor, block_keys, fresh_tokens, make
 
 
 def _block(i: int) -> Block:
@@ -150,3 +150,79 @@ def test_a_failed_read_rewinds_in_the_name_of_the_request() -> None:
     after = list(trace.records())[-(trace.recorded - before):]
     dropped = [r for r in after if r.event is BlockEvent.DISCARDED and r.request is not None]
     assert [r.request for r in dropped] == ["a"]
+
+
+def _three_tier_prefix() -> tuple[Executor, list[int]]:
+    """A 6-block prompt served with a TTL and pushed down: its first two blocks stay on GPU,
+    the next two on host, the last two on disk (GPU of 8, host of 2 and a reserve of 2)."""
+    ex = make(gpu_blocks=8, host_blocks=2, reserved_host_blocks=2, disk_blocks=4)
+    doc = fresh_tokens(13)
+    ex.serve("first", doc, ttl=30.0)
+    ex.churn("churn", 6)  # the two free pages, then the four tail blocks: two spill
+    ex.drain()
+    assert ex.tiers(doc) == ["RELEASED"] * 2 + ["ON_HOST"] * 2 + ["ON_DISK"] * 2
+    return ex, doc
+
+
+def test_a_match_across_all_three_tiers_counts_every_hit_by_tier() -> None:
+    ex, doc = _three_tier_prefix()
+    before = ex.stats()
+    match = ex.add("a", doc)
+    assert (match.gpu_tokens, match.host_tokens, match.disk_tokens) == (4, 4, 4)
+    assert ex.cache.request_status("a").pending_reads == 2
+    # A second request for the same prompt while the reads are in flight waits on both.
+    second = ex.add("b", doc)
+    assert (second.gpu_tokens, second.host_tokens, second.disk_tokens) == (8, 0, 4)
+    assert ex.cache.request_status("b").pending_reads == 2
+    after = ex.stats()
+    assert after.hit_blocks_gpu - before.hit_blocks_gpu == 2 + 4
+    assert after.hit_blocks_host - before.hit_blocks_host == 2
+    assert after.hit_blocks_disk - before.hit_blocks_disk == 2 + 2
+    # Both found the disk blocks inside their TTL: both count as retained hits.
+    assert after.hit_blocks_disk_retained - before.hit_blocks_disk_retained == 4
+    ex.drain()
+    assert ex.cache.is_ready("a") and ex.cache.is_ready("b")
+
+
+def test_admission_does_not_count_matched_gpu_blocks_as_obtainable_pages() -> None:
+    ex = make(gpu_blocks=6, host_blocks=2, disk_blocks=0)
+    doc = fresh_tokens(9)
+    ex.serve("first", doc)
+    ex.churn("churn", 4)  # two free pages, then the two tail blocks go to host
+    assert ex.tiers(doc) == ["RELEASED", "RELEASED", "ON_HOST", "ON_HOST"]
+    ex.add("holder", fresh_tokens(8))
+    ex.cache.allocate_nowait("holder", 8, now=ex.now)  # every free page
+    ex.pump()
+    before = (ex.stats(), ex.tiers(doc))
+    # Two host blocks need pages; the only evictable pages hold the match's own GPU blocks.
+    with pytest.raises(OutOfBlocks, match=r"'again' needs 2 more GPU blocks, 0 obtainable"):
+        ex.cache.add_request("again", doc, now=ex.now)
+    assert (ex.stats(), ex.tiers(doc)) == before
+    ex.cache.check_invariants()
+    ex.release("holder")
+    match = ex.add("again", doc)
+    assert (match.gpu_tokens, match.host_tokens) == (4, 4)
+
+
+def test_a_spill_whose_block_was_recalled_frees_its_slot_when_it_lands() -> None:
+    ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=2)
+    doc = fresh_tokens(5)
+    first, second = ex.spill([doc], land=False)
+    ex.add("again", doc)  # recalls both SPILLING blocks from their host pages
+    assert ex.tiers(doc) == ["ON_GPU", "ON_GPU"]
+    assert ex.stats().disk_empty_slots == 0
+    ex.land_write(first.transfer)
+    assert ex.freed == [first.slot]
+    ex.land_write(second.transfer)
+    assert ex.freed == [first.slot, second.slot]
+    assert ex.stats().disk_empty_slots == 2
+
+
+def test_a_failed_read_frees_the_slot_it_read() -> None:
+    ex = make(gpu_blocks=4, host_blocks=1, disk_blocks=2)
+    doc = fresh_tokens(3)
+    ex.spill([doc])
+    ex.add("a", doc)
+    read = ex.land_read(ok=False)
+    assert ex.freed[-1] == read.slot
+    assert ex.stats().disk_empty_slots == 2
