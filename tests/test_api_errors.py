@@ -130,6 +130,8 @@ BAD_CALLS: list[tuple[str, BadCall, str]] = [
      lambda b: lambda c: c.add_request("new", [1], now=LATER, ttl_seconds=-5), "ttl_seconds"),
     ("ttl-nan", lambda b: lambda c: c.add_request("new", [1], now=LATER, ttl_seconds=math.nan),
      "ttl_seconds"),
+    ("ttl-str", lambda b: lambda c: c.add_request("new", [1], now=LATER, ttl_seconds="5"),
+     "ttl_seconds"),
     # the clock
     ("add-clock-backwards", lambda b: lambda c: c.add_request("new", [1], now=NOW - 1), "now"),
     ("add-clock-nan", lambda b: lambda c: c.add_request("new", [1], now=math.nan), "now"),

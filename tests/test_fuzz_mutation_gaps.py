@@ -226,3 +226,29 @@ def test_a_failed_read_frees_the_slot_it_read() -> None:
     read = ex.land_read(ok=False)
     assert ex.freed[-1] == read.slot
     assert ex.stats().disk_empty_slots == 2
+
+
+def test_the_largest_lora_id_is_accepted_and_keys_apart_from_its_neighbour() -> None:
+    ex = make()
+    top = 2**63 - 1
+    ex.serve("a", [1, 2, 3], lora=top)
+    assert ex.tiers([1, 2, 3], lora=top) == ["RELEASED"]
+    assert ex.add("b", [1, 2, 3], lora=top - 1).matched_tokens == 0
+
+
+def test_failure_counters_add_up_over_several_failures() -> None:
+    ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=2)
+    doc = fresh_tokens(5)
+    for write in ex.spill([doc], land=False):
+        ex.land_write(write.transfer, ok=False)
+    assert ex.stats().spill_failures == 2
+    assert ex.tiers(doc) == ["ON_HOST", "ON_HOST"]  # the bytes never left the host pages
+
+    ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=2)
+    first, second = fresh_tokens(3), fresh_tokens(3)
+    ex.spill([first, second])
+    for rid, prompt in (("a", first), ("b", second)):
+        ex.add(rid, prompt)
+        ex.land_read(ok=False)
+    assert ex.stats().onboard_failures == 2
+    assert ex.cache.is_ready("a") and ex.cache.is_ready("b")  # both fall back to recompute
