@@ -52,8 +52,6 @@ class Block:
     # Intrusive links of the one ordered list that holds the block, if any.
     prev: Block | None = None
     next: Block | None = None
-    seq: int = 0
-    """Order stamp inside that list (FIFO / LRU among equals)."""
     heap_pos: int = -1
     """Index in the retention heap, -1 when not in it."""
     heap_key: tuple[float, int, int] = (0.0, 0, 0)

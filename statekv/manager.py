@@ -602,6 +602,8 @@ class KVCacheManager:
                 self._counters.expirations += len(expired)
 
     def _next_seq(self) -> int:
+        """An arrival stamp for the retention heap: first in, first out among equal keys.
+        (The lists order by position and need no stamp.)"""
         self._seq += 1
         return self._seq
 
@@ -772,11 +774,6 @@ class KVCacheManager:
                 raise InvariantViolation(f"request {rid!r} held {block!r}")
         if cached:
             self._move_all(cached, _E.RELEASED)
-            seq = self._seq
-            for block in cached:
-                seq += 1
-                block.seq = seq
-            self._seq = seq
             self._gpu.evictable.push_all(cached, priority)
 
     def _discard(self, block: Block, event: BlockEvent) -> None:
@@ -840,7 +837,6 @@ class KVCacheManager:
                 )
                 victim.host_page = host_page
                 self._move(victim, _E.OFFLOADED)
-                victim.seq = self._next_seq()
                 self._host.evictable.push(victim)
                 c.host_offloads += 1
                 return page
@@ -967,7 +963,6 @@ class KVCacheManager:
         block.disk_slot = None
         block.transfer = None
         self._move(block, _E.SPILL_FAILED)
-        block.seq = self._next_seq()
         self._host.evictable.push(block)
 
     def _read_landed(self, block: Block) -> None:
@@ -990,7 +985,6 @@ class KVCacheManager:
         block.waiters.clear()
         if block.ref_count == 0:
             self._move(block, _E.RELEASED)
-            block.seq = self._next_seq()
             self._gpu.evictable.push(block)
 
     def _read_failed(self, block: Block) -> None:

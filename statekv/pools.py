@@ -86,8 +86,7 @@ class DiskSlots:
             block.heap_key = retention_order(block.expiry, block.depth, seq)
             self.retained.push(block)
         else:
-            block.seq = seq
-            self.unmarked.append(block)
+            self.unmarked.append(block)  # FIFO: the list's order is the arrival order
 
     def unfile(self, block: Block) -> None:
         """`block` leaves the disk (onboarded): forget its place in the order."""
