@@ -199,3 +199,19 @@ def test_device_checksum_refuses_non_byte_tensors() -> None:
     with pytest.raises(UsageError) as info:
         payload_checksum_torch(torch.zeros(4, dtype=torch.float32))
     assert info.value.field == "data"
+
+
+def test_the_slot_format_is_stable_byte_for_byte() -> None:
+    # Slot files outlive the process that wrote them: a change to any byte of the format
+    # (field order, either checksum's input) makes existing files unreadable, so it must be a
+    # new FORMAT_VERSION, never an accident.  The image below is version 1.
+    image = pack_slot(slot=SlotId(3), key=BlockHash(bytes(range(32))),
+                      payload=bytes(range(256)) * 16)
+    assert len(image) == 8192
+    assert image[:72].hex() == (
+        "53544b56534c4f54" "01000000" "00100000" "0300000000000000" "0010000000000000"
+        "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f" "822091a2"
+        "7978ad73"
+    )
+    assert image[72:4096] == bytes(4096 - 72)
+    assert image[4096:] == bytes(range(256)) * 16
