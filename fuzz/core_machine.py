@@ -32,10 +32,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fuzz.contract import CommandContract
 from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.tracefile import new_sink
-from specs.reference_model import DISK, GPU, HOST, READING, SPILLING, ReferenceCache
+from specs.reference_model import ReferenceCache, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
 from statekv.ids import TransferId
-from statekv.lifecycle import BlockState
 from statekv.messages import (
     Completion,
     ReadSlot,
@@ -49,14 +48,6 @@ from statekv.trace import TraceSink
 
 T = TypeVar("T")
 
-TIER_OF = {
-    BlockState.ON_GPU: GPU,
-    BlockState.RELEASED: GPU,
-    BlockState.ON_HOST: HOST,
-    BlockState.SPILLING: SPILLING,
-    BlockState.ON_DISK: DISK,
-    BlockState.ONBOARDING: READING,
-}
 
 # A few documents that prompts share prefixes of, so that matches happen often; the second
 # shares the first's first two blocks (block size 2), the third shares nothing.
@@ -427,10 +418,7 @@ class CoreVsSpec(RuleBasedStateMachine):
             return
         real.check_invariants()
         assert real.statistics() == self.model.statistics()
-        real_cached = {
-            b.key: (TIER_OF[b.state], b.ref_count, b.reuse_count, b.expiry)
-            for b in real.cached_blocks()
-        }
+        real_cached = observed(real.cached_blocks())
         assert real_cached == self.model.cached()
         contract = self.contract
         reading = contract.read_pages

@@ -57,7 +57,7 @@ from io_actors.gate import CompletionGate
 from io_actors.interfaces import SlotStore
 from io_actors.scheduler import CloseReport
 from io_actors.tracing import TraceRecorder
-from specs.reference_model import DISK, GPU, HOST, READING, SPILLING, ReferenceCache
+from specs.reference_model import ReferenceCache, observed
 from statekv.arith import blocks_for_tokens, is_live
 from statekv.config import KVLayout, SpillMode
 from statekv.errors import OutOfBlocks, UsageError
@@ -76,14 +76,6 @@ milliseconds)."""
 BLOCK_BYTES = 8192
 """Two 4 KiB pages of payload per block: torn writes have pages to tear, copies stay cheap."""
 
-TIER_OF = {
-    BlockState.ON_GPU: GPU,
-    BlockState.RELEASED: GPU,
-    BlockState.ON_HOST: HOST,
-    BlockState.SPILLING: SPILLING,
-    BlockState.ON_DISK: DISK,
-    BlockState.ONBOARDING: READING,
-}
 
 
 def layout_for(block_size: int) -> KVLayout:
@@ -372,8 +364,7 @@ class Driver:
         stats = core.statistics()
         assert stats == model.statistics(), "statistics() differ from the model's"
         cached = core.cached_blocks()
-        real_cached = {b.key: (TIER_OF[b.state], b.ref_count, b.reuse_count, b.expiry)
-                       for b in cached}
+        real_cached = observed(cached)
         assert real_cached == model.cached(), "cached blocks differ from the model's"
         reading = self.contract.read_pages
         for rid in self.live:

@@ -27,7 +27,7 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -37,9 +37,26 @@ from statekv.errors import OutOfBlocks, UsageError
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.ids import BlockHash
 from statekv.lifecycle import BlockState
+from statekv.manager import CachedBlock
 from statekv.stats import CacheStatistics
 
 GPU, HOST, SPILLING, DISK, READING = "gpu", "host", "spilling", "disk", "reading"
+
+TIER_OF_STATE = {
+    BlockState.ON_GPU: GPU,
+    BlockState.RELEASED: GPU,
+    BlockState.ON_HOST: HOST,
+    BlockState.SPILLING: SPILLING,
+    BlockState.ON_DISK: DISK,
+    BlockState.ONBOARDING: READING,
+}
+"""The model's tier of each state a cached block of the real core can be in."""
+
+
+def observed(blocks: Iterable[CachedBlock]) -> dict[BlockHash, tuple[str, int, int, float | None]]:
+    """The real core's `cached_blocks()` in the form of :meth:`ReferenceCache.cached`."""
+    return {b.key: (TIER_OF_STATE[b.state], b.ref_count, b.reuse_count, b.expiry)
+            for b in blocks}
 
 
 @attrs.define(eq=False)

@@ -21,10 +21,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from specs.reference_model import DISK, GPU, HOST, READING, SPILLING, ReferenceCache
+from specs.reference_model import ReferenceCache, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
 from statekv.ids import TransferId
-from statekv.lifecycle import BlockState
 from statekv.messages import (
     ReadSlot,
     SlotRead,
@@ -36,14 +35,6 @@ from statekv.messages import (
 
 T = TypeVar("T")
 
-TIER_OF = {
-    BlockState.ON_GPU: GPU,
-    BlockState.RELEASED: GPU,
-    BlockState.ON_HOST: HOST,
-    BlockState.SPILLING: SPILLING,
-    BlockState.ON_DISK: DISK,
-    BlockState.ONBOARDING: READING,
-}
 
 # A few documents that prompts share prefixes of, so that matches happen often.
 DOCUMENTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5]]
@@ -293,10 +284,7 @@ class CoreMatchesReference(RuleBasedStateMachine):
         if not hasattr(self, "real"):
             return
         assert self.real.statistics() == self.model.statistics()
-        real_cached = {
-            b.key: (TIER_OF[b.state], b.ref_count, b.reuse_count, b.expiry)
-            for b in self.real.cached_blocks()
-        }
+        real_cached = observed(self.real.cached_blocks())
         assert real_cached == self.model.cached()
         for rid in self.live:
             assert self.real.is_ready(rid) == self.model.is_ready(rid)
