@@ -58,7 +58,7 @@ from io_actors.backends.faults import FaultPlan, FaultRule, FaultyStore
 from io_actors.config import StateKVConfig
 from io_actors.distributed import ParallelLayout, RankGroup, TensorParallelCache
 from io_actors.embed import BlockingCache, CacheAPI
-from io_actors.interfaces import SlotStore
+from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
 from models.config import ModelConfig
 from models.model import Chunk, PagedDecoder, StepOutput
 from models.serving_loop import RequestResult, ServeRequest, ServingLoop
@@ -122,6 +122,14 @@ class JitterStore:
     def read(self, slot: SlotId, key: BlockHash, dst: Tensor) -> None:
         self._pause(self._max_read_s)
         self._inner.read(slot, key, dst)
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        self._pause(self._max_write_s)
+        return self._inner.write_many(writes)
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        self._pause(self._max_read_s)
+        return self._inner.read_many(reads)
 
     def discard(self, slot: SlotId) -> None:
         self._inner.discard(slot)

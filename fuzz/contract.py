@@ -10,7 +10,10 @@ verifies what the core *tells the actors to do*, which is what would hurt real b
   entry never points at recycled bytes;
 * a slot is never freed while a transfer on it is in flight;
 * a GPU page with a read in flight is never the source or destination of a copy, nor the
-  destination of a second read: it is not on any free list until the read lands.
+  destination of a second read: it is not on any free list until the read lands;
+* disk transfers come in batches (``WriteSlots`` / ``ReadSlots``) of 1 to
+  ``max_batch_blocks`` records, after every copy and FreeSlot of the same take; a batch's
+  completion reports one outcome per record of that batch, in order.
 
 Every harness feeds it the commands in the order the core emitted them and the completions in
 the order the core applied them.
@@ -22,17 +25,22 @@ from collections.abc import Iterable
 
 from statekv.ids import BlockHash, PageId, SlotId, TransferId
 from statekv.messages import (
+    BatchFinished,
+    BlockCommand,
     Command,
     Completion,
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
     ReadSlot,
+    ReadSlots,
     SlotRead,
     SlotReadFailed,
     SlotWriteFailed,
     SlotWritten,
+    TransferOutcome,
     WriteSlot,
+    WriteSlots,
 )
 
 
@@ -43,7 +51,11 @@ class ContractViolation(AssertionError):
 class CommandContract:
     """Transfers in flight and slot contents, as the command stream describes them."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_batch_blocks: int | None = None) -> None:
+        self.max_batch_blocks = max_batch_blocks
+        """The largest batch the core may emit (None: not checked)."""
+        self.batches: dict[TransferId, tuple[TransferId, ...]] = {}
+        """Batches in flight: each one's transfers, in order, by the batch's name."""
         self.writes: dict[TransferId, WriteSlot] = {}
         self.reads: dict[TransferId, ReadSlot] = {}
         self.busy: dict[SlotId, TransferId] = {}
@@ -55,40 +67,58 @@ class CommandContract:
         self.failed_reads = 0
 
     def commands(self, commands: Iterable[Command]) -> None:
-        for cmd in commands:
-            if isinstance(cmd, WriteSlot):
-                self._claim(cmd.slot, cmd.transfer, cmd)
-                self.writes[cmd.transfer] = cmd
-            elif isinstance(cmd, ReadSlot):
-                self._claim(cmd.slot, cmd.transfer, cmd)
-                held = self.slot_content.get(cmd.slot)
-                if held != cmd.key:
-                    raise ContractViolation(
-                        f"{cmd} reads a slot that holds other content ({_short(held)})"
-                    )
-                if cmd.gpu_page in self.read_pages:
-                    raise ContractViolation(
-                        f"{cmd} targets GPU page {cmd.gpu_page}, which read "
-                        f"{self.read_pages[cmd.gpu_page]} is still filling"
-                    )
-                self.read_pages[cmd.gpu_page] = cmd.transfer
-                self.reads[cmd.transfer] = cmd
-            elif isinstance(cmd, FreeSlot):
-                if cmd.slot in self.busy:
-                    raise ContractViolation(
-                        f"slot {cmd.slot} freed while transfer {self.busy[cmd.slot]} is in flight"
-                    )
-                self.slot_content.pop(cmd.slot, None)
-            elif isinstance(cmd, CopyGpuToHost | CopyHostToGpu):
-                if cmd.gpu_page in self.read_pages:
-                    raise ContractViolation(
-                        f"{cmd} touches GPU page {cmd.gpu_page} while read "
-                        f"{self.read_pages[cmd.gpu_page]} is filling it"
-                    )
+        seen_batch = False
+        for batch in commands:
+            if isinstance(batch, WriteSlots | ReadSlots):
+                items: tuple[WriteSlot | ReadSlot, ...] = (
+                    batch.writes if isinstance(batch, WriteSlots) else batch.reads
+                )
+                limit = self.max_batch_blocks
+                if not items or (limit is not None and len(items) > limit):
+                    raise ContractViolation(f"a batch of {len(items)} records: {batch}")
+                self.batches[batch.transfer] = tuple(item.transfer for item in items)
+                seen_batch = True
+                for item in items:
+                    self._block_command(item)
+            elif seen_batch:
+                raise ContractViolation(f"{batch} comes after a disk batch of the same take")
             else:
-                raise ContractViolation(f"unknown command {cmd!r}")
+                self._block_command(batch)
 
-    def _claim(self, slot: SlotId, transfer: TransferId, cmd: Command) -> None:
+    def _block_command(self, cmd: BlockCommand) -> None:
+        if isinstance(cmd, WriteSlot):
+            self._claim(cmd.slot, cmd.transfer, cmd)
+            self.writes[cmd.transfer] = cmd
+        elif isinstance(cmd, ReadSlot):
+            self._claim(cmd.slot, cmd.transfer, cmd)
+            held = self.slot_content.get(cmd.slot)
+            if held != cmd.key:
+                raise ContractViolation(
+                    f"{cmd} reads a slot that holds other content ({_short(held)})"
+                )
+            if cmd.gpu_page in self.read_pages:
+                raise ContractViolation(
+                    f"{cmd} targets GPU page {cmd.gpu_page}, which read "
+                    f"{self.read_pages[cmd.gpu_page]} is still filling"
+                )
+            self.read_pages[cmd.gpu_page] = cmd.transfer
+            self.reads[cmd.transfer] = cmd
+        elif isinstance(cmd, FreeSlot):
+            if cmd.slot in self.busy:
+                raise ContractViolation(
+                    f"slot {cmd.slot} freed while transfer {self.busy[cmd.slot]} is in flight"
+                )
+            self.slot_content.pop(cmd.slot, None)
+        elif isinstance(cmd, CopyGpuToHost | CopyHostToGpu):
+            if cmd.gpu_page in self.read_pages:
+                raise ContractViolation(
+                    f"{cmd} touches GPU page {cmd.gpu_page} while read "
+                    f"{self.read_pages[cmd.gpu_page]} is filling it"
+                )
+        else:
+            raise ContractViolation(f"unknown command {cmd!r}")
+
+    def _claim(self, slot: SlotId, transfer: TransferId, cmd: BlockCommand) -> None:
         if slot in self.busy:
             raise ContractViolation(
                 f"{cmd} claims slot {slot} while transfer {self.busy[slot]} is in flight on it"
@@ -96,6 +126,19 @@ class CommandContract:
         self.busy[slot] = transfer
 
     def completion(self, completion: Completion) -> None:
+        if isinstance(completion, BatchFinished):
+            expected = self.batches.pop(completion.transfer, None)
+            got = tuple(item.transfer for item in completion.outcomes)
+            if expected != got:
+                raise ContractViolation(
+                    f"batch completion names transfers {got}, the batch was {expected}"
+                )
+            for item in completion.outcomes:
+                self._outcome(item)
+            return
+        self._outcome(completion)
+
+    def _outcome(self, completion: TransferOutcome) -> None:
         tid = completion.transfer
         if isinstance(completion, SlotWritten | SlotWriteFailed):
             write = self.writes.pop(tid, None)

@@ -30,9 +30,10 @@ import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition
 
 from fuzz.contract import CommandContract
+from fuzz.spy import command_kinds
 from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.tracefile import new_sink
-from specs.reference_model import ReferenceCache, observed
+from specs.reference_model import ReferenceCache, in_batches, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
 from statekv.ids import TransferId
 from statekv.messages import (
@@ -43,6 +44,7 @@ from statekv.messages import (
     SlotWriteFailed,
     SlotWritten,
     WriteSlot,
+    per_block,
 )
 from statekv.trace import TraceSink
 
@@ -80,6 +82,7 @@ def core_configs(draw: st.DrawFn) -> CacheConfig:
         drop_on_pressure=draw(st.booleans()),
         write_queue_depth=draw(st.integers(1, 3)),
         priority_levels=draw(st.integers(1, 3)),
+        max_batch_blocks=draw(st.sampled_from([1, 2, 16])),
     )
 
 
@@ -201,6 +204,7 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.trace = new_sink()
         self.real = KVCacheManager(config, trace=self.trace)
         self.model = ReferenceCache(config)
+        self.contract.max_batch_blocks = config.max_batch_blocks
 
     # -------------------------------------------------------------- both sides, compared
 
@@ -223,15 +227,11 @@ class CoreVsSpec(RuleBasedStateMachine):
         real = self.core.take_commands()
         model = self.model.commands
         self.model.commands = []
-        real_kinds = [
-            (type(c).__name__, c.key if isinstance(c, WriteSlot | ReadSlot) else None)
-            for c in real
-        ]
-        model_kinds = [(kind, key if kind in ("WriteSlot", "ReadSlot") else None)
-                       for kind, key in model]
+        real_kinds = command_kinds(real)
+        model_kinds = in_batches(model, self.model.cfg.max_batch_blocks)
         assert real_kinds == model_kinds, (real_kinds, model_kinds)
         self.contract.commands(real)
-        for c in real:
+        for c in per_block(real):
             if isinstance(c, WriteSlot):
                 self.writes.append(c.transfer)
             elif isinstance(c, ReadSlot):

@@ -102,6 +102,7 @@ class SystemSpec:
     writers: int
     readers: int
     direct_io: bool
+    max_batch_blocks: int = 16
 
     def config(self, directory: Path, device: str, backend: str) -> StateKVConfig:
         return StateKVConfig(
@@ -111,7 +112,7 @@ class SystemSpec:
             readers=self.readers, write_queue_depth=self.write_queue_depth,
             spill_mode=self.spill_mode, spill_min_reuse=self.spill_min_reuse,
             protect_unexpired=self.protect_unexpired, drop_on_pressure=self.drop_on_pressure,
-            priority_levels=self.priority_levels,
+            priority_levels=self.priority_levels, max_batch_blocks=self.max_batch_blocks,
         )
 
 
@@ -135,6 +136,8 @@ def system_specs(draw: st.DrawFn, max_threads: int = 2) -> SystemSpec:
         writers=draw(st.integers(1, max_threads)),
         readers=draw(st.integers(1, max_threads)),
         direct_io=draw(st.booleans()),
+        # Lone transfers, small batches that a burst splits, and batches of everything.
+        max_batch_blocks=draw(st.sampled_from([1, 2, 16])),
     )
 
 
@@ -195,7 +198,7 @@ class Driver:
             raise
         self.core: KVCacheManager = self.cache._scheduler._core
         self.lock = self.cache._scheduler._lock
-        self.contract = CommandContract()
+        self.contract = CommandContract(core_config.max_batch_blocks)
         self.spy = CoreSpy(self.core, on_commands=on_commands, notify=notify)
         self.follower = ModelFollower(ReferenceCache(core_config), self.contract)
         self.live: dict[str, LiveRequest] = {}

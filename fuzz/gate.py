@@ -3,7 +3,8 @@
 The real write or read has already happened when a completion reaches the gate (the bytes are
 in the slot, or in the GPU page); only its report to the scheduler waits.  Releasing one held
 completion at a time, chosen by transfer id, makes Hypothesis -- not thread timing -- decide
-which pending write or read the core learns about next.
+which pending write or read the core learns about next.  A batch's completion is held, and
+released, as one, under its name (its first transfer id); counts are per block transfer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import trio
 
 from statekv.ids import TransferId
-from statekv.messages import Completion, SlotReadFailed, SlotWriteFailed, SlotWritten
+from statekv.messages import Completion, SlotReadFailed, SlotWriteFailed, is_read, outcomes
 
 
 class FuzzGate:
@@ -43,17 +44,26 @@ class FuzzGate:
             return {tid: held[0] for tid, held in self._held.items()}
 
     def counts(self) -> tuple[int, int, int, int]:
-        """(writes held, reads held, failed writes held, failed reads held)."""
+        """Block transfers held: (writes, reads, failed writes, failed reads)."""
         writes = reads = failed_writes = failed_reads = 0
         with self._lock:
             for completion, _event in self._held.values():
-                if isinstance(completion, SlotWritten | SlotWriteFailed):
-                    writes += 1
-                    failed_writes += isinstance(completion, SlotWriteFailed)
-                else:
-                    reads += 1
-                    failed_reads += isinstance(completion, SlotReadFailed)
+                for outcome in outcomes(completion):
+                    if isinstance(outcome, SlotReadFailed):
+                        failed_reads += 1
+                    elif isinstance(outcome, SlotWriteFailed):
+                        failed_writes += 1
+                    if is_read(outcome):
+                        reads += 1
+                    else:
+                        writes += 1
         return writes, reads, failed_writes, failed_reads
+
+    def jobs(self) -> tuple[int, int]:
+        """Completions held (a batch is one): (write jobs, read jobs)."""
+        with self._lock:
+            reads = sum(1 for completion, _event in self._held.values() if is_read(completion))
+            return len(self._held) - reads, reads
 
     def release(self, tid: TransferId) -> Completion:
         """Let the completion of transfer `tid` through to the scheduler."""

@@ -24,18 +24,18 @@ import attrs
 
 from fuzz.contract import CommandContract
 from fuzz.steps import Counts
-from specs.reference_model import ReferenceCache
+from specs.reference_model import CommandKind, ReferenceCache, in_batches
 from statekv.errors import OutOfBlocks, UsageError
 from statekv.manager import KVCacheManager, PrefixMatch
 from statekv.messages import (
     Command,
     Completion,
-    ReadSlot,
+    ReadSlots,
     SlotRead,
-    SlotReadFailed,
     SlotWriteFailed,
     SlotWritten,
-    WriteSlot,
+    WriteSlots,
+    outcomes,
 )
 
 SPIED = ("add_request", "append_tokens", "allocate_nowait", "commit", "release", "handle",
@@ -102,10 +102,18 @@ class CoreSpy:
         setattr(self.core, name, spied)
 
 
-def command_kinds(commands: list[Command]) -> list[tuple[str, bytes | None]]:
-    """What the model's commands can be compared on: kinds, and keys of disk transfers."""
-    return [(type(c).__name__, c.key if isinstance(c, WriteSlot | ReadSlot) else None)
-            for c in commands]
+def command_kinds(commands: list[Command]) -> list[CommandKind]:
+    """What the model's commands can be compared on (reference_model.in_batches): kinds, and
+    the keys of each disk batch."""
+    kinds: list[CommandKind] = []
+    for c in commands:
+        if isinstance(c, WriteSlots):
+            kinds.append(("WriteSlots", tuple(w.key for w in c.writes)))
+        elif isinstance(c, ReadSlots):
+            kinds.append(("ReadSlots", tuple(r.key for r in c.reads)))
+        else:
+            kinds.append((type(c).__name__, None))
+    return kinds
 
 
 class ModelFollower:
@@ -128,8 +136,7 @@ class ModelFollower:
             Counts.operations += 1
         if call.name == "take_commands":
             real = command_kinds(call.result)
-            expected = [(kind, key if kind in ("WriteSlot", "ReadSlot") else None)
-                        for kind, key in model.commands]
+            expected = in_batches(model.commands, model.cfg.max_batch_blocks)
             model.commands = []
             assert real == expected, f"commands differ: real {real}, model {expected}"
             self.contract.commands(call.result)
@@ -152,12 +159,13 @@ class ModelFollower:
             )
 
     def _complete(self, completion: Completion, now: float) -> None:
-        tid = completion.transfer
-        if isinstance(completion, SlotWritten | SlotWriteFailed):
-            self.model.write_done(tid, isinstance(completion, SlotWritten), now)
-        else:
-            assert isinstance(completion, SlotRead | SlotReadFailed)
-            self.model.read_done(tid, isinstance(completion, SlotRead), now)
+        """A batch is its outcomes, applied in order at one time."""
+        for outcome in outcomes(completion):
+            tid = outcome.transfer
+            if isinstance(outcome, SlotWritten | SlotWriteFailed):
+                self.model.write_done(tid, isinstance(outcome, SlotWritten), now)
+            else:
+                self.model.read_done(tid, isinstance(outcome, SlotRead), now)
 
     @staticmethod
     def _run(call: Call, op: Callable[[], Any]) -> Any:

@@ -25,12 +25,12 @@ from __future__ import annotations
 import enum
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
-from io_actors.interfaces import SlotStore
+from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
 from statekv.errors import TransferFailed
 from statekv.ids import BlockHash, SlotId
 
@@ -214,6 +214,68 @@ class FuzzStore:
         finally:
             self._notify()
         self._check_read(slot, key, dst, before)
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        """Per slot as `write` (faults and stalls by identity); the slots with no fault go
+        to the inner store as one batch, so its vector path runs under the fuzzer too."""
+        items = list(writes)
+        begun = [self._begin(Op.WRITE, item.slot, item.key) for item in items]
+        out = self._many(Op.WRITE, items, begun, self._inner.write_many)
+        with self._lock:
+            for item, outcome, (fault, _delay, _call) in zip(items, out, begun, strict=True):
+                if outcome is not None:
+                    self.write_errors += 1
+                    self.truth.pop(item.slot, None)
+                else:
+                    truth = (Truth.FLIPPED if fault is Fault.BIT_FLIP
+                             else Truth.TORN if fault is Fault.TORN_WRITE_SILENT
+                             else Truth.INTACT)
+                    self.truth[item.slot] = (item.key, truth)
+        return out
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        items = list(reads)
+        begun = [self._begin(Op.READ, item.slot, item.key) for item in items]
+        with self._lock:
+            before = [self.truth.get(item.slot) for item in items]
+        out = self._many(Op.READ, items, begun, self._inner.read_many)
+        for item, outcome, prior in zip(items, out, before, strict=True):
+            if outcome is not None:
+                with self._lock:
+                    self.read_errors += 1
+            else:
+                self._check_read(item.slot, item.key, item.buffer, prior)
+        return out
+
+    def _many(
+        self, op: Op, items: list[SlotIO], begun: list[tuple[Fault | None, float, int]],
+        plain_call: Callable[[Sequence[SlotIO]], BatchOutcome],
+    ) -> BatchOutcome:
+        delay = max((d for _f, d, _c in begun), default=0.0)
+        if delay:
+            (self._sleep or _sleep)(delay)
+        out: BatchOutcome = [None] * len(items)
+        try:
+            plain = [n for n, (fault, _d, _c) in enumerate(begun) if fault is None]
+            if plain:
+                results = plain_call([items[n] for n in plain])
+                for n, outcome in zip(plain, results, strict=True):
+                    out[n] = outcome
+            for n, (fault, _d, call) in enumerate(begun):
+                if fault is None:
+                    continue
+                item = items[n]
+                faulty = self._faulty(op, fault, call)
+                try:
+                    if op is Op.WRITE:
+                        faulty.write(item.slot, item.key, item.buffer)
+                    else:
+                        faulty.read(item.slot, item.key, item.buffer)
+                except TransferFailed as exc:
+                    out[n] = exc
+        finally:
+            self._notify()
+        return out
 
     def _check_read(
         self, slot: SlotId, key: BlockHash, dst: torch.Tensor,

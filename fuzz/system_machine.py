@@ -49,7 +49,12 @@ from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from io_actors.backends.faults import Fault, Op
 from io_actors.tracing import TraceRecorder
 from statekv.ids import TransferId
-from statekv.messages import Command, ReadSlot, SlotRead, SlotReadFailed, WriteSlot
+from statekv.messages import (
+    Command,
+    ReadSlots,
+    WriteSlots,
+    is_read,
+)
 
 SETTLE_TIMEOUT = 30.0
 """Seconds the system may take to become quiet after a step before the step fails."""
@@ -72,7 +77,12 @@ class SystemMachine(RuleBasedStateMachine):
         self.gate = FuzzGate(self.notify)
         self.arm_write: Fault | None = None
         self.arm_read: Fault | None = None
+        self.arm_write_at = self.arm_read_at = 0
+        """Which transfer of the next batch an armed fault goes to (the last, if fewer)."""
         self.stall_writes = False
+        self.write_batches: set[TransferId] = set()
+        self.read_batches: set[TransferId] = set()
+        """Names of the batches dispatched (pruned to those in flight by quiet())."""
 
     def notify(self) -> None:
         with self.changed:
@@ -96,15 +106,23 @@ class SystemMachine(RuleBasedStateMachine):
         to the next transfer of its kind, and every write stalls while the disk is stalled,
         by transfer identity."""
         store = self.d.fuzz_store
-        for cmd in commands:
-            if isinstance(cmd, WriteSlot):
+        for batch in commands:
+            if isinstance(batch, WriteSlots):
+                self.write_batches.add(batch.transfer)
+            elif isinstance(batch, ReadSlots):
+                self.read_batches.add(batch.transfer)
+        for batch in commands:
+            if isinstance(batch, WriteSlots):
                 if self.arm_write is not None:
+                    cmd = batch.writes[min(self.arm_write_at, len(batch.writes) - 1)]
                     store.assign(Op.WRITE, cmd.slot, cmd.key, self.arm_write)
                     self.arm_write = None
                 if self.stall_writes:
-                    store.stall(Op.WRITE, cmd.slot, cmd.key)
-            elif isinstance(cmd, ReadSlot) and self.arm_read is not None:
-                store.assign(Op.READ, cmd.slot, cmd.key, self.arm_read)
+                    for cmd in batch.writes:
+                        store.stall(Op.WRITE, cmd.slot, cmd.key)
+            elif isinstance(batch, ReadSlots) and self.arm_read is not None:
+                read = batch.reads[min(self.arm_read_at, len(batch.reads) - 1)]
+                store.assign(Op.READ, read.slot, read.key, self.arm_read)
                 self.arm_read = None
 
     # -------------------------------------------------------------- quiescence
@@ -115,13 +133,20 @@ class SystemMachine(RuleBasedStateMachine):
         stats = d.api.statistics()
         core, writer, reader = stats.cache, stats.writer, stats.reader
         assert writer is not None and reader is not None
-        w_held, r_held, _, _ = self.gate.counts()
-        if not (core.reads_in_flight == r_held and reader.in_flight == r_held
+        w_jobs_held, r_jobs_held = self.gate.jobs()
+        # Batches dispatched whose completion the core has not applied (the scheduler knows
+        # every transfer in flight; a batch is named by its first).
+        in_flight = set(d.api.transfers_in_flight())
+        self.write_batches &= in_flight
+        self.read_batches &= in_flight
+        if core.reads_in_flight + core.writes_in_flight != len(in_flight):
+            return False
+        if not (len(self.read_batches) == reader.in_flight == r_jobs_held
                 and reader.queued == 0):
             return False
         stalled = d.fuzz_store.stalled
         # Every job a writer thread took is held at the gate or stalled in the store.
-        if writer.in_flight - w_held != stalled:
+        if writer.in_flight - w_jobs_held != stalled:
             return False
         queued, backlog = writer.queued, stats.spill_backlog
         # Jobs wait for a thread only while every thread is stalled.
@@ -133,7 +158,9 @@ class SystemMachine(RuleBasedStateMachine):
         # feeder's.
         if backlog and queued != d.spec.write_queue_depth + 2:
             return False
-        return core.writes_in_flight == w_held + stalled + queued + backlog - (backlog > 0)
+        return len(self.write_batches) == (
+            w_jobs_held + stalled + queued + backlog - (backlog > 0)
+        )
 
     def settle(self) -> None:
         """Wait until the system is quiet; a crashed actor or a hang fails the step."""
@@ -246,9 +273,8 @@ class SystemMachine(RuleBasedStateMachine):
     # -------------------------------------------------------------- rules: transfers
 
     def held(self, reads: bool) -> list[TransferId]:
-        kinds = (SlotRead, SlotReadFailed)
-        return sorted(tid for tid, c in self.gate.held().items()
-                      if isinstance(c, kinds) == reads)
+        """Held completions (a batch's by its name) of reads or writes, oldest first."""
+        return sorted(tid for tid, c in self.gate.held().items() if is_read(c) == reads)
 
     def land(self, tid: TransferId) -> None:
         """Let one held completion through and wait until the core has applied it."""
@@ -272,12 +298,23 @@ class SystemMachine(RuleBasedStateMachine):
     @fuzz_rule(fault=st.sampled_from(WRITE_FAULTS))
     def fail_next_write(self, fault: Fault) -> None:
         """The next write the core issues meets `fault` at the store."""
-        self.arm_write = fault
+        self.arm_write, self.arm_write_at = fault, 0
 
     @fuzz_rule(fault=st.sampled_from(READ_FAULTS))
     def fail_next_read(self, fault: Fault) -> None:
         """The next read the core issues meets `fault` at the store."""
-        self.arm_read = fault
+        self.arm_read, self.arm_read_at = fault, 0
+
+    @fuzz_rule(armed=st.sampled_from([(f, at) for f in WRITE_FAULTS for at in (1, 2)]))
+    def fail_a_write_inside_the_next_batch(self, armed: tuple[Fault, int]) -> None:
+        """A later write of the next write batch meets the fault: the batch partly fails."""
+        self.arm_write, self.arm_write_at = armed
+
+    @fuzz_rule(armed=st.sampled_from([(f, at) for f in READ_FAULTS for at in (1, 2)]))
+    def fail_a_read_inside_the_next_batch(self, armed: tuple[Fault, int]) -> None:
+        """A later read of the next read batch meets the fault: the blocks before it land,
+        that one is never served, its requests recompute from it."""
+        self.arm_read, self.arm_read_at = armed
 
     @fuzz_rule()
     def stall_the_disk(self) -> None:
@@ -339,6 +376,8 @@ class SystemMachine(RuleBasedStateMachine):
         d.clean_up()
         self.driver = None
         self.gate = FuzzGate(self.notify)
+        self.write_batches.clear()
+        self.read_batches.clear()
         self.arm_write = self.arm_read = None
         self.stall_writes = False
         self.open(spec)

@@ -94,6 +94,8 @@ class StateKVConfig:
     protect_unexpired: bool = False
     drop_on_pressure: bool = False
     priority_levels: int = 4
+    max_batch_blocks: int = 16
+    """Blocks per disk batch: one vector I/O and one report per batch (CacheConfig)."""
     max_ttl_seconds: float = 30 * 24 * 3600.0
     model_fingerprint: str = ""
     rank: int = attrs.field(default=0, validator=_positive_int(0, 1 << 16))
@@ -158,6 +160,7 @@ class StateKVConfig:
             drop_on_pressure=self.drop_on_pressure,
             write_queue_depth=self.write_queue_depth,
             priority_levels=self.priority_levels,
+            max_batch_blocks=self.max_batch_blocks,
             max_ttl_seconds=self.max_ttl_seconds,
             model_fingerprint=self.model_fingerprint,
         )

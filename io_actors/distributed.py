@@ -81,7 +81,16 @@ from io_actors.scheduler import CloseReport, WallClock
 from statekv.config import KVLayout
 from statekv.errors import ConfigError, InvariantViolation, StateKVError, UsageError
 from statekv.ids import TransferId
-from statekv.messages import Completion, SlotRead, SlotReadFailed, SlotWriteFailed, SlotWritten
+from statekv.messages import (
+    BatchFinished,
+    Completion,
+    SlotRead,
+    SlotReadFailed,
+    SlotWriteFailed,
+    SlotWritten,
+    TransferOutcome,
+    outcomes,
+)
 from statekv.trace import TraceSink
 
 log = logging.getLogger(__name__)
@@ -394,7 +403,11 @@ class _LockstepGate:
 
     def __init__(self, timeout_s: float) -> None:
         self._lock = threading.Lock()
+        # Keyed by the completion's name (a batch's: its first transfer); ranks agree per
+        # block transfer, and a batch lands as a unit, so its blocks are agreed together.
         self._held: dict[TransferId, tuple[Completion, trio.Event]] = {}
+        self._held_as: dict[TransferId, TransferId] = {}
+        """Each held block transfer -> the name its completion is held under."""
         self._fail: set[TransferId] = set()
         self._open = False
         self._token: trio.lowlevel.TrioToken | None = None
@@ -407,18 +420,28 @@ class _LockstepGate:
             self._token = trio.lowlevel.current_trio_token()
             event = trio.Event()
             self._held[completion.transfer] = (completion, event)
+            for outcome in outcomes(completion):
+                self._held_as[outcome.transfer] = completion.transfer
         await event.wait()
 
     def landed(self) -> dict[TransferId, bool]:
         """Transfers whose completion waits here, each with whether it failed on this rank."""
         with self._lock:
             return {
-                tid: isinstance(c, SlotReadFailed | SlotWriteFailed)
-                for tid, (c, _event) in self._held.items()
+                outcome.transfer: isinstance(outcome, SlotReadFailed | SlotWriteFailed)
+                for c, _event in self._held.values()
+                for outcome in outcomes(c)
             }
 
     def completion_filter(self, completion: Completion) -> Completion:
         """Scheduler.completion_filter: a transfer failed on another rank fails here too."""
+        if isinstance(completion, BatchFinished):
+            return BatchFinished(
+                outcomes=tuple(self._filter_one(o) for o in completion.outcomes)
+            )
+        return self._filter_one(completion)
+
+    def _filter_one(self, completion: TransferOutcome) -> TransferOutcome:
         with self._lock:
             if completion.transfer not in self._fail:
                 return completion
@@ -435,19 +458,22 @@ class _LockstepGate:
         in_flight: Callable[[], tuple[TransferId, ...]],
     ) -> None:
         """Apply the agreed completions, in order; (transfer, failed on some rank) pairs."""
+        names: list[TransferId] = []
         with self._lock:
             token = self._token
             for tid, failed in agreed:
-                if tid not in self._held:
+                name = self._held_as.get(tid)
+                if name is None:
                     raise InvariantViolation(f"transfer {tid} was agreed but is not held here")
                 if failed:
                     self._fail.add(tid)
+                if name not in names:
+                    names.append(name)
         if token is None or not agreed:
             return
         try:
             trio.from_thread.run(
-                self._release_in_order, [tid for tid, _failed in agreed], in_flight,
-                trio_token=token,
+                self._release_in_order, names, in_flight, trio_token=token,
             )
         except trio.TooSlowError:
             raise InvariantViolation(
@@ -460,7 +486,9 @@ class _LockstepGate:
         with trio.fail_after(self._timeout_s):
             for tid in tids:
                 with self._lock:
-                    _completion, event = self._held.pop(tid)
+                    completion, event = self._held.pop(tid)
+                    for outcome in outcomes(completion):
+                        del self._held_as[outcome.transfer]
                 event.set()
                 # The pool's task reports it, the scheduler's task applies it: wait for that
                 # before releasing the next one, so that they are applied in this order.
@@ -473,6 +501,7 @@ class _LockstepGate:
             self._open = True
             events = [event for _completion, event in self._held.values()]
             self._held.clear()
+            self._held_as.clear()
             self._fail.clear()
             token = self._token
         if events and token is not None:

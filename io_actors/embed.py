@@ -221,7 +221,8 @@ async def open_cache(
             )
             reader = ReaderPool(
                 store, pools.gpu_page, new_staging=pools.new_staging_buffer, device=device,
-                workers=config.readers, queue_depth=max(1, core_config.gpu_blocks), gate=gate,
+                batch_blocks=core_config.max_batch_blocks, workers=config.readers,
+                queue_depth=max(1, core_config.gpu_blocks), gate=gate,
                 report=scheduler.report_completion,
             )
         cache = AsyncCache(scheduler, pools)

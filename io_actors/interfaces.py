@@ -12,11 +12,28 @@ short read or write, failed open, header or checksum mismatch) and never return 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+import attrs
 import torch
 
+from statekv.errors import TransferFailed
 from statekv.ids import BlockHash, PageId, SlotId
+
+
+@attrs.frozen
+class SlotIO:
+    """One slot's part of a batched transfer: the source (write) or destination (read)."""
+
+    slot: SlotId
+    key: BlockHash
+    buffer: torch.Tensor
+    """uint8, one block: a host page to write from, or a page or staging view to read into."""
+
+
+BatchOutcome = list[TransferFailed | None]
+"""One entry per item of a batch, in order: None when it landed (verified, for a read)."""
 
 
 class Fence(Protocol):
@@ -61,7 +78,49 @@ class SlotStore(Protocol):
         publish them (the reader pool reports SlotReadFailed and the core never serves them).
         """
 
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        """Write a batch of slots, as few system calls as the layout allows.
+
+        Never raises TransferFailed: each item's failure is its entry of the result, and the
+        items that landed are landed (a batch is never all-or-nothing).  UsageError for a
+        caller's bug (a bad slot, key or buffer), before any byte moves.
+        """
+        ...
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        """Read and verify a batch of slots; outcomes as for :meth:`write_many`.
+
+        A failed item's buffer holds unspecified bytes and must not be published.
+        """
+        ...
+
     def discard(self, slot: SlotId) -> None:
         """The slot's content left the cache (a hint: it may be invalidated or trimmed)."""
 
     def close(self) -> None: ...
+
+
+def write_each(store: SlotStore, writes: Sequence[SlotIO]) -> BatchOutcome:
+    """write_many as one `write` per item (wrappers whose faults are per call)."""
+    out: BatchOutcome = []
+    for item in writes:
+        try:
+            store.write(item.slot, item.key, item.buffer)
+        except TransferFailed as exc:
+            out.append(exc)
+        else:
+            out.append(None)
+    return out
+
+
+def read_each(store: SlotStore, reads: Sequence[SlotIO]) -> BatchOutcome:
+    """read_many as one `read` per item."""
+    out: BatchOutcome = []
+    for item in reads:
+        try:
+            store.read(item.slot, item.key, item.buffer)
+        except TransferFailed as exc:
+            out.append(exc)
+        else:
+            out.append(None)
+    return out

@@ -182,14 +182,15 @@ class KVPools:
         """One host page as a 1-D uint8 view of its block_nbytes bytes."""
         return _page_bytes(self.host, "host_page", page)
 
-    def new_staging_buffer(self) -> torch.Tensor:
-        """A one-block uint8 host buffer, page aligned and pinned like the host pool.
+    def new_staging_buffer(self, blocks: int = 1) -> torch.Tensor:
+        """A uint8 host buffer of `blocks` blocks, page aligned and pinned like the host pool.
 
-        For reader workers: each stages disk reads through its own buffer.
+        For reader workers: each stages a batch of disk reads through its own buffer.
         """
+        nbytes = blocks * self.block_nbytes
         if self.host_pinned:
-            return torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=True)
-        return page_aligned_buffer(self.block_nbytes)
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return page_aligned_buffer(nbytes)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -48,10 +48,10 @@ from statekv.messages import (
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
-    ReadSlot,
-    SlotRead,
-    SlotReadFailed,
-    WriteSlot,
+    ReadSlots,
+    WriteSlots,
+    is_read,
+    outcomes,
 )
 from statekv.stats import CacheStatistics
 
@@ -120,7 +120,8 @@ class InlineIO:
             return self._writer.execute(job)
         if self._reader is None:
             self._reader = SlotReader(self._store, self._pools.gpu_page,
-                                      self._pools.new_staging_buffer, self._device)
+                                      self._pools.new_staging_buffer, self._device,
+                                      self._pools.config.max_batch_blocks)
         return self._reader.execute(job)
 
 
@@ -322,14 +323,17 @@ class Scheduler:
                 copies.copy_host_to_gpu(cmd.host_page, cmd.gpu_page)
                 copied = True
                 fence = None
-            elif isinstance(cmd, WriteSlot | ReadSlot):
-                if cmd.slot in self._slots_in_flight:
-                    raise InvariantViolation(f"slot {cmd.slot} has a transfer in flight already")
-                self._slots_in_flight.add(cmd.slot)
-                self._slot_of_transfer[cmd.transfer] = cmd.slot
+            elif isinstance(cmd, WriteSlots | ReadSlots):
+                for item in cmd.writes if isinstance(cmd, WriteSlots) else cmd.reads:
+                    if item.slot in self._slots_in_flight:
+                        raise InvariantViolation(
+                            f"slot {item.slot} has a transfer in flight already"
+                        )
+                    self._slots_in_flight.add(item.slot)
+                    self._slot_of_transfer[item.transfer] = item.slot
                 if fence is None:
                     fence = copies.fence()
-                job = WriteJob(cmd, fence) if isinstance(cmd, WriteSlot) else ReadJob(cmd, fence)
+                job = WriteJob(cmd, fence) if isinstance(cmd, WriteSlots) else ReadJob(cmd, fence)
                 if self._inline is not None:
                     inline.append(job)
                 else:
@@ -346,7 +350,8 @@ class Scheduler:
             assert self._inline is not None
             for job in inline:
                 completion = self._inline.execute(job)
-                self._slots_in_flight.discard(self._slot_of_transfer.pop(completion.transfer))
+                for outcome in outcomes(completion):
+                    self._slots_in_flight.discard(self._slot_of_transfer.pop(outcome.transfer))
                 if self._recorder is not None:
                     self._recorder.completion(self._clock(), completion)
                 self._core.handle(completion, now=self._clock())
@@ -402,8 +407,8 @@ class Scheduler:
     async def _apply_completions(self) -> None:
         async for completion in self._completions_recv:
             with self._lock:
-                slot = self._slot_of_transfer.pop(completion.transfer)
-                self._slots_in_flight.discard(slot)
+                for outcome in outcomes(completion):
+                    self._slots_in_flight.discard(self._slot_of_transfer.pop(outcome.transfer))
                 if self._recorder is not None:
                     self._recorder.completion(self._clock(), completion)
                 self._core.handle(completion, now=self._clock())
@@ -411,7 +416,7 @@ class Scheduler:
                     self._trace_parks_locked(None)
                 self._dispatch_locked()
                 woken: list[trio.Event] = []
-                if isinstance(completion, SlotRead | SlotReadFailed) and self._ready_waiters:
+                if self._ready_waiters and is_read(completion):
                     for rid in list(self._ready_waiters):
                         if not self._core.has_request(rid) or self._core.is_ready(rid):
                             woken += self._ready_waiters.pop(rid)

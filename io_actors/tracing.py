@@ -46,6 +46,7 @@ from statekv.errors import ConfigError, StateKVError
 from statekv.ids import BlockId, RequestId
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.messages import (
+    BlockCommand,
     Command,
     Completion,
     CopyGpuToHost,
@@ -55,7 +56,10 @@ from statekv.messages import (
     SlotReadFailed,
     SlotWriteFailed,
     SlotWritten,
+    TransferOutcome,
     WriteSlot,
+    outcomes,
+    per_block,
 )
 
 FORMAT_NAME: Final = "statekv-trace"
@@ -241,18 +245,21 @@ class TraceRecorder:
         self._recorded = n + 1
 
     def commands(self, time: float, commands: Sequence[Command]) -> None:
-        """The commands the scheduler took from the core, in the order it executes them."""
+        """The commands the scheduler took from the core, in the order it executes them;
+        a batch is recorded as its per-block records."""
         ring, mask, n = self._ring, self._mask, self._recorded
-        for cmd in commands:
+        for cmd in per_block(commands):
             ring[n & mask] = (time, cmd)
             n += 1
         self._recorded = n
 
     def completion(self, time: float, completion: Completion) -> None:
-        """A pool's report on one transfer."""
-        n = self._recorded
-        self._ring[n & self._mask] = (time, completion)
-        self._recorded = n + 1
+        """A pool's report: one record per block transfer it reports on."""
+        ring, mask, n = self._ring, self._mask, self._recorded
+        for outcome in outcomes(completion):
+            ring[n & mask] = (time, outcome)
+            n += 1
+        self._recorded = n
 
     def park(self, time: float, request: str, *, detail: str | None = None) -> None:
         self.message(time, RecordKind.PARK, "scheduler", "parked", request=request,
@@ -348,7 +355,7 @@ class TraceRecorder:
         self._recorded = 0
 
 
-def _decode_message(seq: int, time: float, msg: Command | Completion) -> TraceRecord:
+def _decode_message(seq: int, time: float, msg: BlockCommand | TransferOutcome) -> TraceRecord:
     """A command or completion as a record (done when read, never on the hot path)."""
     name = type(msg).__name__
     if isinstance(msg, WriteSlot):

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from io_actors.gate import CompletionGate
-from statekv.messages import Completion
+from statekv.messages import Completion, SlotReadFailed, SlotWriteFailed, outcomes
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class Worker(Protocol[JobT_contra]):
 
 @attrs.frozen(kw_only=True)
 class PoolStatistics:
-    """Counters of one worker pool."""
+    """Counters of one worker pool.  A job is one batch (WriteSlots / ReadSlots); the
+    outcomes are counted per block transfer."""
 
     workers: int
     queued: int
@@ -63,8 +64,9 @@ class PoolStatistics:
     in_flight: int
     """Jobs a thread is executing (or whose completion is being reported)."""
     completed: int
+    """Block transfers reported as landed."""
     failed: int
-    """Jobs that reported a failure (their completion says why)."""
+    """Block transfers reported as failed (their outcome says why)."""
     dropped_at_close: int
     """Jobs that were queued when the pool was closed without draining."""
 
@@ -86,14 +88,12 @@ class WorkerThreads(Generic[JobT]):
         make_worker: Callable[[int], Worker[JobT]],
         gate: CompletionGate,
         report: Callable[[Completion], Awaitable[None]],
-        is_failure: Callable[[Completion], bool],
     ) -> None:
         self.name = name
         self.workers = workers
         self._make_worker = make_worker
         self._gate = gate
         self._report = report
-        self._is_failure = is_failure
         self._send, self._recv = trio.open_memory_channel[JobT](queue_depth)
         self._queue: queue.SimpleQueue[JobT | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -227,7 +227,8 @@ class WorkerThreads(Generic[JobT]):
             await self._report(result)
         finally:
             self._in_flight -= 1
-            if self._is_failure(result):
-                self._failed += 1
-            else:
-                self._completed += 1
+            for outcome in outcomes(result):
+                if isinstance(outcome, SlotWriteFailed | SlotReadFailed):
+                    self._failed += 1
+                else:
+                    self._completed += 1

@@ -3,10 +3,12 @@
 * One bounded queue of capacity ``write_queue_depth`` feeds every worker; a full queue blocks
   only the scheduler's spill feeder task (backpressure on spills), never the serving loop's
   step.
-* Each write first waits on the copy-stream fence taken when it was dispatched, so it reads
-  its host page only after the GPU -> host copy that filled it has completed.
-* A failed write (I/O error, short write, no space) reports SlotWriteFailed with its cause,
-  logged once with the slot; the core then keeps the block on host.
+* A job is one ``WriteSlots`` batch: one wait on the copy-stream fence taken when it was
+  dispatched (so every host page is read only after the GPU -> host copy that filled it has
+  completed), one ``write_many`` call (vector I/O), one ``BatchFinished`` report.
+* A failed write (I/O error, short write, no space) is reported as that block's
+  SlotWriteFailed with its cause, logged with the slot; the core keeps that block on host.
+  The batch's other blocks landed or failed on their own.
 """
 
 from __future__ import annotations
@@ -18,18 +20,24 @@ import attrs
 import torch
 
 from io_actors.gate import CompletionGate
-from io_actors.interfaces import Fence, SlotStore
+from io_actors.interfaces import Fence, SlotIO, SlotStore
 from io_actors.worker_threads import WorkerThreads
-from statekv.errors import TransferFailed
 from statekv.ids import PageId
-from statekv.messages import Completion, SlotWriteFailed, SlotWritten, WriteSlot
+from statekv.messages import (
+    BatchFinished,
+    Completion,
+    SlotWriteFailed,
+    SlotWritten,
+    TransferOutcome,
+    WriteSlots,
+)
 
 log = logging.getLogger(__name__)
 
 
 @attrs.frozen
 class WriteJob:
-    command: WriteSlot
+    command: WriteSlots
     fence: Fence
 
 
@@ -41,14 +49,21 @@ class SlotWriter:
         self._host_page = host_page
 
     def execute(self, job: WriteJob) -> Completion:
-        cmd = job.command
-        try:
-            job.fence.wait()
-            self._store.write(cmd.slot, cmd.key, self._host_page(cmd.host_page))
-        except TransferFailed as exc:
-            log.warning("spill of block %d to slot %d failed: %s", cmd.block, cmd.slot, exc)
-            return SlotWriteFailed(transfer=cmd.transfer, cause=str(exc))
-        return SlotWritten(transfer=cmd.transfer)
+        writes = job.command.writes
+        page = self._host_page
+        job.fence.wait()
+        results = self._store.write_many(
+            [SlotIO(cmd.slot, cmd.key, page(cmd.host_page)) for cmd in writes]
+        )
+        outcomes: list[TransferOutcome] = []
+        for cmd, error in zip(writes, results, strict=True):
+            if error is None:
+                outcomes.append(SlotWritten(transfer=cmd.transfer))
+            else:
+                log.warning("spill of block %d to slot %d failed: %s", cmd.block, cmd.slot,
+                            error)
+                outcomes.append(SlotWriteFailed(transfer=cmd.transfer, cause=str(error)))
+        return BatchFinished(outcomes=tuple(outcomes))
 
     def close(self) -> None:
         return None
@@ -70,5 +85,5 @@ class WriterPool(WorkerThreads[WriteJob]):
         super().__init__(
             "writer", workers=workers, queue_depth=queue_depth,
             make_worker=lambda _index: SlotWriter(store, host_page),
-            gate=gate, report=report, is_failure=lambda c: isinstance(c, SlotWriteFailed),
+            gate=gate, report=report,
         )

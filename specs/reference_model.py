@@ -53,6 +53,31 @@ TIER_OF_STATE = {
 """The model's tier of each state a cached block of the real core can be in."""
 
 
+CommandKind = tuple[str, "BlockHash | tuple[BlockHash, ...] | None"]
+
+
+def in_batches(
+    commands: Iterable[tuple[str, BlockHash | None]], max_batch_blocks: int
+) -> list[CommandKind]:
+    """How the core emits a take's commands (statekv.messages, "Batches"): copies and
+    FreeSlots in order, then the writes, then the reads, each packed into batches of at most
+    `max_batch_blocks`, named by kind and their keys in order; only disk transfers keep keys."""
+    others: list[CommandKind] = []
+    disk: dict[str, list[BlockHash]] = {"WriteSlot": [], "ReadSlot": []}
+    for kind, key in commands:
+        if kind in disk:
+            assert key is not None
+            disk[kind].append(key)
+        else:
+            others.append((kind, None))
+    for kind, keys in disk.items():
+        others.extend(
+            (kind + "s", tuple(keys[i : i + max_batch_blocks]))
+            for i in range(0, len(keys), max_batch_blocks)
+        )
+    return others
+
+
 def observed(blocks: Iterable[CachedBlock]) -> dict[BlockHash, tuple[str, int, int, float | None]]:
     """The real core's `cached_blocks()` in the form of :meth:`ReferenceCache.cached`."""
     return {b.key: (TIER_OF_STATE[b.state], b.ref_count, b.reuse_count, b.expiry)

@@ -146,6 +146,9 @@ class CacheConfig:
     """Shed best-effort spills while `write_queue_depth` writes are in flight."""
     write_queue_depth: int = attrs.field(default=64, validator=_check_int(1))
     """In-flight spills at which the write path counts as under pressure."""
+    max_batch_blocks: int = attrs.field(default=16, validator=_check_int(1, 1024))
+    """Blocks per disk batch (WriteSlots / ReadSlots): more means fewer calls per byte,
+    fewer means more batches for the writer and reader threads to share."""
     priority_levels: int = attrs.field(default=4, validator=_check_int(1, MAX_PRIORITY_LEVELS))
     """Request priorities are 0 .. priority_levels-1; higher priority is evicted later."""
     max_ttl_seconds: float = attrs.field(default=DEFAULT_MAX_TTL_SECONDS)

@@ -37,17 +37,21 @@ from statekv.hashing import extend_chain, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, PageId, RequestId, SlotId, TransferId
 from statekv.lifecycle import TRANSITIONS, BlockEvent, BlockState
 from statekv.messages import (
+    BatchFinished,
     Command,
     Completion,
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
     ReadSlot,
+    ReadSlots,
     SlotRead,
     SlotReadFailed,
     SlotWriteFailed,
     SlotWritten,
+    TransferOutcome,
     WriteSlot,
+    WriteSlots,
 )
 from statekv.policies import Policies
 from statekv.pools import DiskSlots, HostPagePool, PagePool
@@ -173,6 +177,9 @@ class KVCacheManager:
         self._writes: dict[TransferId, _Write] = {}
         self._reads: dict[TransferId, Block] = {}
         self._outbox: list[Command] = []
+        # Disk transfers wait here until take_commands() packs them into batches.
+        self._write_outbox: list[WriteSlot] = []
+        self._read_outbox: list[ReadSlot] = []
         self._counters = Counters()
         self._state_counts = [0] * len(BlockState)
         self._state_counts[_S.FREE] = nrecords
@@ -445,35 +452,77 @@ class KVCacheManager:
         self._advance(_check_now(now, self._now))
 
     def handle(self, event: Completion, *, now: float) -> None:
-        """Feed back a completion from an actor."""
+        """Feed back a completion from an actor: one transfer's, or a batch's.
+
+        A batch is checked whole before any of it is applied (every transfer in flight, of
+        one kind, named once), so a bad one changes nothing.
+        """
         now = _check_now(now, self._now)
-        if isinstance(event, SlotWritten | SlotWriteFailed):
-            write = self._writes.get(event.transfer)
-            if write is None:
-                raise UsageError("transfer", f"no write {event.transfer} is in flight")
+        if isinstance(event, BatchFinished):
+            items = event.outcomes
+            if not isinstance(items, tuple) or not items:
+                raise UsageError("event", f"a batch needs at least one outcome: {event!r}")
+            for item in items:
+                self._check_outcome(item)
+            if len({item.transfer for item in items}) != len(items):
+                raise UsageError("event", "a batch names one transfer twice")
+            if len({isinstance(item, SlotRead | SlotReadFailed) for item in items}) != 1:
+                raise UsageError("event", "a batch holds reads or writes, not both")
             self._advance(now)
-            del self._writes[event.transfer]
+            for item in items:
+                self._apply(item, now)
+            return
+        self._check_outcome(event)
+        self._advance(now)
+        self._apply(event, now)
+
+    def _check_outcome(self, event: object) -> None:
+        if isinstance(event, SlotWritten | SlotWriteFailed):
+            if event.transfer not in self._writes:
+                raise UsageError("transfer", f"no write {event.transfer} is in flight")
+        elif isinstance(event, SlotRead | SlotReadFailed):
+            if event.transfer not in self._reads:
+                raise UsageError("transfer", f"no read {event.transfer} is in flight")
+        else:
+            raise UsageError("event", f"not a completion: {event!r}")
+
+    def _apply(self, event: TransferOutcome, now: float) -> None:
+        if isinstance(event, SlotWritten | SlotWriteFailed):
+            write = self._writes.pop(event.transfer)
             if isinstance(event, SlotWritten):
                 self._write_landed(write, now)
             else:
                 self._write_failed(write)
-        elif isinstance(event, SlotRead | SlotReadFailed):
-            block = self._reads.get(event.transfer)
-            if block is None:
-                raise UsageError("transfer", f"no read {event.transfer} is in flight")
-            self._advance(now)
-            del self._reads[event.transfer]
+        else:
+            block = self._reads.pop(event.transfer)
             if isinstance(event, SlotRead):
                 self._read_landed(block)
             else:
                 self._read_failed(block)
-        else:
-            raise UsageError("event", f"not a completion: {event!r}")
 
     def take_commands(self) -> list[Command]:
-        """Everything the actors must do, in order; the outbox is empty afterwards."""
+        """Everything the actors must do, in order; the outbox is empty afterwards.
+
+        Copies and FreeSlots come first, in the order they were decided; then the spills and
+        the reads, packed into batches of at most ``max_batch_blocks`` (see
+        :mod:`statekv.messages` for why that order keeps the ordering contract).
+        """
         out = self._outbox
         self._outbox = []
+        size = self.config.max_batch_blocks
+        writes = self._write_outbox
+        if writes:
+            self._write_outbox = []
+            out.extend(
+                WriteSlots(writes=tuple(writes[i : i + size]))
+                for i in range(0, len(writes), size)
+            )
+        reads = self._read_outbox
+        if reads:
+            self._read_outbox = []
+            out.extend(
+                ReadSlots(reads=tuple(reads[i : i + size])) for i in range(0, len(reads), size)
+            )
         return out
 
     def statistics(self) -> CacheStatistics:
@@ -735,7 +784,7 @@ class KVCacheManager:
         key = block.key
         assert slot is not None and key is not None
         tid = self._new_transfer()
-        self._outbox.append(
+        self._read_outbox.append(
             ReadSlot(transfer=tid, block=block.id, key=key, slot=slot, gpu_page=page)
         )
         self._reads[tid] = block
@@ -924,7 +973,7 @@ class KVCacheManager:
         victim.disk_slot = slot
         victim.transfer = tid
         self._move(victim, _E.SPILL_STARTED)
-        self._outbox.append(
+        self._write_outbox.append(
             WriteSlot(
                 transfer=tid, block=victim.id, key=key, host_page=host_page, slot=slot,
                 retained=is_live(victim.expiry, now),

@@ -18,9 +18,22 @@ Ordering contract for whoever executes commands (the actors, or a test harness):
    ``SlotRead`` only once its bytes are complete on the device.
 5. At most one read or write is in flight per slot: the core never issues a second one
    before the first has reported back.
+
+Batches.  Disk transfers travel in batches: the core emits ``WriteSlots`` (a round of spills)
+and ``ReadSlots`` (a run of disk hits), each holding up to ``CacheConfig.max_batch_blocks``
+per-block ``WriteSlot`` / ``ReadSlot`` records, after every copy and ``FreeSlot`` of the same
+``take_commands()`` (a transfer may only wait for more of the copy stream than it must, never
+for less, so moving it behind later copies keeps rules 3 and 4).  An actor executes a batch as
+one vector I/O and reports one ``BatchFinished`` holding one outcome per record, in the
+batch's order: a batch that partly fails reports the blocks that landed as landed and the
+rest as failed, and the core applies each outcome exactly as it would a lone completion.  A
+batch is data, never a hidden state: each block's state in the lifecycle table means what it
+means for a lone transfer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import attrs
 
@@ -78,7 +91,35 @@ class FreeSlot:
     slot: SlotId
 
 
-Command = CopyGpuToHost | CopyHostToGpu | WriteSlot | ReadSlot | FreeSlot
+@attrs.frozen(kw_only=True)
+class WriteSlots:
+    """Write a run of blocks to their slots as one vector I/O; report one BatchFinished."""
+
+    writes: tuple[WriteSlot, ...]
+
+    @property
+    def transfer(self) -> TransferId:
+        """The batch's name: its first transfer (a batch is never empty)."""
+        return self.writes[0].transfer
+
+
+@attrs.frozen(kw_only=True)
+class ReadSlots:
+    """Read a run of blocks from their slots as one vector I/O; report one BatchFinished."""
+
+    reads: tuple[ReadSlot, ...]
+
+    @property
+    def transfer(self) -> TransferId:
+        """The batch's name: its first transfer (a batch is never empty)."""
+        return self.reads[0].transfer
+
+
+Command = CopyGpuToHost | CopyHostToGpu | WriteSlots | ReadSlots | FreeSlot
+"""What the core emits (``take_commands``)."""
+
+BlockCommand = CopyGpuToHost | CopyHostToGpu | WriteSlot | ReadSlot | FreeSlot
+"""One block's part of a command: batches opened up (``per_block``)."""
 
 # --- completions ----------------------------------------------------------------------------
 
@@ -113,4 +154,45 @@ class SlotReadFailed:
     cause: str
 
 
-Completion = SlotWritten | SlotWriteFailed | SlotRead | SlotReadFailed
+TransferOutcome = SlotWritten | SlotWriteFailed | SlotRead | SlotReadFailed
+"""What happened to one block's transfer."""
+
+
+@attrs.frozen(kw_only=True)
+class BatchFinished:
+    """A WriteSlots or ReadSlots finished: one outcome per record, in the batch's order."""
+
+    outcomes: tuple[TransferOutcome, ...]
+
+    @property
+    def transfer(self) -> TransferId:
+        """The batch's name: its first transfer (the batch command's ``transfer``)."""
+        return self.outcomes[0].transfer
+
+
+Completion = TransferOutcome | BatchFinished
+"""What an actor feeds back (``handle``)."""
+
+
+def per_block(commands: Iterable[Command | BlockCommand]) -> Iterator[BlockCommand]:
+    """The commands with every batch opened into its per-block records, in order."""
+    for cmd in commands:
+        if isinstance(cmd, WriteSlots):
+            yield from cmd.writes
+        elif isinstance(cmd, ReadSlots):
+            yield from cmd.reads
+        else:
+            yield cmd
+
+
+def outcomes(completion: Completion) -> tuple[TransferOutcome, ...]:
+    """The per-transfer outcomes a completion reports."""
+    if isinstance(completion, BatchFinished):
+        return completion.outcomes
+    return (completion,)
+
+
+def is_read(completion: Completion) -> bool:
+    """Whether a completion reports reads (a batch holds one kind only)."""
+    first = completion.outcomes[0] if isinstance(completion, BatchFinished) else completion
+    return isinstance(first, SlotRead | SlotReadFailed)

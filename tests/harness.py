@@ -22,16 +22,19 @@ from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, SlotId, TransferId
 from statekv.manager import CachedBlock, PrefixMatch
 from statekv.messages import (
-    Command,
+    BlockCommand,
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
     ReadSlot,
+    ReadSlots,
     SlotRead,
     SlotReadFailed,
     SlotWriteFailed,
     SlotWritten,
     WriteSlot,
+    WriteSlots,
+    per_block,
 )
 from statekv.stats import CacheStatistics
 
@@ -80,7 +83,10 @@ class Executor:
         self.now = now
         self.writes: dict[TransferId, WriteSlot] = {}
         self.reads: dict[TransferId, ReadSlot] = {}
-        self.log: list[Command] = []
+        self.log: list[BlockCommand] = []
+        """Every command taken, batches opened into their per-block records."""
+        self.batches: list[WriteSlots | ReadSlots] = []
+        """Every batch taken, in order."""
         self.slot_content: dict[SlotId, BlockHash] = {}
         """What each slot holds on the emulated disk (set when a write lands)."""
         self.freed: list[SlotId] = []
@@ -92,9 +98,24 @@ class Executor:
 
     # ------------------------------------------------------------------ commands
 
-    def pump(self) -> list[Command]:
-        """Take the manager's commands and start them, checking the ordering contract."""
-        cmds = self.cache.take_commands()
+    def pump(self) -> list[BlockCommand]:
+        """Take the manager's commands and start them, checking the ordering contract.
+
+        Returns them with every batch opened into its per-block records.
+        """
+        taken = self.cache.take_commands()
+        seen_batch = False
+        for taken_cmd in taken:
+            if isinstance(taken_cmd, WriteSlots | ReadSlots):
+                items = (taken_cmd.writes if isinstance(taken_cmd, WriteSlots)
+                         else taken_cmd.reads)
+                assert 1 <= len(items) <= self.cache.config.max_batch_blocks, taken_cmd
+                self.batches.append(taken_cmd)
+                seen_batch = True
+            else:
+                # Disk batches come after every copy and FreeSlot of the same take.
+                assert not seen_batch, f"{taken_cmd} after a disk batch in {taken}"
+        cmds = list(per_block(taken))
         busy = {c.slot for c in self.writes.values()} | {c.slot for c in self.reads.values()}
         cfg = self.cache.config
         bounds = {"slot": cfg.disk_blocks, "gpu_page": cfg.gpu_blocks,

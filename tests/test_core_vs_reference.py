@@ -21,7 +21,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from specs.reference_model import ReferenceCache, observed
+from fuzz.spy import command_kinds
+from specs.reference_model import ReferenceCache, in_batches, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
 from statekv.ids import TransferId
 from statekv.messages import (
@@ -31,6 +32,7 @@ from statekv.messages import (
     SlotWriteFailed,
     SlotWritten,
     WriteSlot,
+    per_block,
 )
 
 T = TypeVar("T")
@@ -105,13 +107,8 @@ class CoreMatchesReference(RuleBasedStateMachine):
         real = self.real.take_commands()
         model = self.model.commands
         self.model.commands = []
-        real_kinds = [(type(c).__name__, getattr(c, "key", None)) for c in real]
-        model_kinds = [(kind, key if kind in ("WriteSlot", "ReadSlot") else None)
-                       for kind, key in model]
-        real_kinds = [(k, key if k in ("WriteSlot", "ReadSlot") else None)
-                      for k, key in real_kinds]
-        assert real_kinds == model_kinds
-        for c in real:
+        assert command_kinds(real) == in_batches(model, self.model.cfg.max_batch_blocks)
+        for c in per_block(real):
             if isinstance(c, WriteSlot):
                 self.writes.append(c.transfer)
             elif isinstance(c, ReadSlot):

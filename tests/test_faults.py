@@ -4,7 +4,7 @@ wrong bytes.  Scenarios are enumerated SQLite-style: count the calls, then fail 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -23,7 +23,7 @@ from io_actors.backends.faults import (
     single_fault_plans,
 )
 from io_actors.backends.posix import DATA_FILE, PosixSlotStore
-from io_actors.interfaces import SlotStore
+from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore, read_each, write_each
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
@@ -287,6 +287,12 @@ class _MemoryStore:
         if stored_key != key:
             raise TransferFailed(f"slot {slot}", "key mismatch")
         dst.copy_(data)
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        return write_each(self, writes)
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        return read_each(self, reads)
 
     def discard(self, slot: SlotId) -> None:
         self.slots.pop(slot, None)

@@ -33,6 +33,9 @@ BASE = SystemSpec(
     block_size=2, gpu=4, host=2, reserved_host=0, disk=4, spill_mode=SpillMode.ALL,
     spill_min_reuse=1, protect_unexpired=False, drop_on_pressure=False, write_queue_depth=2,
     priority_levels=1, writers=1, readers=1, direct_io=False,
+    # The seed's races are scripted block by block: lone transfers.  The batch tests below
+    # evolve it.
+    max_batch_blocks=1,
 )
 PROMPT = DOCUMENTS[0][:5]
 """Two full blocks and one more token."""
@@ -296,6 +299,58 @@ def test_a_request_is_parked_until_every_block_landed() -> None:
         assert not run.m.d.api.is_ready(rid)  # reached: one block landed, one not
         run("complete_a_read", newest=True)
         assert run.m.d.api.is_ready(rid)
+
+
+def test_a_batch_of_reads_parks_the_request_until_the_batch_lands() -> None:
+    """One ReadSlots for both disk hits: parked until its one completion is applied."""
+    with system(max_batch_blocks=16, readers=2) as run:
+        run.to_disk()
+        run("add_request", spec=RequestSpec(PROMPT))
+        rid = next(iter(run.m.d.live))
+        assert run.held() == (0, 2) and run.m.gate.jobs() == (0, 1)  # reached: one batch
+        assert not run.m.d.api.is_ready(rid)
+        run("complete_a_read", newest=False)
+        assert run.m.d.api.is_ready(rid)
+        run("compute", pick=0)
+
+
+def test_release_during_a_batch_onboard_keeps_every_page_until_the_batch_lands() -> None:
+    """The seed's release-during-onboard, for a whole batch in flight."""
+    with system(max_batch_blocks=16) as run:
+        run.to_disk()
+        run("add_request", spec=RequestSpec(PROMPT))
+        run("cancel_parked", pick=0)
+        assert run.tiers() == ["ONBOARDING", "ONBOARDING"]
+        run("churn", spec=ChurnSpec(None))
+        run("complete_a_read", newest=False)
+        assert run.tiers() == ["RELEASED", "RELEASED"]
+
+
+def test_a_fault_in_the_middle_of_a_batch_publishes_the_blocks_before_it() -> None:
+    """A batch that partly fails: the first block lands and is served, the second is never
+    published, and the request recomputes from it."""
+    with system(max_batch_blocks=16) as run:
+        run.to_disk()
+        run("fail_a_read_inside_the_next_batch", armed=(READ_FAULTS[0], 1))
+        run("add_request", spec=RequestSpec(PROMPT))
+        rid = next(iter(run.m.d.live))
+        stats = run("complete_a_read", newest=False)
+        assert stats.onboard_failures == 1 and stats.onboards_completed == 1  # reached
+        assert run.m.d.api.is_ready(rid)
+        assert run.m.d.api.request_status(rid).num_computed_tokens == 2
+        run("compute", pick=0)
+
+
+def test_a_fault_in_the_middle_of_a_spill_batch_keeps_that_block_on_host() -> None:
+    """A write batch that partly fails: the blocks that landed are on disk, the failed one
+    stays on host, and the slot it claimed is free again."""
+    with system(max_batch_blocks=16, host=3, disk=6) as run:
+        run("fail_a_write_inside_the_next_batch", armed=(WRITE_FAULTS[0], 1))
+        run("serve_whole_request", spec=RequestSpec(DOCUMENTS[0][:7]))
+        run("churn", spec=ChurnSpec(None))  # to host
+        run("churn", spec=ChurnSpec(None))  # to disk: one batch of three
+        stats = run("drain")
+        assert stats.spill_failures == 1 and stats.spills_completed >= 1  # reached
 
 
 def test_a_prompt_ending_inside_a_disk_block_reuses_only_full_blocks() -> None:

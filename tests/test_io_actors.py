@@ -11,7 +11,11 @@ import torch
 import trio
 
 from io_actors.embed import BlockingCache, open_cache
-from statekv.messages import Completion, SlotRead, SlotReadFailed
+from statekv.messages import (
+    Completion,
+    is_read,
+    outcomes,
+)
 from tests.io_helpers import (
     check_pages,
     compute,
@@ -29,8 +33,12 @@ class HoldReads:
         self.held: list[tuple[Completion, trio.Event]] = []
         self.token: trio.lowlevel.TrioToken | None = None
 
+    def blocks(self) -> int:
+        """Block reads held (a batch holds several)."""
+        return sum(len(outcomes(completion)) for completion, _event in self.held)
+
     async def hold(self, completion: Completion) -> None:
-        if isinstance(completion, SlotRead | SlotReadFailed):
+        if is_read(completion):
             self.token = trio.lowlevel.current_trio_token()
             event = trio.Event()
             self.held.append((completion, event))
@@ -77,10 +85,10 @@ def test_release_during_onboard_keeps_the_page_until_the_read_lands(tmp_path: Pa
         assert match.disk_tokens == 12
         # Wait until the reads have really been done and their completions are held.
         for _ in range(5000):
-            if len(gate.held) == 3:
+            if gate.blocks() == 3:
                 break
             threading.Event().wait(0.001)
-        assert len(gate.held) == 3
+        assert gate.blocks() == 3
         cache.release("again")
         stats = cache.statistics().cache
         assert stats.reads_in_flight == 3
@@ -105,7 +113,7 @@ def test_close_with_reads_in_flight_reports_and_leaves_no_threads(tmp_path: Path
     churn(cache, 6)
     cache.add_request("again", prompt)
     for _ in range(5000):
-        if len(gate.held) == 3:
+        if gate.blocks() == 3:
             break
         threading.Event().wait(0.001)
     gate.release_all()  # completions may be reported while closing

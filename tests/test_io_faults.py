@@ -9,6 +9,7 @@ still serves afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.backends.posix import PosixSlotStore
 from io_actors.embed import BlockingCache
-from io_actors.interfaces import SlotStore
+from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
 from statekv.ids import BlockHash, SlotId
 from tests.harness import block_keys
 from tests.io_helpers import check_pages, compute, serve, small_config, wait_quiet, wait_ready
@@ -42,6 +43,13 @@ class KeyLog:
 
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
         self.inner.read(slot, key, dst)
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        self.written += [item.key for item in writes]
+        return self.inner.write_many(writes)
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        return self.inner.read_many(reads)
 
     def discard(self, slot: SlotId) -> None:
         self.inner.discard(slot)

@@ -28,13 +28,13 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol, cast, runtime_checkable
 
 import attrs
 import torch
 
-from io_actors.interfaces import SlotStore
+from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
 from io_actors.slot_format import ALIGN, HEADER_SIZE, SlotExtent
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
@@ -280,6 +280,45 @@ class FaultyStore:
         if rule is None:
             self._inner.write(slot, key, src)
             return
+        self._faulty_write(slot, key, src, call, rule)
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        """Calls are numbered per slot, as for `write`; the slots no rule names go to the
+        inner store as one batch (its vector path), the others one by one."""
+        return self._many(Op.WRITE, writes, self._inner.write_many, self._faulty_write)
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        return self._many(Op.READ, reads, self._inner.read_many, self._faulty_read)
+
+    def _many(
+        self, op: Op, batch: Sequence[SlotIO],
+        plain_call: Callable[[Sequence[SlotIO]], BatchOutcome],
+        faulty_call: Callable[[SlotId, BlockHash, torch.Tensor, int, FaultRule], None],
+    ) -> BatchOutcome:
+        items = list(batch)
+        out: BatchOutcome = [None] * len(items)
+        plain: list[int] = []
+        faulted: list[tuple[int, int, FaultRule]] = []
+        for n in range(len(items)):
+            call, rule = self._next(op)
+            if rule is None:
+                plain.append(n)
+            else:
+                faulted.append((n, call, rule))
+        if plain:
+            for n, outcome in zip(plain, plain_call([items[n] for n in plain]), strict=True):
+                out[n] = outcome
+        for n, call, rule in faulted:
+            item = items[n]
+            try:
+                faulty_call(item.slot, item.key, item.buffer, call, rule)
+            except TransferFailed as exc:
+                out[n] = exc
+        return out
+
+    def _faulty_write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, call: int, rule: FaultRule
+    ) -> None:
         what = f"slot {slot}"
         fault = rule.fault
         if fault is Fault.SLOW:
@@ -354,6 +393,11 @@ class FaultyStore:
         if rule is None:
             self._inner.read(slot, key, dst)
             return
+        self._faulty_read(slot, key, dst, call, rule)
+
+    def _faulty_read(
+        self, slot: SlotId, key: BlockHash, dst: torch.Tensor, call: int, rule: FaultRule
+    ) -> None:
         what = f"slot {slot}"
         fault = rule.fault
         if fault is Fault.SLOW:

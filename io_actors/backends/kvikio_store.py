@@ -18,6 +18,13 @@ payload back from the GPU to check it would add a copy per block.  The page hold
 bytes while the check runs, which is harmless: a read that raises is never published, and the
 caller does not let any kernel read the page before ``read`` returns.
 
+Batches: ``read_many`` submits every slot of a batch to kvikio's C++ thread pool at once
+(header into a host buffer, payload into its GPU page: two futures per slot, no Python
+between the bytes), waits for all of them, checks the headers on the host, and verifies
+every payload with one checksum kernel launch for the whole batch
+(:func:`io_actors.gpu_checksum.payload_checksums_cuda`).  ``write_many`` goes to the wrapped
+POSIX store's vector writes.
+
 Ordering obligations of the caller (the reader actor): before a device read, wait on a
 copy-engine fence taken after the ``ReadSlot`` command arrived, so that the page's previous
 copies and forward passes have finished; kvikio writes the page from outside the torch
@@ -32,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,10 +48,15 @@ from io_actors.backends.posix import (
     PosixSlotStore,
     SlotStoreStatistics,
     check_block_tensor,
+    host_view,
 )
+from io_actors.gpu_checksum import payload_checksums_cuda
+from io_actors.interfaces import BatchOutcome, SlotIO
+from io_actors.memory import page_aligned_buffer
 from io_actors.slot_format import (
     HEADER_SIZE,
     SlotExtent,
+    SlotHeader,
     check_key,
     payload_checksum_torch,
     verify_checksum,
@@ -183,6 +196,95 @@ class KvikioSlotStore:
         except RuntimeError as exc:
             raise TransferFailed(what, f"device checksum failed: {exc}") from exc
         verify_checksum(header, actual, what=what)
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        return self._host.write_many(writes)
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        items = list(reads)
+        if all(isinstance(i, SlotIO) and i.buffer.device.type == "cpu" for i in items):
+            return self._host.read_many(items)
+        payload_len = self._host.payload_len
+        for item in items:
+            if not isinstance(item, SlotIO):
+                raise UsageError("reads", f"must hold SlotIO items, got {item!r:.80}")
+            self._host.slot_extent(item.slot)  # raises UsageError for a bad slot
+            check_key(item.key)
+            check_block_tensor("dst", item.buffer, payload_len, device_type="cuda")
+        if len({item.slot for item in items}) != len(items):
+            raise UsageError("reads", "a batch names one slot twice")
+        with self._cond:
+            if self._closed:
+                raise UsageError("store", f"slot store {self._host.path} is closed")
+            self._in_flight += 1
+        try:
+            out = self._read_batch_to_device(items, payload_len)
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._cond.notify_all()
+        failed = sum(1 for o in out if o is not None)
+        with self._cond:
+            self._device_reads += len(out) - failed
+            self._device_read_failures += failed
+        return out
+
+    def _read_batch_to_device(self, items: list[SlotIO], payload_len: int) -> BatchOutcome:
+        out: BatchOutcome = [None] * len(items)
+        headers = page_aligned_buffer(len(items) * HEADER_SIZE)
+        pending: list[tuple[int, Any, Any]] = []
+        for n, item in enumerate(items):
+            offset = self._host.slot_extent(item.slot).offset
+            try:
+                head = self._file.pread(
+                    headers[n * HEADER_SIZE : (n + 1) * HEADER_SIZE].numpy(), HEADER_SIZE,
+                    offset,
+                )
+                body = self._file.pread(item.buffer, payload_len, offset + HEADER_SIZE)
+            except Exception as exc:
+                out[n] = TransferFailed(f"slot {item.slot}", f"kvikio read failed: {exc}")
+                continue
+            pending.append((n, head, body))
+        landed: list[tuple[int, SlotHeader]] = []
+        for n, head, body in pending:
+            what = f"slot {items[n].slot}"
+            try:
+                got_head, got = head.get(), body.get()
+            except Exception as exc:
+                out[n] = TransferFailed(what, f"kvikio read failed: {exc}")
+                continue
+            if got_head != HEADER_SIZE or got != payload_len:
+                out[n] = TransferFailed(
+                    what, f"short read: {got_head} header and {got} of {payload_len} "
+                    "payload bytes"
+                )
+                continue
+            try:
+                header = SlotHeader.unpack(
+                    host_view(headers[n * HEADER_SIZE : (n + 1) * HEADER_SIZE]), what=what
+                )
+                verify_header(header, what=what, slot=items[n].slot, key=items[n].key,
+                              payload_len=payload_len)
+            except TransferFailed as exc:
+                out[n] = exc
+                continue
+            landed.append((n, header))
+        if not landed:
+            return out
+        try:
+            with torch.cuda.device(self._device), torch.cuda.stream(self._verify_stream):
+                crcs = payload_checksums_cuda([items[n].buffer for n, _h in landed])
+        except RuntimeError as exc:
+            for n, _header in landed:
+                out[n] = TransferFailed(f"slot {items[n].slot}", f"device checksum failed: {exc}")
+            return out
+        for (n, header), crc in zip(landed, crcs, strict=True):
+            try:
+                verify_checksum(header, crc, what=f"slot {items[n].slot}")
+            except TransferFailed as exc:
+                out[n] = exc
+        return out
 
     def discard(self, slot: SlotId) -> None:
         """A no-op, for the reasons of :meth:`PosixSlotStore.discard`."""

@@ -21,6 +21,14 @@ header block in one ``preadv`` / ``pwritev``; anything else is copied through an
 bounce buffer.  Filesystems that refuse O_DIRECT fall back to buffered I/O, with the reason
 logged.
 
+Batches: ``write_many`` / ``read_many`` move a batch of slots with one ``pwritev`` /
+``preadv`` per run of consecutive slot numbers (the core hands out empty slots in order, so a
+round of spills usually is one run): header, payload and padding of every slot of the run are
+iovecs of a single call, so the kernel sees one large sequential transfer instead of one
+call per block, and the worker thread holds the interpreter lock only to build the iovec list
+and to check the headers.  A run that the kernel moves only in part is resumed at the first
+slot that did not land in full; a failed call fails the slots it had not moved.
+
 Failure: every I/O error, short transfer, or header / checksum mismatch raises
 :class:`~statekv.errors.TransferFailed` naming the slot.  A failed read may have written
 garbage into ``dst``: the caller never publishes a page whose read raised.
@@ -36,13 +44,14 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
 import attrs
 import torch
 
+from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.memory import page_aligned_buffer
 from io_actors.slot_format import (
     ALIGN,
@@ -64,6 +73,12 @@ _log = logging.getLogger(__name__)
 DATA_FILE: Final = "slots.v1"
 """Name of the data file inside a store's directory."""
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
+_MAX_RUN: Final = 256
+"""Slots per vector call: three iovecs each stays under Linux's IOV_MAX of 1024."""
+
+
+_VectorCall = Callable[[int, Sequence[memoryview], int], int]
+"""os.preadv or os.pwritev."""
 
 
 def rank_dir(base: str | os.PathLike[str], rank: int, namespace: str = "target") -> Path:
@@ -193,6 +208,21 @@ class _Buffer:
         self.payload_tensor = self.tensor[HEADER_SIZE : HEADER_SIZE + payload_len]
 
 
+class _Headers:
+    """Aligned header blocks for one vector call (O_DIRECT wants every iovec aligned)."""
+
+    __slots__ = ("tensor", "views")
+
+    def __init__(self, count: int) -> None:
+        self.tensor = page_aligned_buffer(count * HEADER_SIZE)
+        whole = host_view(self.tensor)
+        self.views = [whole[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(count)]
+
+
+_SlotCall = Callable[[SlotId, BlockHash, torch.Tensor, _Buffer, str], None]
+"""PosixSlotStore._write or ._read: one slot through a bounce buffer."""
+
+
 class PosixSlotStore:
     """:class:`~io_actors.interfaces.SlotStore` over one preallocated file.
 
@@ -239,6 +269,14 @@ class PosixSlotStore:
         self._closed = False
         self._in_flight = 0
         self._free_buffers: list[_Buffer] = []
+        self._free_headers: list[_Headers] = []
+        # Padding after each payload: zeros to write, scratch to read into (the bytes read
+        # there are never looked at, so concurrent reads may share it).
+        pad = self._slot_bytes - HEADER_SIZE - self._payload_len
+        self._zero_pad = page_aligned_buffer(pad)
+        self._scratch_pad = page_aligned_buffer(pad)
+        self._zero_pad_view = host_view(self._zero_pad) if pad else None
+        self._scratch_pad_view = host_view(self._scratch_pad) if pad else None
         self._writes = 0
         self._reads = 0
         self._write_failures = 0
@@ -432,6 +470,176 @@ class PosixSlotStore:
             with self._cond:
                 self._bounced += 1
 
+    # --- batches ----------------------------------------------------------------------------
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        items = self._check_batch("writes", writes, "src")
+        out: BatchOutcome = [None] * len(items)
+        with self._batch() as headers:
+            for run, direct in self._runs(items):
+                if direct:
+                    self._write_run(items, run, headers, out)
+                else:
+                    self._each(items, run, out, self._write)
+        self._count(out, write=True)
+        return out
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        items = self._check_batch("reads", reads, "dst")
+        out: BatchOutcome = [None] * len(items)
+        with self._batch() as headers:
+            for run, direct in self._runs(items):
+                if direct:
+                    self._read_run(items, run, headers, out)
+                else:
+                    self._each(items, run, out, self._read)
+        self._count(out, write=False)
+        return out
+
+    def _check_batch(self, field: str, batch: Sequence[SlotIO], role: str) -> list[SlotIO]:
+        """Every item valid and every slot named once, before any byte moves."""
+        items = list(batch)
+        for item in items:
+            if not isinstance(item, SlotIO):
+                raise UsageError(field, f"must hold SlotIO items, got {item!r:.80}")
+            self._check_slot(item.slot)
+            check_key(item.key)
+            check_block_tensor(role, item.buffer, self._payload_len, device_type="cpu")
+        if len({item.slot for item in items}) != len(items):
+            raise UsageError(field, "a batch names one slot twice")
+        return items
+
+    def _runs(self, items: list[SlotIO]) -> Iterator[tuple[list[int], bool]]:
+        """Indices of `items` grouped into runs of consecutive slots, in slot order, each
+        with whether it can go to the kernel as it is (else: one bounced call per slot)."""
+        order = sorted(range(len(items)), key=lambda i: items[i].slot)
+        run: list[int] = []
+        for i in order:
+            if not self._zero_copy(items[i].buffer):
+                yield [i], False
+                continue
+            if run and (items[i].slot != items[run[-1]].slot + 1 or len(run) == _MAX_RUN):
+                yield run, True
+                run = []
+            run.append(i)
+        if run:
+            yield run, True
+
+    def _iov(self, item: SlotIO, header: memoryview, pad: memoryview | None) -> list[memoryview]:
+        iov = [header, host_view(item.buffer)]
+        if pad is not None:
+            iov.append(pad)
+        return iov
+
+    def _write_run(
+        self, items: list[SlotIO], run: list[int], headers: _Headers, out: BatchOutcome
+    ) -> None:
+        iov: list[memoryview] = []
+        for n, i in enumerate(run):
+            item = items[i]
+            payload = host_view(item.buffer)
+            SlotHeader(
+                slot=item.slot, key=item.key, payload_len=self._payload_len,
+                payload_crc=payload_checksum(payload),
+            ).pack_into(headers.views[n])
+            iov += self._iov(item, headers.views[n], self._zero_pad_view)
+        self._vector_io(os.pwritev, "write", items, run, iov, out)
+        if self._sync_writes and any(out[i] is None for i in run):
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:
+                for i in run:
+                    if out[i] is None:
+                        out[i] = TransferFailed(f"slot {items[i].slot}", f"sync failed: {exc}")
+
+    def _read_run(
+        self, items: list[SlotIO], run: list[int], headers: _Headers, out: BatchOutcome
+    ) -> None:
+        iov: list[memoryview] = []
+        for n, i in enumerate(run):
+            iov += self._iov(items[i], headers.views[n], self._scratch_pad_view)
+        self._vector_io(os.preadv, "read", items, run, iov, out)
+        for n, i in enumerate(run):
+            if out[i] is not None:
+                continue
+            item = items[i]
+            what = f"slot {item.slot}"
+            try:
+                header = SlotHeader.unpack(headers.views[n], what=what)
+                verify_header(header, what=what, slot=item.slot, key=item.key,
+                              payload_len=self._payload_len)
+                verify_checksum(header, payload_checksum(host_view(item.buffer)), what=what)
+            except TransferFailed as exc:
+                out[i] = exc
+
+    def _vector_io(
+        self, call: _VectorCall, verb: str, items: list[SlotIO], run: list[int],
+        iov: list[memoryview], out: BatchOutcome,
+    ) -> None:
+        """Move the run's iovecs with as few calls as the kernel allows; fail what did not
+        move.  A partial transfer resumes at the first slot that did not move in full."""
+        per_slot = len(iov) // len(run)
+        done = 0
+        while done < len(run):
+            first = items[run[done]].slot
+            try:
+                moved = call(self._fd, iov[done * per_slot :], first * self._slot_bytes)
+            except OSError as exc:
+                for i in run[done:]:
+                    out[i] = TransferFailed(f"slot {items[i].slot}", f"{verb} failed: {exc}")
+                return
+            full = moved // self._slot_bytes
+            if full == 0:
+                short = "short write" if verb == "write" else "short read"
+                for i in run[done:]:
+                    out[i] = TransferFailed(
+                        f"slot {items[i].slot}", f"{short}: {moved} of {self._slot_bytes} bytes"
+                    )
+                return
+            done += full
+
+    def _each(
+        self, items: list[SlotIO], run: list[int], out: BatchOutcome,
+        op: _SlotCall,
+    ) -> None:
+        """Slots whose buffer the kernel cannot take as it is: one bounced call each."""
+        with self._transfer() as buffer:
+            for i in run:
+                item = items[i]
+                try:
+                    op(item.slot, item.key, item.buffer, buffer, f"slot {item.slot}")
+                except TransferFailed as exc:
+                    out[i] = exc
+
+    def _count(self, out: BatchOutcome, *, write: bool) -> None:
+        failed = sum(1 for o in out if o is not None)
+        with self._cond:
+            if write:
+                self._writes += len(out) - failed
+                self._write_failures += failed
+            else:
+                self._reads += len(out) - failed
+                self._read_failures += failed
+
+    @contextlib.contextmanager
+    def _batch(self) -> Iterator[_Headers]:
+        with self._cond:
+            if self._closed:
+                raise UsageError("store", f"slot store {self._path} is closed")
+            self._in_flight += 1
+            headers = self._free_headers.pop() if self._free_headers else None
+        try:
+            if headers is None:
+                headers = _Headers(_MAX_RUN)
+            yield headers
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if headers is not None and not self._closed:
+                    self._free_headers.append(headers)
+                if not self._in_flight:
+                    self._cond.notify_all()
+
     def read_header(self, slot: SlotId) -> SlotHeader:
         """The self-checked header of `slot` (magic, version, header checksum).
 
@@ -469,6 +677,7 @@ class PosixSlotStore:
             while self._in_flight:
                 self._cond.wait()
             self._free_buffers.clear()
+            self._free_headers.clear()
         os.close(self._fd)
 
     def statistics(self) -> SlotStoreStatistics:

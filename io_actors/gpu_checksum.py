@@ -1,0 +1,139 @@
+"""The slot format's payload checksum of many GPU pages in one kernel launch.
+
+:func:`io_actors.slot_format.payload_checksum_torch` computes ``zlib.crc32`` of one device
+buffer from gathers and XORs on int32 tensors: exact on any torch device, but about a dozen
+kernel launches and tensor temporaries per block, all issued from Python.  A reader that
+verifies a batch of pages read straight into GPU memory would pay that per block, on a
+worker thread that competes with the serving loop for the interpreter lock.  Here the same
+arithmetic runs as one CUDA kernel (a CuPy ``RawKernel``: cupy is the ``cu12``/``cu13``
+extra) for a whole batch: one thread block per page, one thread per 4 KiB chunk, each thread
+running the byte-at-a-time CRC register over its chunk (table in shared memory), shifting it
+past the chunks after it with the same per-chunk byte tables the torch version uses
+(``_crc_device_tables``), and the block XOR-reducing its threads' results.  The result is
+bit-identical to ``zlib.crc32``; the torch path stays the fallback where cupy is missing and
+the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+import torch
+
+from io_actors.slot_format import (
+    _CRC_CHUNK,
+    _crc_device_tables,
+    _crc_of_zeros,
+    _crc_table,
+    payload_checksum_torch,
+)
+from statekv.errors import UsageError
+
+_log = logging.getLogger(__name__)
+
+_THREADS: Final = 512
+"""Threads per page (a power of two, for the XOR reduction)."""
+
+_SOURCE: Final = r"""
+extern "C" __global__ void crc32_pages(
+    const unsigned long long* pages,  // device address of each page
+    long long length,                 // bytes per page
+    int chunks,                       // ceil(length / CHUNK)
+    const unsigned int* table,        // the 256-entry CRC-32 table
+    const unsigned int* shifts,       // [chunks][1024]: byte tables of Z^(CHUNK*(chunks-1-k))
+    unsigned int zeros_crc,           // crc32 of `length` zero bytes
+    unsigned int* out)                // one CRC per page
+{
+    __shared__ unsigned int t[256];
+    __shared__ unsigned int red[THREADS];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) t[i] = table[i];
+    __syncthreads();
+    const unsigned char* data = (const unsigned char*)pages[blockIdx.x];
+    const long long pad = (long long)chunks * CHUNK - length;  // zeros in front of chunk 0
+    unsigned int mine = 0;
+    for (int k = threadIdx.x; k < chunks; k += blockDim.x) {
+        const long long start = (long long)k * CHUNK - pad;
+        unsigned int c = 0;  // the register from zero state, no inversions
+        for (long long i = start < 0 ? 0 : start; i < start + CHUNK; ++i)
+            c = t[(c ^ data[i]) & 0xFFu] ^ (c >> 8);
+        const unsigned int* s = shifts + (long long)k * 1024;
+        mine ^= s[c & 0xFFu] ^ s[256 + ((c >> 8) & 0xFFu)] ^ s[512 + ((c >> 16) & 0xFFu)]
+              ^ s[768 + (c >> 24)];
+    }
+    red[threadIdx.x] = mine;
+    __syncthreads();
+    for (int w = THREADS / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) red[threadIdx.x] ^= red[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = red[0] ^ zeros_crc;
+}
+"""
+
+
+@functools.cache
+def _kernel() -> Any | None:
+    """The compiled kernel, or None where cupy is not installed (logged once)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        _log.info("cupy is not installed (%s): GPU checksums use the torch path", exc)
+        return None
+    return cupy.RawKernel(
+        _SOURCE, "crc32_pages",
+        options=(f"-DCHUNK={_CRC_CHUNK}", f"-DTHREADS={_THREADS}"),
+    )
+
+
+@functools.cache
+def _table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(_crc_table(), dtype=torch.int64).to(torch.int32).to(device)
+
+
+def have_kernel() -> bool:
+    """Whether batched checksums run as one kernel (cupy present)."""
+    return _kernel() is not None
+
+
+def payload_checksums_cuda(pages: Sequence[torch.Tensor]) -> list[int]:
+    """``zlib.crc32`` of each page: contiguous 1-D uint8 CUDA tensors of one length, on one
+    device.  Runs on the current stream and reads the results back with one synchronizing
+    copy."""
+    if not pages:
+        return []
+    first = pages[0]
+    length = first.numel()
+    for page in pages:
+        if (
+            not isinstance(page, torch.Tensor) or page.device != first.device
+            or page.device.type != "cuda" or page.dtype != torch.uint8 or page.dim() != 1
+            or not page.is_contiguous() or page.numel() != length
+        ):
+            raise UsageError("pages", "must be contiguous 1-D uint8 CUDA tensors of one length "
+                             "on one device")
+    kernel = _kernel()
+    if kernel is None or length == 0:
+        return [payload_checksum_torch(page) for page in pages]
+    import cupy
+    import numpy as np
+
+    device = first.device
+    chunks = -(-length // _CRC_CHUNK)
+    _position, shifts = _crc_device_tables(device, chunks)
+    table = _table(device)
+    addresses = torch.tensor([p.data_ptr() for p in pages], dtype=torch.int64).to(device)
+    out = torch.empty(len(pages), dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        kernel(
+            (len(pages),), (_THREADS,),
+            (
+                np.uint64(addresses.data_ptr()), np.int64(length), np.int32(chunks),
+                np.uint64(table.data_ptr()), np.uint64(shifts.data_ptr()),
+                np.uint32(_crc_of_zeros(length)), np.uint64(out.data_ptr()),
+            ),
+        )
+    return [int(v) & 0xFFFFFFFF for v in out.cpu().tolist()]
