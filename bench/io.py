@@ -83,6 +83,7 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         layout=layout, block_size=args.block_size, gpu=2 * n + 1, host=n, reserved_host=n,
         disk=2 * n, disk_dir=directory, writers=args.threads, readers=args.threads,
         write_queue_depth=max(64, n), device=args.device, spill_mode="retained_only",
+        backend=args.backend, max_batch_blocks=args.batch_blocks,
     )
     block_bytes = config.block_bytes
     out: dict[str, float] = {}
@@ -171,6 +172,7 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             host=args.loop_gpu_blocks // 4, reserved_host=64, disk=8 * args.loop_gpu_blocks,
             disk_dir=directory / phase, writers=args.threads, readers=args.threads,
             device=args.device, model_fingerprint=model_config.fingerprint(),
+            backend=args.backend, max_batch_blocks=args.batch_blocks,
         )
         with BlockingCache(config) as cache:
             tenant = _DiskTenant(cache, blocks=8, in_flight=4) if phase == "saturated" else None
@@ -284,9 +286,14 @@ def main() -> int:
     parser.add_argument("--decoders", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=200)
     parser.add_argument("--loop-gpu-blocks", type=int, default=512)
+    parser.add_argument("--backend", default="posix", choices=("posix", "kvikio"))
+    parser.add_argument("--batch-blocks", type=int, default=16,
+                        help="max_batch_blocks: blocks per disk batch (1: one at a time)")
     parser.add_argument("--machine", default="cpu", help="cpu, h200 or h200x2 (file name)")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--tag", default="",
+                        help="suffix of the results file name (several runs a day)")
     args = parser.parse_args()
 
     base = Path(args.dir) if args.dir else None
@@ -306,7 +313,8 @@ def main() -> int:
 
     print(f"machine: {args.machine} ({platform.node()}), device {resolve_device(args.device)}")
     print(f"block {block_bytes / 2**20:.2f} MiB, {args.threads} threads, {args.blocks} blocks, "
-          f"O_DIRECT={raw_write.direct}")
+          f"O_DIRECT={raw_write.direct}, backend {args.backend}, batches of "
+          f"{args.batch_blocks}")
     rows = [
         ("spill host->disk", phases["spill_gb_per_s"], raw_write.gb_per_s, "raw O_DIRECT write"),
         ("onboard disk->GPU", phases["onboard_gb_per_s"], raw_read.gb_per_s,
@@ -352,13 +360,14 @@ def main() -> int:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 check=False).stdout.strip()
         today = dt.date.today()
-        out = Path(__file__).parent / "results" / f"io-{args.machine}-{today:%Y%m%d}.json"
+        tag = f"-{args.tag}" if args.tag else ""
+        out = Path(__file__).parent / "results" / f"io-{args.machine}-{today:%Y%m%d}{tag}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps({
             "bench": "io", "machine": args.machine, "date": today.isoformat(),
             "commit": commit, "command": "python -m bench.io " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("write", "dir", "skip_latency") and v is not None),
+                if k not in ("write", "dir", "skip_latency", "tag") and v is not None),
             "figures": figures,
         }, indent=2) + "\n")
         print(f"wrote {out}")

@@ -25,10 +25,12 @@ for step in "$@"; do
     tests) STATEKV_TEST_DEVICE=cuda run tests ${TESTS_S:-150} python3 -m pytest -q -x \
         -p no:cacheprovider --timeout 60 --durations 5 \
         tests/test_memory.py tests/test_kvikio_store.py tests/test_io_actors.py \
-        tests/test_io_faults.py ;;
+        tests/test_io_faults.py tests/test_batched_io.py ;;
     io) run io ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
-        --loop-gpu-blocks 2048 --write ;;
+        --loop-gpu-blocks 2048 --write ${IO_ARGS:-} ;;
+    io-small) run io-small ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 0.25 \
+        --threads 4 --blocks 2048 --dir "$DISK" --skip-latency --write ${IO_ARGS:-} ;;
     demo) run demo 60 python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
     e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
