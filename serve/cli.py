@@ -45,6 +45,16 @@ DISK_TOKENS: Final = 65536
 DEVICES: Final = "auto, cpu, cuda or cuda:N"
 
 
+FIELD_FLAGS: Final[dict[str, str]] = {
+    "block_size": "--block-size", "gpu": "--gpu-blocks", "gpu_blocks": "--gpu-blocks",
+    "host": "--host-blocks", "host_blocks": "--host-blocks",
+    "reserved_host": "--reserved-host-blocks", "reserved_host_blocks": "--reserved-host-blocks",
+    "disk": "--disk-blocks", "disk_blocks": "--disk-blocks", "disk_dir": "--disk-dir",
+    "device": "--device", "num_layers": "--layers", "seed": "--seed", "ttl_seconds": "--ttl",
+}
+"""Configuration fields the flags set: a typed error naming one is reported with its flag."""
+
+
 class UserMistake(Exception):
     """Raised by a subcommand for a mistake the user can fix: reported as one line."""
 
@@ -391,7 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvariantViolation:
         raise  # statekv's own bug: the traceback is the report
     except (UserMistake, StateKVError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        flag = FIELD_FLAGS.get(getattr(exc, "field", ""))
+        where = f"argument {flag}: " if flag is not None else ""
+        print(f"{prog}: error: {where}{exc}", file=sys.stderr)
         return EXIT_USAGE
 
 
