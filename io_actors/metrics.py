@@ -14,7 +14,7 @@ snapshot and turns every field into a metric.  Register it on any registry::
 Names follow Prometheus' conventions: a ``statekv_`` prefix, ``_total`` on counters, base
 units (``_bytes``), one family with a label where fields differ only by tier, pool or state
 (``statekv_prompt_tokens_total{tier="disk"}``).  ``constant_labels`` (e.g. ``{"rank": "0"}``)
-go on every sample, for several caches on one registry.
+go on every sample.
 
 Transfer latency histograms are not here: the pools do not time their transfers, and timing
 them would add a clock read and a lock to every transfer (the trace recorder has per-transfer

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Final, Protocol
 
 import attrs
+from prometheus_client import Histogram
 
 from io_actors.embed import BlockingCache
 from io_actors.scheduler import SystemStatistics
@@ -30,6 +32,10 @@ message arrives; this only bounds how late it notices a stop)."""
 PARKED_WAIT: Final = 0.0005
 """Seconds it sleeps when every request waits for disk reads (the loop never blocks on disk;
 this keeps it from spinning)."""
+
+
+LATENCY_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                          1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
 class TokenSink(Protocol):
@@ -99,6 +105,15 @@ class Engine:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._cancelled = 0
+        # Observed on the engine thread as requests finish and steps end; read at scrape
+        # time (prometheus-client's histograms are thread-safe).  Not on any registry: the
+        # server's collector yields them.
+        self.ttft = Histogram("statekv_serving_time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first token.",
+                              registry=None, buckets=LATENCY_BUCKETS)
+        self.step_seconds = Histogram("statekv_serving_step_seconds",
+                                      "Seconds of one step of the serving loop.",
+                                      registry=None, buckets=LATENCY_BUCKETS)
         self._thread = threading.Thread(target=self._run, name="statekv-engine", daemon=True)
         self._thread.start()
 
@@ -179,7 +194,12 @@ class Engine:
                 self._drain_inbox(IDLE_WAIT if loop.idle else None)
                 if loop.idle:
                     continue
-                for result in loop.step():
+                started = time.perf_counter()
+                finished = loop.step()
+                self.step_seconds.observe(time.perf_counter() - started)
+                for result in finished:
+                    if result.ttft is not None:
+                        self.ttft.observe(result.ttft)
                     sink = self._sinks.pop(result.request_id, None)
                     if sink is not None:
                         sink.finished(result)

@@ -333,6 +333,8 @@ def test_metrics_are_scraped_and_follow_statistics(small: Running) -> None:
     assert samples["statekv_io_queue_depth"][(("pool", "writer"),)] == 0
     assert samples["statekv_serving_requests"][(("state", "running"),)] == 0
     assert samples["statekv_serving_generated_tokens_total"][()] > 0
+    assert samples["statekv_serving_time_to_first_token_seconds_count"][()] == 2
+    assert samples["statekv_serving_step_seconds_count"][()] >= 8  # 2 prefills, 6 decodes
     for name in samples:
         assert name.startswith("statekv_")
         assert math.isfinite(next(iter(samples[name].values())))
