@@ -1,8 +1,8 @@
-"""`statekv trace ...`: look at a recorded state trace.
+"""Looking at a recorded state trace (the ``statekv trace`` command runs these):
 
-    statekv trace view TRACE [-o OUT.html]         one self-contained HTML timeline
-    statekv trace summary TRACE [--top N]          counts, longest parks, slowest transfers
-    statekv trace perfetto TRACE [-o OUT.json]     Chrome trace-event JSON for Perfetto
+* :func:`write_html`: one self-contained HTML timeline;
+* :func:`summarize`: counts, longest parks, slowest transfers;
+* ``io_actors.tracing.write_chrome_trace``: Chrome trace-event JSON for Perfetto.
 
 TRACE is a JSON Lines file written by ``TraceRecorder.save_jsonl`` (io_actors.tracing).
 The HTML page embeds the trace and its script: it opens from disk with no network and no
@@ -11,12 +11,10 @@ build step.  Nothing here imports torch.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import html
 import json
 import sys
-from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Final, TextIO
@@ -24,14 +22,11 @@ from typing import Any, Final, TextIO
 from io_actors.tracing import (
     RecordKind,
     Trace,
-    TraceFormatError,
     TraceRecorder,
-    load_trace,
     park_spans,
     state_spans,
     time_bounds,
     transfer_spans,
-    write_chrome_trace,
 )
 from statekv.lifecycle import BlockState
 
@@ -272,52 +267,3 @@ def summarize(trace: Trace, *, top: int = 10, out: TextIO | None = None) -> None
         p("\nblocks still in flight or failed at the end: "
           + ", ".join(f"{s.block} ({s.state})" for s in open_states[:top])
           + (" ..." if len(open_states) > top else ""))
-
-
-# ---------------------------------------------------------------------- the command
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="statekv trace",
-                                     description="look at a recorded statekv state trace")
-    sub = parser.add_subparsers(dest="command", required=True)
-    view = sub.add_parser("view", help="write one self-contained HTML timeline")
-    view.add_argument("trace", type=Path, help="a .jsonl trace (TraceRecorder.save_jsonl)")
-    view.add_argument("-o", "--output", type=Path,
-                      help="the HTML file to write (default: TRACE with .html)")
-    view.add_argument("--title", help="the page's title")
-    summary = sub.add_parser("summary", help="print counts, longest parks, slowest transfers")
-    summary.add_argument("trace", type=Path)
-    summary.add_argument("--top", type=int, default=10, help="rows per table (default 10)")
-    perfetto = sub.add_parser("perfetto", help="write Chrome trace-event JSON (Perfetto)")
-    perfetto.add_argument("trace", type=Path)
-    perfetto.add_argument("-o", "--output", type=Path,
-                          help="the JSON file to write (default: TRACE with .perfetto.json)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        trace = load_trace(args.trace)
-    except TraceFormatError as exc:
-        print(f"statekv trace: {exc}", file=sys.stderr)
-        return 1
-    if args.command == "view":
-        out = write_html(trace, args.output or args.trace.with_suffix(".html"),
-                         title=args.title or f"statekv trace: {args.trace.name}")
-        print(f"wrote {out} ({len(trace.records)} records); open it in a browser")
-    elif args.command == "summary":
-        if args.top < 1:
-            print("statekv trace: --top must be >= 1", file=sys.stderr)
-            return 2
-        summarize(trace, top=args.top)
-    else:
-        out = write_chrome_trace(trace,
-                                 args.output or args.trace.with_suffix(".perfetto.json"))
-        print(f"wrote {out}; open it at https://ui.perfetto.dev or chrome://tracing")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,7 +8,6 @@ cache built from explicit budgets, and returns every request's result.
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -157,20 +156,6 @@ def ttft_summary(run: RunResult) -> tuple[float, float]:
     """TTFT p50 and p99 in seconds."""
     ttfts = [r.ttft for r in run.results if r.ttft is not None]
     return (statistics.median(ttfts) if ttfts else float("nan"), percentile(ttfts, 99))
-
-
-def progress_bar(label: str) -> Callable[[int, int], None]:
-    """A one-line progress bar on stderr."""
-
-    def show(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // total if total else width
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if total and done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return show
 
 
 def build_model(config: ModelConfig, device: str) -> PagedDecoder:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 import attrs
 import torch
@@ -114,6 +114,10 @@ class _Running:
     matched: int = 0
 
 
+STEP_SECONDS_KEPT: Final = 100_000
+"""Step times the loop remembers for statistics()."""
+
+
 @attrs.frozen(kw_only=True)
 class LoopStatistics:
     steps: int
@@ -124,7 +128,7 @@ class LoopStatistics:
     running_now: int
     waiting_now: int
     step_seconds: tuple[float, ...]
-    """Wall time of every step that ran a forward pass."""
+    """Wall time of every step that ran a forward pass (the last STEP_SECONDS_KEPT)."""
 
 
 class ServingLoop:
@@ -141,6 +145,7 @@ class ServingLoop:
         batch_invariant: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         ready_everywhere: Callable[[list[str]], set[str]] | None = None,
+        on_token: Callable[[str, int], None] | None = None,
     ) -> None:
         for field, value in (("max_step_tokens", max_step_tokens),
                              ("prefill_chunk", prefill_chunk), ("max_running", max_running)):
@@ -159,6 +164,9 @@ class ServingLoop:
         self._ready_everywhere = ready_everywhere
         """Tensor parallel: of these parked requests, which landed on every rank (all ranks
         must admit the same batch).  None: this cache's own is_ready decides."""
+        self._on_token = on_token
+        """Told (request id, token) for every generated token, as it is sampled (a server
+        streams them)."""
         self._start = clock()
         self._waiting: deque[ServeRequest] = deque()
         self._running: dict[str, _Running] = {}
@@ -166,7 +174,8 @@ class ServingLoop:
         self._forward_tokens = 0
         self._prompt_computed = 0
         self._decode_tokens = 0
-        self._step_seconds: list[float] = []
+        # Bounded: a server steps forever.
+        self._step_seconds: deque[float] = deque(maxlen=STEP_SECONDS_KEPT)
 
     def now(self) -> float:
         """Seconds since the loop started."""
@@ -178,6 +187,19 @@ class ServingLoop:
         if not request.prompt:
             raise UsageError("prompt", "a request needs at least one token")
         self._waiting.append(request)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request wherever it is (waiting, parked or running): a running request is
+        released, so its pages go back (its full blocks stay cached).  False when the loop
+        does not hold it (it finished, or never came)."""
+        for index, waiting in enumerate(self._waiting):
+            if waiting.request_id == request_id:
+                del self._waiting[index]
+                return True
+        if self._running.pop(request_id, None) is None:
+            return False
+        self.cache.release(request_id)
+        return True
 
     @property
     def idle(self) -> bool:
@@ -340,6 +362,8 @@ class ServingLoop:
             else:
                 self._decode_tokens += 1
             run.result.output.append(token)
+            if self._on_token is not None:
+                self._on_token(rid, token)
             if len(run.result.output) >= run.req.max_new_tokens:
                 run.result.finished = now
                 cache.release(rid)
@@ -365,9 +389,10 @@ class ServingLoop:
                 done.append(result)
                 if on_finished is not None:
                     on_finished(result)
-            if not finished and not self._any_runnable():
+            if not finished and not self.any_runnable():
                 time.sleep(0.0005)  # everything parked or not yet arrived
         return done
 
-    def _any_runnable(self) -> bool:
+    def any_runnable(self) -> bool:
+        """Whether a request could run now (not every one parked on disk reads)."""
         return any(r.parked_since is None for r in self._running.values())

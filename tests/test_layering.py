@@ -149,3 +149,80 @@ def test_importing_the_core_loads_no_io_framework() -> None:
     assert "statekv" in loaded
     assert loaded.isdisjoint({"trio", "torch", "asyncio", "socket", "subprocess", "random",
                               "numpy", "cupy", "kvikio", "io_actors"})
+
+
+# ---------------------------------------------------------------------- the layers above
+
+
+REPO = PACKAGE_DIR.parent
+LAYERS = {"statekv": 0, "io_actors": 1, "models": 2, "serve": 3}
+"""Bottom to top: the core, the actors, the model and serving loop, the command and server.
+A module may import its own layer and the layers below, never one above."""
+INSTALLED_AS = {"statekv_models": "models", "statekv_serve": "serve"}
+"""models/ and serve/ are installed under these names."""
+
+
+def _layer_of(name: str) -> str | None:
+    top = _top(name)
+    top = INSTALLED_AS.get(top, top)
+    return top if top in LAYERS else None
+
+
+def upward_references(source: str, own: str, filename: str = "<test>") -> list[str]:
+    """Imports of a layer above `own`, and strings naming one (an import by name, as
+    importlib.import_module("statekv_models.demo") would make, hides from import
+    statements)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if node.value.partition(".")[0] in INSTALLED_AS else []
+        for name in names:
+            layer = _layer_of(name)
+            if layer is not None and LAYERS[layer] > LAYERS[own]:
+                found.append(f"{filename}:{getattr(node, 'lineno', 0)}: {own} reaches up "
+                             f"into {layer} ({name})")
+    return found
+
+
+LAYER_MODULES = [(layer, path) for layer in LAYERS if layer != "statekv"
+                 for path in sorted((REPO / layer).rglob("*.py"))]
+
+
+@pytest.mark.parametrize(("layer", "path"), LAYER_MODULES,
+                         ids=lambda x: str(x.relative_to(REPO)) if isinstance(x, Path) else x)
+def test_no_module_reaches_up_a_layer(layer: str, path: Path) -> None:
+    assert upward_references(path.read_text(), layer, path.name) == []
+
+
+def test_every_layer_is_walked() -> None:
+    walked = {layer for layer, _path in LAYER_MODULES}
+    assert walked == {"io_actors", "models", "serve"}
+    assert any(path.name == "cli.py" for layer, path in LAYER_MODULES if layer == "serve")
+
+
+@pytest.mark.parametrize(("source", "own"), [
+    ("import models", "io_actors"),
+    ("from statekv_models.demo import run", "io_actors"),
+    ("import importlib\nimportlib.import_module('statekv_models.demo')", "io_actors"),
+    ("from serve.cli import main", "models"),
+    ("from statekv_serve import server", "io_actors"),
+    ("x = 'statekv_serve.cli:main'", "models"),
+])
+def test_the_layer_check_catches_a_planted_upward_reference(source: str, own: str) -> None:
+    assert upward_references(source, own) != []
+
+
+@pytest.mark.parametrize(("source", "own"), [
+    ("from io_actors.embed import BlockingCache", "models"),
+    ("from statekv_models import demo", "serve"),
+    ("from models import serving_loop", "serve"),
+    ("from statekv.errors import UsageError", "io_actors"),
+    ("from . import engine", "serve"),
+])
+def test_the_layer_check_accepts_downward_imports(source: str, own: str) -> None:
+    assert upward_references(source, own) == []

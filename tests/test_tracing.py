@@ -13,7 +13,6 @@ import pytest
 
 from io_actors.backends.faults import FaultPlan, FaultRule, FaultyStore
 from io_actors.backends.posix import PosixSlotStore
-from io_actors.cli import main as cli_main
 from io_actors.embed import BlockingCache
 from io_actors.trace_tools import save_failure_trace, view_model
 from io_actors.tracing import (
@@ -26,6 +25,7 @@ from io_actors.tracing import (
     load_trace,
     transfer_spans,
 )
+from serve.cli import main as cli_main
 from statekv import CacheConfig, KVCacheManager, RingTrace
 from statekv.errors import ConfigError, InvariantViolation, UsageError
 from statekv.ids import BlockId, RequestId
@@ -387,7 +387,7 @@ def test_perfetto_command_writes_valid_trace_events(recorded: Trace, tmp_path: P
 
 def test_unreadable_trace_is_reported_not_raised(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["trace", "summary", str(tmp_path / "missing.jsonl")]) == 1
+    assert cli_main(["trace", "summary", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
 
 

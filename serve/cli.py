@@ -1,0 +1,411 @@
+"""The ``statekv`` command.
+
+    statekv demo [options]              the multi-round chat demo, disk tier on a temp dir
+    statekv serve [options]             the OpenAI-compatible server, metrics at /metrics
+    statekv trace view TRACE [-o F]     one self-contained HTML timeline of a recorded trace
+    statekv trace summary TRACE         counts by transition, longest parks, slowest transfers
+    statekv trace perfetto TRACE [-o F] the trace in Chrome trace-event format (Perfetto)
+    statekv --version
+
+Command-line flags are read here, once, into configuration records; nothing deeper reads the
+command line or the environment.  A user's mistake (a bad flag value, a typed error from the
+layers below, a path that cannot be written) is answered with one line on stderr and exit
+status 2, never a traceback; Ctrl-C ends with status 130.  statekv's own bugs
+(``InvariantViolation``) keep their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, NoReturn
+
+from statekv.errors import InvariantViolation, StateKVError, UsageError
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+EXIT_USAGE: Final = 2
+"""A user's mistake (argparse's own status for bad flags)."""
+EXIT_INTERRUPTED: Final = 130
+"""Ended by Ctrl-C (128 + SIGINT, the shell's convention)."""
+
+# Budgets of the demo and the server in tokens: the block counts they default to follow
+# --block-size (40 GPU blocks of 16 tokens are 214 blocks of 3).
+GPU_TOKENS: Final = 640
+HOST_TOKENS: Final = 128
+RESERVED_HOST_TOKENS: Final = 128
+DISK_TOKENS: Final = 65536
+DEVICES: Final = "auto, cpu, cuda or cuda:N"
+
+
+FIELD_FLAGS: Final[dict[str, str]] = {
+    "block_size": "--block-size", "gpu": "--gpu-blocks", "gpu_blocks": "--gpu-blocks",
+    "host": "--host-blocks", "host_blocks": "--host-blocks",
+    "reserved_host": "--reserved-host-blocks", "reserved_host_blocks": "--reserved-host-blocks",
+    "disk": "--disk-blocks", "disk_blocks": "--disk-blocks", "disk_dir": "--disk-dir",
+    "device": "--device", "num_layers": "--layers", "seed": "--seed", "ttl_seconds": "--ttl",
+}
+"""Configuration fields the flags set: a typed error naming one is reported with its flag."""
+
+
+class UserMistake(Exception):
+    """Raised by a subcommand for a mistake the user can fix: reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line: `prog: error: message (see prog --help)`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---------------------------------------------------------------------- flag value types
+
+
+def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+def _number(low: float, *, strict: bool, high: float | None = None) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        too_low = value <= low if strict else value < low
+        if not math.isfinite(value) or too_low or (high is not None and value > high):
+            bounds = f"{'>' if strict else '>='} {low:g}" + (
+                "" if high is None else f" and <= {high:g}")
+            raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _directory(text: str) -> Path:
+    """A directory to create files in: it may not exist yet, but must not be a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"{str(parent)!r} is not a directory")
+            break
+    return path
+
+
+def _output_file(text: str) -> Path:
+    """A file to write: its directory must exist."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {str(parent)!r} does not exist")
+    return path
+
+
+def _device(text: str) -> str:
+    import re
+
+    if text not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]{1,3}", text):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (use {DEVICES})")
+    return text
+
+
+def _blocks(args: argparse.Namespace, flag: str, tokens: int) -> int:
+    """The flag's block count, or `tokens` worth of blocks of --block-size."""
+    value: int | None = getattr(args, flag)
+    block_size: int = args.block_size
+    return -(-tokens // block_size) if value is None else value
+
+
+# ---------------------------------------------------------------------- the parser
+
+
+def _add_cache_flags(p: argparse.ArgumentParser, *, gpu_tokens: int, host_tokens: int,
+                     reserved_tokens: int, disk_tokens: int) -> None:
+    """Model, device and cache budgets, shared by demo and serve."""
+    p.add_argument("--model", default="tiny",
+                   help="model shape: tiny, 1b-class, 8b-class or 70b-class (default: tiny)")
+    p.add_argument("--layers", type=_int_at_least(1, 4096), default=None,
+                   help="decoder layers (default: the model shape's own)")
+    p.add_argument("--device", type=_device, default="auto",
+                   help=f"{DEVICES}; auto picks CUDA when present (default: auto)")
+    p.add_argument("--block-size", type=_int_at_least(1, 4096), default=16,
+                   help="tokens per KV block (default: 16); the block counts below default "
+                        "to the same number of tokens whatever the block size")
+    p.add_argument("--gpu-blocks", type=_int_at_least(1), default=None,
+                   help=f"GPU pool in blocks (default: {gpu_tokens} tokens' worth, "
+                        f"{gpu_tokens // 16} blocks of 16)")
+    p.add_argument("--host-blocks", type=_int_at_least(0), default=None,
+                   help=f"pinned host pool in blocks (default: {host_tokens} tokens' worth, "
+                        f"{host_tokens // 16} blocks of 16)")
+    p.add_argument("--reserved-host-blocks", type=_int_at_least(0), default=None,
+                   help="extra host pages for spills whose victims drain (default: "
+                        f"{reserved_tokens} tokens' worth, {reserved_tokens // 16} blocks of "
+                        "16)")
+    p.add_argument("--disk-blocks", type=_int_at_least(0), default=None,
+                   help=f"disk slots in blocks, 0 disables the disk tier (default: "
+                        f"{disk_tokens} tokens' worth, {disk_tokens // 16} blocks of 16)")
+    p.add_argument("--disk-dir", type=_directory, default=None,
+                   help="directory for slot files, created if missing (default: a temporary "
+                        "directory, removed at the end)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="statekv", description="A correctness-first tiered KV cache "
+                     "(GPU, pinned host, local disk) for LLM serving loops.")
+    parser.add_argument("--version", action="version", version=f"statekv {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="run the multi-round chat demo with the disk tier on a temp dir",
+        description="Multi-round chat on a small random-weight model, with budgets that force "
+        "the disk tier; then the same workload on an unlimited GPU pool (identical tokens "
+        "expected) and without reuse.")
+    _add_cache_flags(demo, gpu_tokens=GPU_TOKENS, host_tokens=HOST_TOKENS,
+                     reserved_tokens=RESERVED_HOST_TOKENS, disk_tokens=DISK_TOKENS)
+    demo.add_argument("--users", type=_int_at_least(1), default=8,
+                      help="chat users (default: 8)")
+    demo.add_argument("--rounds", type=_int_at_least(1), default=4,
+                      help="rounds per user (default: 4)")
+    demo.add_argument("--system-tokens", type=_int_at_least(0), default=96,
+                      help="tokens of the system prompt every user shares (default: 96)")
+    demo.add_argument("--question-tokens", type=_int_at_least(1), default=24,
+                      help="tokens of each new question (default: 24)")
+    demo.add_argument("--answer-tokens", type=_int_at_least(1), default=16,
+                      help="tokens generated per answer (default: 16)")
+    demo.add_argument("--arrival-rate", type=_number(0, strict=True), default=40.0,
+                      help="rounds arriving per second (default: 40)")
+    demo.add_argument("--ttl", type=_number(0, strict=False), default=600.0,
+                      help="retention TTL in seconds of the retained users (default: 600)")
+    demo.add_argument("--retained-fraction", type=_number(0, strict=False, high=1),
+                      default=0.5, help="fraction of users asking for the TTL (default: 0.5)")
+    demo.add_argument("--seed", type=_int_at_least(0, 2**64 - 1), default=0,
+                      help="seed of the workload and the weights (default: 0)")
+    demo.add_argument("--trace", type=_output_file, default=None,
+                      help="record every transition of the main run to this JSON Lines file "
+                           "(default: no trace)")
+    demo.add_argument("--no-identity", action="store_true",
+                      help="skip the two comparison runs (default: run them)")
+    demo.set_defaults(handler=_demo)
+
+    serve = sub.add_parser(
+        "serve", help="serve OpenAI-compatible completions and chat completions over HTTP",
+        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+        "/v1/models) over the continuous-batching loop, with Prometheus metrics at "
+        "/metrics.  The model has random weights and a byte-level tokenizer.")
+    _add_cache_flags(serve, gpu_tokens=4 * GPU_TOKENS, host_tokens=4 * HOST_TOKENS,
+                     reserved_tokens=RESERVED_HOST_TOKENS, disk_tokens=DISK_TOKENS)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=_int_at_least(0, 65535), default=8000,
+                       help="port to listen on, 0 for any free one (default: 8000)")
+    serve.add_argument("--served-model-name", default="statekv-tiny",
+                       help="the model name clients send and see (default: statekv-tiny)")
+    serve.add_argument("--max-model-len", type=_int_at_least(2), default=2048,
+                       help="context length: prompt plus generated tokens (default: 2048, "
+                            "and at most what the GPU pool holds)")
+    serve.add_argument("--max-running", type=_int_at_least(1), default=64,
+                       help="requests batched at once (default: 64)")
+    serve.add_argument("--seed", type=_int_at_least(0, 2**64 - 1), default=0,
+                       help="seed of the weights (default: 0)")
+    serve.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"),
+                       help="uvicorn's log level (default: info)")
+    serve.set_defaults(handler=_serve)
+
+    trace = sub.add_parser("trace", help="view or summarize a recorded state trace",
+                           description="Look at a trace recorded by `statekv demo --trace` "
+                           "or TraceRecorder.save_jsonl.")
+    tsub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    view = tsub.add_parser("view", help="write one self-contained HTML timeline")
+    view.add_argument("trace", type=Path, help="a .jsonl trace (TraceRecorder.save_jsonl)")
+    view.add_argument("-o", "--output", type=_output_file, default=None,
+                      help="the HTML file to write (default: TRACE with .html)")
+    view.add_argument("--title", default=None,
+                      help="the page's title (default: 'statekv trace: ' and the file name)")
+    summary = tsub.add_parser("summary", help="print counts, longest parks, slowest transfers")
+    summary.add_argument("trace", type=Path, help="a .jsonl trace")
+    summary.add_argument("--top", type=_int_at_least(1), default=10,
+                         help="rows per table (default: 10)")
+    perfetto = tsub.add_parser("perfetto", help="write Chrome trace-event JSON (Perfetto)")
+    perfetto.add_argument("trace", type=Path, help="a .jsonl trace")
+    perfetto.add_argument("-o", "--output", type=_output_file, default=None,
+                          help="the JSON file to write (default: TRACE with .perfetto.json)")
+    trace.set_defaults(handler=_trace)
+    return parser
+
+
+def _version() -> str:
+    try:
+        return metadata.version("statekv")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# ---------------------------------------------------------------------- subcommands
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserMistake("argument --device: CUDA was asked for but torch sees no GPU")
+
+
+def _check_model(name: str) -> None:
+    from ._models import config
+
+    if name not in config.PRESETS:
+        raise UserMistake(f"argument --model: unknown model shape {name!r} "
+                          f"(known: {', '.join(config.PRESETS)})")
+
+
+@contextmanager
+def progress_bars() -> Iterator[Callable[[str, int], Callable[[int, int], None]] | None]:
+    """Progress bars on stderr through rich, or None when stderr is not a terminal (a log
+    gets no carriage-return updates)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield None
+        return
+    bars: Progress
+    with Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
+                  console=console) as bars:
+
+        def bar(label: str, total: int) -> Callable[[int, int], None]:
+            task = bars.add_task(label, total=total)
+
+            def update(done: int, _total: int) -> None:
+                bars.update(task, completed=done)
+
+            return update
+
+        yield bar
+
+
+def _demo(args: argparse.Namespace) -> int:
+    _check_device(args.device)
+    _check_model(args.model)
+    from ._models import chat_run, demo
+
+    budgets = chat_run.Budgets(
+        block_size=args.block_size, gpu_blocks=_blocks(args, "gpu_blocks", GPU_TOKENS),
+        host_blocks=_blocks(args, "host_blocks", HOST_TOKENS),
+        reserved_host_blocks=_blocks(args, "reserved_host_blocks", RESERVED_HOST_TOKENS),
+        disk_blocks=_blocks(args, "disk_blocks", DISK_TOKENS),
+    )
+    options = demo.DemoOptions(
+        model=args.model, layers=args.layers, device=args.device, users=args.users,
+        rounds=args.rounds, system_tokens=args.system_tokens,
+        question_tokens=args.question_tokens, answer_tokens=args.answer_tokens,
+        arrival_rate=args.arrival_rate, ttl=args.ttl, retained_fraction=args.retained_fraction,
+        budgets=budgets, disk_dir=args.disk_dir, seed=args.seed, trace=args.trace,
+        identity=not args.no_identity,
+    )
+    try:
+        with progress_bars() as bars:
+            return demo.run(options, progress=bars)
+    except UsageError as exc:
+        if exc.field == "prompt":  # the serving loop: a request larger than the GPU pool
+            raise UserMistake(f"argument --gpu-blocks: {budgets.gpu_blocks} blocks of "
+                              f"{budgets.block_size} tokens are too few: {exc}") from None
+        raise
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _check_device(args.device)
+    _check_model(args.model)
+    from .server import ServerOptions, run_server
+
+    options = ServerOptions(
+        model=args.model, layers=args.layers, device=args.device, seed=args.seed,
+        block_size=args.block_size, gpu_blocks=_blocks(args, "gpu_blocks", 4 * GPU_TOKENS),
+        host_blocks=_blocks(args, "host_blocks", 4 * HOST_TOKENS),
+        reserved_host_blocks=_blocks(args, "reserved_host_blocks", RESERVED_HOST_TOKENS),
+        disk_blocks=_blocks(args, "disk_blocks", DISK_TOKENS), disk_dir=args.disk_dir,
+        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+        max_running=args.max_running,
+    )
+    try:
+        listener = socket.create_server((args.host, args.port))
+    except OSError as exc:
+        raise UserMistake(f"argument --port: cannot listen on {args.host}:{args.port}: "
+                          f"{exc.strerror or exc}") from None
+    with listener:
+        run_server(options, listener, log_level=args.log_level)
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from io_actors.trace_tools import summarize, write_html
+    from io_actors.tracing import load_trace, write_chrome_trace
+
+    trace = load_trace(args.trace)
+    try:
+        if args.trace_command == "view":
+            out = write_html(trace, args.output or args.trace.with_suffix(".html"),
+                             title=args.title or f"statekv trace: {args.trace.name}")
+            print(f"wrote {out} ({len(trace.records)} records); open it in a browser")
+        elif args.trace_command == "summary":
+            summarize(trace, top=args.top)
+        else:
+            out = write_chrome_trace(
+                trace, args.output or args.trace.with_suffix(".perfetto.json"))
+            print(f"wrote {out}; open it at https://ui.perfetto.dev or chrome://tracing")
+    except OSError as exc:
+        raise UserMistake(f"cannot write {exc.filename}: {exc.strerror or exc}") from None
+    return 0
+
+
+# ---------------------------------------------------------------------- the entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # --help, --version, or a bad flag (already reported)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    prog = f"statekv {args.command}"
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except InvariantViolation:
+        raise  # statekv's own bug: the traceback is the report
+    except (UserMistake, StateKVError) as exc:
+        flag = FIELD_FLAGS.get(getattr(exc, "field", ""))
+        where = f"argument {flag}: " if flag is not None else ""
+        print(f"{prog}: error: {where}{exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

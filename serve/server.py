@@ -1,0 +1,499 @@
+"""``statekv serve``: OpenAI-compatible completions and chat completions over the serving loop.
+
+FastAPI on uvicorn, as the serving engines of the ecosystem do.  The routes:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming (server-sent events,
+  ``stream: true``) or not, greedy decoding;
+* ``GET /v1/models``, ``GET /health``, and ``GET /metrics`` (Prometheus: the cache's
+  ``statistics()`` through :class:`io_actors.metrics.StateKVCollector`, and the serving
+  loop's queue depths).
+
+Requests take three fields beyond OpenAI's, under the names the ecosystem uses:
+``kv_cache_ttl_seconds`` (keep this request's KV reusable for that long, down to disk),
+``cache_salt`` (vLLM's tenant isolation: requests share cached blocks only with the same salt)
+and ``priority`` (the retention class, 0 .. priority_levels - 1).  The response's
+``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens taken from the cache,
+on any tier.  A bad request gets HTTP 400 with OpenAI's error body, naming the field in
+``param``.  A streaming client that goes away cancels its request: the loop releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import attrs
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from io_actors.config import StateKVConfig
+from io_actors.embed import BlockingCache, resolve_device
+from io_actors.metrics import COUNTER, GAUGE, MetricFamilies, StateKVCollector
+from statekv.config import is_utf8_encodable
+
+from . import tokenizer
+from ._models import config as model_config
+from ._models import model as model_module
+from ._models import serving_loop
+from .engine import Engine, EngineStopped, GenerateRequest
+
+DEFAULT_MAX_TOKENS: Final = 16
+"""Tokens generated when a request names no max_tokens (the model never stops on its own)."""
+
+
+@attrs.frozen(kw_only=True)
+class ServerOptions:
+    """What ``statekv serve`` serves, on which budgets (its flags, read into this record)."""
+
+    model: str = "tiny"
+    layers: int | None = None
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    gpu_blocks: int = 160
+    host_blocks: int = 32
+    reserved_host_blocks: int = 8
+    disk_blocks: int = 4096
+    disk_dir: Path | None = None
+    """Where slot files go; None: a temporary directory, removed when the server stops."""
+    served_model_name: str = "statekv-tiny"
+    max_model_len: int = 2048
+    max_running: int = 64
+    max_ttl_seconds: float = 30 * 24 * 3600.0
+    priority_levels: int = 4
+
+
+# ---------------------------------------------------------------------- request bodies
+
+Ttl = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
+Priority = Annotated[int, Field(ge=0, strict=True)]
+MaxTokens = Annotated[int, Field(ge=1, strict=True)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Annotated[bool, Field(strict=True)] = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take.  Unknown fields are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: MaxTokens | None = None
+    stream: Annotated[bool, Field(strict=True)] = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0, le=0, strict=True)] | None = None
+    """Only greedy decoding: 0 or absent."""
+    n: Annotated[int, Field(ge=1, le=1, strict=True)] | None = None
+    user: str | None = None
+    kv_cache_ttl_seconds: Ttl | None = None
+    cache_salt: Annotated[str, Field(min_length=1, strict=True)] | None = None
+    priority: Priority = 0
+
+
+class CompletionRequest(_Common):
+    prompt: Annotated[str, Field(strict=True)] | list[Annotated[int, Field(strict=True)]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, Field(strict=True)]
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+
+
+class BadRequest(Exception):
+    """A request the server refuses: HTTP `status`, OpenAI's error body naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+def _error_body(message: str, param: str | None, code: str | None,
+                kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------- one request
+
+
+class _Stream:
+    """One request's events, carried from the engine thread into the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.events: asyncio.Queue[int | serving_loop.RequestResult | BaseException] = (
+            asyncio.Queue())
+
+    def _put(self, item: int | serving_loop.RequestResult | BaseException) -> None:
+        # The event loop may be gone already (the server stopped with requests in flight).
+        with suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+    def token(self, token: int) -> None:
+        self._put(token)
+
+    def finished(self, result: serving_loop.RequestResult) -> None:
+        self._put(result)
+
+    def failed(self, error: BaseException) -> None:
+        self._put(error)
+
+
+def _usage(result: serving_loop.RequestResult) -> dict[str, Any]:
+    completion = len(result.output)
+    cached = result.gpu_tokens + result.host_tokens + result.disk_tokens
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class EngineCollector(Collector):
+    """The serving loop's own figures (queue depths, parked requests, steps), per scrape."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.statistics()
+        loop = stats.loop
+        families = MetricFamilies("statekv_serving", {})
+        families.add("requests", GAUGE, {"state": "waiting"}, loop.waiting_now,
+                     "Requests in the serving loop, by state.")
+        families.add("requests", GAUGE, {"state": "parked"}, loop.parked_now)
+        families.add("requests", GAUGE, {"state": "running"},
+                     loop.running_now - loop.parked_now)
+        families.add("requests_cancelled", COUNTER, {}, stats.cancelled,
+                     "Requests cancelled before they finished (the client went away).")
+        families.add("steps", COUNTER, {}, loop.steps, "Steps of the serving loop.")
+        families.add("forward_tokens", COUNTER, {}, loop.forward_tokens,
+                     "Tokens run through the model.")
+        families.add("prompt_tokens_computed", COUNTER, {}, loop.prompt_tokens_computed,
+                     "Prompt tokens the model computed (not taken from the cache).")
+        families.add("generated_tokens", COUNTER, {}, loop.decode_tokens,
+                     "Tokens generated by decode steps.")
+        yield from families
+        yield from self._engine.ttft.collect()
+        yield from self._engine.step_seconds.collect()
+
+
+class Server:
+    """The app's state: the model, the cache, the engine; built by the app's lifespan."""
+
+    def __init__(self, options: ServerOptions, disk_dir: Path) -> None:
+        self.options = options
+        device = resolve_device(options.device)
+        self.model_config = model_config.preset(
+            options.model, num_layers=options.layers, seed=options.seed,
+            vocab_size=tokenizer.VOCAB_SIZE)
+        self.model = model_module.PagedDecoder(self.model_config, device=device)
+        self.cache_config = StateKVConfig(
+            layout=self.model_config.kv_layout(), block_size=options.block_size,
+            gpu=options.gpu_blocks, host=options.host_blocks,
+            reserved_host=options.reserved_host_blocks if options.disk_blocks else 0,
+            disk=options.disk_blocks, disk_dir=disk_dir, device=str(device),
+            model_fingerprint=self.model_config.fingerprint(),
+            max_ttl_seconds=options.max_ttl_seconds, priority_levels=options.priority_levels,
+        )
+        self.context_length = min(options.max_model_len,
+                                  options.gpu_blocks * options.block_size)
+        """Prompt plus generated tokens of one request: the flag, and what the GPU holds."""
+        self.cache = BlockingCache(self.cache_config)
+        try:
+            self.engine = Engine(self.model, self.cache, max_running=options.max_running)
+        except BaseException:
+            self.cache.close(drain=False)
+            raise
+        self.registry = CollectorRegistry()
+        self.registry.register(StateKVCollector(self.cache.statistics))
+        self.registry.register(EngineCollector(self.engine))
+        self._ids = itertools.count()
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.cache.close()
+
+    def next_id(self, kind: str) -> str:
+        return f"{kind}-{next(self._ids)}-{time.time_ns():x}"
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, body: _Common, prompt: tuple[int, ...], max_tokens: int) -> None:
+        """What pydantic cannot know: the served model, the context, the cache's bounds."""
+        if body.model != self.options.served_model_name:
+            raise BadRequest(f"The model `{body.model}` does not exist.", "model", status=404,
+                             code="model_not_found")
+        if body.stream_options is not None and not body.stream:
+            raise BadRequest("stream_options is only allowed when stream is true",
+                             "stream_options")
+        if not prompt:
+            raise BadRequest("the prompt is empty; a request needs at least one token",
+                             "prompt" if isinstance(body, CompletionRequest) else "messages")
+        if len(prompt) + max_tokens > self.context_length:
+            raise BadRequest(
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, you requested {len(prompt) + max_tokens} tokens ({len(prompt)} in "
+                f"the prompt, {max_tokens} for the completion).",
+                "prompt" if isinstance(body, CompletionRequest) else "messages")
+        ttl = body.kv_cache_ttl_seconds
+        if ttl is not None and ttl > self.options.max_ttl_seconds:
+            raise BadRequest(f"kv_cache_ttl_seconds must be <= "
+                             f"{self.options.max_ttl_seconds:g}, got {ttl!r}",
+                             "kv_cache_ttl_seconds")
+        if body.priority >= self.options.priority_levels:
+            raise BadRequest(f"priority must be an integer in [0, "
+                             f"{self.options.priority_levels}), got {body.priority}",
+                             "priority")
+        if body.cache_salt is not None and not is_utf8_encodable(body.cache_salt):
+            raise BadRequest("cache_salt must be encodable as UTF-8", "cache_salt")
+
+    def generate(self, body: _Common, request_id: str, prompt: tuple[int, ...],
+                 max_tokens: int) -> _Stream:
+        stream = _Stream(asyncio.get_running_loop())
+        try:
+            self.engine.submit(GenerateRequest(
+                request_id=request_id, prompt=prompt, max_new_tokens=max_tokens,
+                ttl_seconds=body.kv_cache_ttl_seconds, priority=body.priority,
+                cache_salt=body.cache_salt,
+            ), stream)
+        except EngineStopped as exc:
+            raise BadRequest(str(exc), None, status=503, code="engine_stopped") from None
+        return stream
+
+
+def _completion_prompt(body: CompletionRequest) -> tuple[int, ...]:
+    if isinstance(body.prompt, str):
+        try:
+            return tokenizer.encode(body.prompt)
+        except UnicodeEncodeError:
+            raise BadRequest("prompt must be encodable as UTF-8", "prompt") from None
+    for token in body.prompt:
+        if not 0 <= token < tokenizer.VOCAB_SIZE:
+            raise BadRequest(f"token ids must be in [0, {tokenizer.VOCAB_SIZE}) (one per "
+                             f"byte), got {token}", "prompt")
+    return tuple(body.prompt)
+
+
+def _chat_prompt(body: ChatCompletionRequest) -> tuple[int, ...]:
+    try:
+        return tokenizer.encode(tokenizer.chat_prompt(
+            [(m.role, m.content) for m in body.messages]))
+    except UnicodeEncodeError:
+        raise BadRequest("message content must be encodable as UTF-8", "messages") from None
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)
+    return f"data: {data}\n\n".encode()
+
+
+async def _respond(server: Server, body: _Common, *, chat: bool
+                   ) -> JSONResponse | StreamingResponse:
+    if chat:
+        assert isinstance(body, ChatCompletionRequest)
+        prompt = _chat_prompt(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+    else:
+        assert isinstance(body, CompletionRequest)
+        prompt = _completion_prompt(body)
+        max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
+    server.check(body, prompt, max_tokens)
+    request_id = server.next_id("chatcmpl" if chat else "cmpl")
+    created = int(time.time())
+    model = server.options.served_model_name
+    obj = "chat.completion" if chat else "text_completion"
+    stream = server.generate(body, request_id, prompt, max_tokens)
+
+    if not body.stream:
+        result: serving_loop.RequestResult | None = None
+        try:
+            while result is None:
+                item = await stream.events.get()
+                if isinstance(item, BaseException):
+                    raise BadRequest(f"generation failed: {item}", None, status=500,
+                                     code="engine_error")
+                if isinstance(item, serving_loop.RequestResult):
+                    result = item
+        finally:
+            if result is None:  # cancelled (the server stops) or failed: free its pages
+                server.engine.cancel(request_id)
+        text = tokenizer.decode(result.output)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return JSONResponse({"id": request_id, "object": obj, "created": created,
+                             "model": model, "choices": [choice], "usage": _usage(result)})
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta_text: str | None, finish: str | None, *, role: bool = False
+              ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if delta_text is not None:
+                delta["content"] = delta_text
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta_text or ""
+        payload: dict[str, Any] = {"id": request_id, "object": chunk_obj, "created": created,
+                                   "model": model, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return payload
+
+    async def events() -> AsyncIterator[bytes]:
+        decoder = tokenizer.StreamDecoder()
+        done = False
+        try:
+            if chat:
+                yield _sse(chunk("", None, role=True))
+            while True:
+                item = await stream.events.get()
+                if isinstance(item, BaseException):
+                    yield _sse(_error_body(f"generation failed: {item}", None,
+                                           "engine_error", "server_error"))
+                    done = True
+                    break
+                if isinstance(item, int):
+                    text = decoder.feed([item])
+                    if text:
+                        yield _sse(chunk(text, None))
+                    continue
+                done = True
+                tail = decoder.flush()
+                yield _sse(chunk(tail or ("" if not chat else None), "length"))
+                if include_usage:
+                    usage_chunk: dict[str, Any] = {
+                        "id": request_id, "object": chunk_obj, "created": created,
+                        "model": model, "choices": [], "usage": _usage(item)}
+                    yield _sse(usage_chunk)
+                break
+            yield _sse("[DONE]")
+        finally:
+            if not done:  # the client went away (or the server stops): free its pages
+                server.engine.cancel(request_id)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+# ---------------------------------------------------------------------- the app
+
+
+def create_app(options: ServerOptions) -> FastAPI:
+    """The ASGI app; its lifespan builds the model, opens the cache and starts the engine."""
+    state: dict[str, Server] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        with tempfile.TemporaryDirectory(prefix="statekv-serve-") as tmp:
+            disk_dir = options.disk_dir if options.disk_dir is not None else Path(tmp)
+            server = await asyncio.to_thread(Server, options, disk_dir)
+            state["server"] = server
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(server.close)
+
+    app = FastAPI(title="statekv", lifespan=lifespan)
+
+    def current() -> Server:
+        return state["server"]
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return JSONResponse(_error_body(exc.message, exc.param, exc.code, kind),
+                            status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
+            f"{e.get('msg', 'invalid')}" for e in errors)
+        return JSONResponse(_error_body(message, param, None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(_error_body(str(exc.detail), None, None), status_code=exc.status_code)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
+        return await _respond(current(), body, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest
+                               ) -> JSONResponse | StreamingResponse:
+        return await _respond(current(), body, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        server = current()
+        return {"object": "list", "data": [{
+            "id": options.served_model_name, "object": "model", "created": 0,
+            "owned_by": "statekv", "max_model_len": server.context_length}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # Off the event loop: the engine's figures are read between two of its steps.
+        data = await asyncio.to_thread(generate_latest, current().registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    app.state.statekv = state
+    return app
+
+
+def server_of(app: FastAPI) -> Server:
+    """The running app's Server (for tests and embedding): its engine and cache."""
+    state: dict[str, Server] = app.state.statekv
+    return state["server"]
+
+
+def run_server(options: ServerOptions, listener: socket.socket, *,
+               log_level: str = "info") -> None:
+    """Serve on `listener` until interrupted (uvicorn handles SIGINT and SIGTERM)."""
+    config = uvicorn.Config(create_app(options), log_level=log_level, lifespan="on")
+    uvicorn.Server(config).run(sockets=[listener])

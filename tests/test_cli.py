@@ -1,0 +1,191 @@
+"""The `statekv` command: every user mistake gets one line and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve.cli import EXIT_INTERRUPTED, EXIT_USAGE, build_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
+STATEKV = [sys.executable, "-c", "import sys; from serve.cli import main; sys.exit(main())"]
+SMALL_DEMO = ["demo", "--users", "2", "--rounds", "2", "--system-tokens", "16",
+              "--question-tokens", "8", "--answer-tokens", "4"]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The command in a fresh interpreter, its output not a terminal."""
+    return subprocess.run([*STATEKV, *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=timeout, check=False)
+
+
+def one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------- the parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found.extend(_subparsers(sub))
+    return found
+
+
+def test_every_flag_has_help_text_that_states_its_default() -> None:
+    for parser in _subparsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._VersionAction
+                          | argparse._SubParsersAction) or not action.option_strings:
+                continue
+            assert action.help, f"{parser.prog} {action.option_strings} has no help"
+            if not isinstance(action, argparse._StoreTrueAction) and action.choices is None:
+                assert "default" in action.help, (parser.prog, action.option_strings)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "statekv 0.1.0"
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["demo", "--users", "0"], "--users"),
+    (["demo", "--gpu-blocks", "-1"], "--gpu-blocks"),
+    (["demo", "--ttl", "-5"], "--ttl"),
+    (["demo", "--ttl", "nan"], "--ttl"),
+    (["demo", "--ttl", "soon"], "--ttl"),
+    (["demo", "--arrival-rate", "0"], "--arrival-rate"),
+    (["demo", "--block-size", "0"], "--block-size"),
+    (["demo", "--block-size", "4097"], "--block-size"),
+    (["demo", "--retained-fraction", "1.5"], "--retained-fraction"),
+    (["demo", "--device", "tpu"], "--device"),
+    (["demo", "--seed", "-1"], "--seed"),
+    (["demo", "--model", "huge"], "--model"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--max-model-len", "1"], "--max-model-len"),
+    (["trace", "summary", "t.jsonl", "--top", "0"], "--top"),
+    (["frobnicate"], "COMMAND"),
+])
+def test_a_bad_flag_value_is_one_line_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == EXIT_USAGE
+    captured = capsys.readouterr()
+    line = one_line_error(captured.err)
+    assert flag in line and "error" in line
+    assert captured.out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--device", "cuda"]) == EXIT_USAGE
+    assert "--device" in one_line_error(capsys.readouterr().err)
+
+
+def test_disk_dir_naming_a_file_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    for where in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
+        assert main(["demo", "--disk-dir", str(where)]) == EXIT_USAGE
+        assert "--disk-dir" in one_line_error(capsys.readouterr().err)
+
+
+def test_output_into_a_missing_directory_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing" / "x.json"
+    for argv in (["trace", "perfetto", "t.jsonl", "-o", str(missing)],
+                 ["trace", "view", "t.jsonl", "-o", str(missing)],
+                 ["demo", "--trace", str(missing)]):
+        assert main(argv) == EXIT_USAGE
+        assert "does not exist" in one_line_error(capsys.readouterr().err)
+    assert not missing.parent.exists()
+
+
+def test_a_typed_error_from_below_is_one_line_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The cache's own ConfigError (a disk tier with no host tier to spill from)."""
+    argv = [*SMALL_DEMO, "--host-blocks", "0", "--reserved-host-blocks", "0", "--no-identity"]
+    assert main(argv) == EXIT_USAGE
+    line = one_line_error(capsys.readouterr().err)
+    assert line.startswith("statekv demo: error: argument --disk-blocks: disk_blocks:")
+
+
+def test_a_gpu_pool_too_small_for_one_request_names_gpu_blocks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SMALL_DEMO, "--gpu-blocks", "1", "--no-identity"]) == EXIT_USAGE
+    assert "argument --gpu-blocks: 1 blocks" in one_line_error(capsys.readouterr().err)
+
+
+def test_a_busy_port_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == EXIT_USAGE
+    assert f"--port: cannot listen on 127.0.0.1:{port}" in one_line_error(
+        capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------- runs
+
+
+def test_block_counts_follow_the_block_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """--block-size 3 alone used to start and then fail: the other budgets are in tokens."""
+    assert main([*SMALL_DEMO, "--block-size", "3"]) == 0
+    out = capsys.readouterr().out
+    # 640 GPU tokens, 128 host (+128 reserved), 65536 disk tokens, in blocks of 3.
+    assert "GPU 214 blocks, host 43+43, disk 21846 blocks of 3 tokens" in out
+    assert re.search(r"identity vs unlimited GPU +PASS: 4/4", out)
+
+
+def test_demo_marks_the_figures_that_depend_on_timing_and_stays_quiet_in_a_log() -> None:
+    done = run_cli(*SMALL_DEMO)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "\r" not in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("  ")]
+    timed = {line.split(" ~ ")[0].strip() for line in rows if " ~ " in line}
+    assert {"served from disk", "TTFT p50 / p99", "wall time", "spills (host -> disk)"} <= timed
+    assert {"prompt tokens", "identity vs unlimited GPU"}.isdisjoint(timed)
+    assert any(line.strip().startswith("prompt tokens") for line in rows)
+    assert "~ depends on timing" in done.stdout
+
+
+def test_ctrl_c_ends_with_status_130_and_no_traceback() -> None:
+    process = subprocess.Popen(
+        [*STATEKV, "demo", "--users", "64", "--rounds", "64", "--arrival-rate", "1"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert process.stdout is not None
+    first = process.stdout.readline()  # the demo has started serving
+    assert first.startswith("model tiny")
+    os.kill(process.pid, signal.SIGINT)
+    _out, err = process.communicate(timeout=120)
+    assert process.returncode == EXIT_INTERRUPTED, err
+    assert err.strip() == "statekv demo: interrupted"
+
+
+def test_the_console_script_is_the_command() -> None:
+    script = Path(sys.executable).parent / "statekv"
+    done = subprocess.run([str(script), "demo", "--users", "0"], capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == EXIT_USAGE
+    assert "--users" in one_line_error(done.stderr)
