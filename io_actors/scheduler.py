@@ -92,7 +92,8 @@ class CloseReport:
     drained: bool
     """Whether in-flight transfers were allowed to finish."""
     writes_dropped: int
-    """Spills queued but not started when the cache closed (their content was not kept)."""
+    """Block spills queued but not started when the cache closed (their content was not
+    kept); every CloseReport count is in block transfers, not batches."""
     reads_dropped: int
     writes_finished_during_close: int
     reads_finished_during_close: int
@@ -452,8 +453,10 @@ class Scheduler:
             self._closed = True
         self._pump()
         writes_dropped = reads_dropped = 0
-        busy_writes = (self._writer.busy if self._writer else 0) + len(self._spill_backlog)
-        busy_reads = self._reader.busy if self._reader else 0
+        # Counted in block transfers, as the core counts them (a job is a batch of them).
+        with self._lock:
+            in_flight = self._core.statistics()
+        busy_writes, busy_reads = in_flight.writes_in_flight, in_flight.reads_in_flight
         if drain:
             with trio.move_on_after(timeout):
                 while (self._spill_backlog or (self._writer and self._writer.busy)
@@ -462,14 +465,17 @@ class Scheduler:
         self._spill_wakeup.set()
         if self._writer is not None:
             dropped = self._writer.close_queue(drop_queued=True)
-            writes_dropped += len(dropped)
+            writes_dropped += sum(len(job.command.writes) for job in dropped)
             # The feeder may be waiting in submit() with the backlog's first job: draining the
             # full queue let that job in, and close_queue dropped it already.
             taken = {id(job) for job in dropped}
-            writes_dropped += sum(1 for job in self._spill_backlog if id(job) not in taken)
+            writes_dropped += sum(len(job.command.writes) for job in self._spill_backlog
+                                  if id(job) not in taken)
         self._spill_backlog.clear()
         if self._reader is not None:
-            reads_dropped += len(self._reader.close_queue(drop_queued=True))
+            reads_dropped += sum(
+                len(job.command.reads) for job in self._reader.close_queue(drop_queued=True)
+            )
         # Jobs already in a thread cannot be abandoned (the thread owns the buffers): wait.
         while (self._writer and self._writer.busy) or (self._reader and self._reader.busy):
             await trio.sleep(0.001)
