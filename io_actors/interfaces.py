@@ -52,6 +52,9 @@ class CopyEngine(Protocol):
 
     def copy_host_to_gpu(self, host_page: PageId, gpu_page: PageId) -> None: ...
 
+    def copy_pages(self, pairs: Sequence[tuple[PageId, PageId]], *, to_gpu: bool) -> None:
+        """Many copies of one direction, in order: (source, destination) page pairs."""
+
     def fence(self) -> Fence:
         """A fence after every copy enqueued so far (writers and readers wait on it)."""
         ...

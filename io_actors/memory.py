@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from typing import Final
 
 import attrs
@@ -329,6 +330,48 @@ class TorchCopyEngine:
         with self._lock:
             self._enqueue(dst, src)
             self._copies_to_gpu += 1
+
+    def copy_pages(
+        self, pairs: Sequence[tuple[PageId, PageId]], *, to_gpu: bool
+    ) -> None:
+        """Enqueue many page copies, in order, as one call: (source page, destination page)
+        pairs, host -> GPU when `to_gpu`, else GPU -> host.
+
+        One lock, one wait on the compute stream and one stream switch for the whole list,
+        and one copy per run of pages consecutive on both sides (a run of blocks is one DMA):
+        the serving thread pays per batch what it paid per block.
+        """
+        if not pairs:
+            return
+        pools = self._pools
+        src_pool, dst_pool = (pools.host, pools.gpu) if to_gpu else (pools.gpu, pools.host)
+        src_pages, dst_pages = (pools.host_pages, pools.gpu_pages) if to_gpu else (
+            pools.gpu_pages, pools.host_pages)
+        runs: list[tuple[int, int, int]] = []
+        for src, dst in pairs:
+            if not (0 <= src < src_pages and 0 <= dst < dst_pages):
+                raise UsageError("pairs", f"page pair {(src, dst)} out of range")
+            if runs:
+                s0, d0, n = runs[-1]
+                if src == s0 + n and dst == d0 + n:
+                    runs[-1] = (s0, d0, n + 1)
+                    continue
+            runs.append((src, dst, 1))
+        with self._lock:
+            if self._stream is None or self._compute is None:
+                for s0, d0, n in runs:
+                    dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n])
+            else:
+                self._stream.wait_stream(self._compute)
+                with torch.cuda.stream(self._stream):
+                    for s0, d0, n in runs:
+                        dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
+                                                    non_blocking=self._non_blocking)
+                self._pending_for_compute = True
+            if to_gpu:
+                self._copies_to_gpu += len(pairs)
+            else:
+                self._copies_to_host += len(pairs)
 
     def _enqueue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._stream is None or self._compute is None:

@@ -315,16 +315,26 @@ class Scheduler:
         copied = False
         fence = None
         inline: list[WriteJob | ReadJob] = []
+        # Consecutive copies of one direction go to the copy engine as one call (the order
+        # of all copies is kept: a direction change flushes the run).
+        run: list[tuple[PageId, PageId]] = []
+        run_to_gpu = False
         for cmd in commands:
-            if isinstance(cmd, CopyGpuToHost):
-                copies.copy_gpu_to_host(cmd.gpu_page, cmd.host_page)
+            if isinstance(cmd, CopyGpuToHost | CopyHostToGpu):
+                to_gpu = isinstance(cmd, CopyHostToGpu)
+                if run and to_gpu != run_to_gpu:
+                    copies.copy_pages(run, to_gpu=run_to_gpu)
+                    run = []
+                run_to_gpu = to_gpu
+                run.append((cmd.host_page, cmd.gpu_page) if to_gpu
+                           else (cmd.gpu_page, cmd.host_page))
                 copied = True
                 fence = None
-            elif isinstance(cmd, CopyHostToGpu):
-                copies.copy_host_to_gpu(cmd.host_page, cmd.gpu_page)
-                copied = True
-                fence = None
-            elif isinstance(cmd, WriteSlots | ReadSlots):
+                continue
+            if run:
+                copies.copy_pages(run, to_gpu=run_to_gpu)
+                run = []
+            if isinstance(cmd, WriteSlots | ReadSlots):
                 for item in cmd.writes if isinstance(cmd, WriteSlots) else cmd.reads:
                     if item.slot in self._slots_in_flight:
                         raise InvariantViolation(
@@ -345,6 +355,8 @@ class Scheduler:
                 if self._store is not None:
                     self._store.discard(cmd.slot)
                 self._slots_discarded += 1
+        if run:
+            copies.copy_pages(run, to_gpu=run_to_gpu)
         if copied:
             copies.order_before_compute()
         if inline:

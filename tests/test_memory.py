@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,6 +19,10 @@ from statekv.errors import ConfigError, UsageError
 from statekv.ids import PageId
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+
+
+DEVICE = os.environ.get("STATEKV_TEST_DEVICE", "cpu")
+"""The GPU machine runs the batch copy test on CUDA (STATEKV_TEST_DEVICE=cuda)."""
 
 
 def config(**overrides: object) -> CacheConfig:
@@ -175,6 +181,39 @@ def test_copies_run_in_command_order() -> None:
     engine.fence().wait()
     assert torch.equal(pools.gpu_page(PageId(0)), second)
     assert torch.equal(pools.gpu_page(PageId(2)), first)
+
+
+@pytest.mark.parametrize("pairs", [
+    [(0, 2), (1, 3)],          # one run: one copy
+    [(1, 0), (0, 2), (2, 1)],  # no runs
+    [(0, 0), (1, 1), (3, 4)],  # a run and a lone page
+], ids=["run", "scattered", "mixed"])
+def test_a_batch_of_page_copies_moves_every_page_to_its_destination(
+    pairs: list[tuple[int, int]],
+) -> None:
+    pools = KVPools(config(), DEVICE)
+    engine = TorchCopyEngine(pools)
+    originals = {h: fill(pools.host_page(PageId(h)), 10 + h).clone() for h, _g in pairs}
+    engine.copy_pages([(PageId(h), PageId(g)) for h, g in pairs], to_gpu=True)
+    engine.fence().wait()
+    for h, g in pairs:
+        assert torch.equal(pools.gpu_page(PageId(g)).cpu(), originals[h].cpu())
+    back = [(PageId(g), PageId(h)) for h, g in pairs]
+    for h, _g in pairs:
+        pools.host_page(PageId(h)).zero_()
+    engine.copy_pages(back, to_gpu=False)
+    engine.fence().wait()
+    for h, _g in pairs:
+        assert torch.equal(pools.host_page(PageId(h)).cpu(), originals[h].cpu())
+    assert engine.statistics().copies_to_gpu == engine.statistics().copies_to_host == len(pairs)
+
+
+def test_a_batch_of_copies_refuses_a_page_out_of_range_before_copying() -> None:
+    pools = KVPools(config(), "cpu")
+    engine = TorchCopyEngine(pools)
+    with pytest.raises(UsageError):
+        engine.copy_pages([(PageId(0), PageId(0)), (PageId(99), PageId(1))], to_gpu=True)
+    assert engine.statistics().copies_to_gpu == 0
 
 
 def test_staging_buffer_copies_into_a_gpu_page() -> None:
