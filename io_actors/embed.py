@@ -215,7 +215,7 @@ async def open_cache(
         writer = reader = None
         if store is not None and inline is None:
             writer = WriterPool(
-                store, pools.host_page, workers=config.writers,
+                store, pools.host_page, host_crcs=pools.host_crcs, workers=config.writers,
                 queue_depth=config.write_queue_depth, gate=gate,
                 report=scheduler.report_completion,
             )

@@ -45,7 +45,8 @@ extern "C" __global__ void crc32_pages(
     const unsigned int* table,        // the 256-entry CRC-32 table
     const unsigned int* shifts,       // [chunks][1024]: byte tables of Z^(CHUNK*(chunks-1-k))
     unsigned int zeros_crc,           // crc32 of `length` zero bytes
-    unsigned int* out)                // one CRC per page
+    unsigned int* out,                // the CRCs (device memory, or pinned host memory)
+    const long long* out_index)       // where page k's CRC goes (null: at k)
 {
     __shared__ unsigned int t[256];
     __shared__ unsigned int red[THREADS];
@@ -69,7 +70,8 @@ extern "C" __global__ void crc32_pages(
         if (threadIdx.x < w) red[threadIdx.x] ^= red[threadIdx.x + w];
         __syncthreads();
     }
-    if (threadIdx.x == 0) out[blockIdx.x] = red[0] ^ zeros_crc;
+    if (threadIdx.x == 0)
+        out[out_index ? out_index[blockIdx.x] : blockIdx.x] = red[0] ^ zeros_crc;
 }
 """
 
@@ -98,12 +100,7 @@ def have_kernel() -> bool:
     return _kernel() is not None
 
 
-def payload_checksums_cuda(pages: Sequence[torch.Tensor]) -> list[int]:
-    """``zlib.crc32`` of each page: contiguous 1-D uint8 CUDA tensors of one length, on one
-    device.  Runs on the current stream and reads the results back with one synchronizing
-    copy."""
-    if not pages:
-        return []
+def _check_pages(pages: Sequence[torch.Tensor]) -> int:
     first = pages[0]
     length = first.numel()
     for page in pages:
@@ -114,18 +111,22 @@ def payload_checksums_cuda(pages: Sequence[torch.Tensor]) -> list[int]:
         ):
             raise UsageError("pages", "must be contiguous 1-D uint8 CUDA tensors of one length "
                              "on one device")
-    kernel = _kernel()
-    if kernel is None or length == 0:
-        return [payload_checksum_torch(page) for page in pages]
+    return length
+
+
+def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
+            index: torch.Tensor | None) -> None:
+    """Enqueue the kernel on the current stream (no synchronization)."""
     import cupy
     import numpy as np
 
-    device = first.device
+    kernel = _kernel()
+    assert kernel is not None
+    device = pages[0].device
     chunks = -(-length // _CRC_CHUNK)
     _position, shifts = _crc_device_tables(device, chunks)
     table = _table(device)
     addresses = torch.tensor([p.data_ptr() for p in pages], dtype=torch.int64).to(device)
-    out = torch.empty(len(pages), dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
         kernel(
@@ -134,6 +135,46 @@ def payload_checksums_cuda(pages: Sequence[torch.Tensor]) -> list[int]:
                 np.uint64(addresses.data_ptr()), np.int64(length), np.int32(chunks),
                 np.uint64(table.data_ptr()), np.uint64(shifts.data_ptr()),
                 np.uint32(_crc_of_zeros(length)), np.uint64(out.data_ptr()),
+                np.uint64(0 if index is None else index.data_ptr()),
             ),
         )
+    # The small index tensors must outlive the kernel: keep them until the stream passes.
+    addresses.record_stream(stream)
+    if index is not None:
+        index.record_stream(stream)
+
+
+def payload_checksums_cuda(pages: Sequence[torch.Tensor]) -> list[int]:
+    """``zlib.crc32`` of each page: contiguous 1-D uint8 CUDA tensors of one length, on one
+    device.  Runs on the current stream and reads the results back with one synchronizing
+    copy."""
+    if not pages:
+        return []
+    length = _check_pages(pages)
+    if _kernel() is None or length == 0:
+        return [payload_checksum_torch(page) for page in pages]
+    out = torch.empty(len(pages), dtype=torch.int32, device=pages[0].device)
+    _launch(pages, length, out, None)
     return [int(v) & 0xFFFFFFFF for v in out.cpu().tolist()]
+
+
+def checksums_into(pages: Sequence[torch.Tensor], out: torch.Tensor,
+                   slots: Sequence[int]) -> None:
+    """Enqueue on the current stream: ``out[slots[k]] = zlib.crc32(pages[k])``, without
+    waiting.  `out` is int32, on the pages' device or in pinned host memory (which a CUDA
+    kernel writes directly: pinned memory is mapped into the device's address space under
+    unified addressing).  Whoever reads an entry first waits for an event recorded after
+    this call on the same stream.  Needs the kernel (``have_kernel()``)."""
+    if not pages:
+        return
+    length = _check_pages(pages)
+    if _kernel() is None:
+        raise UsageError("pages", "checksums_into needs cupy")
+    if (out.dtype != torch.int32 or out.dim() != 1 or not out.is_contiguous()
+            or not (out.device == pages[0].device or out.is_pinned())):
+        raise UsageError("out", "must be a contiguous 1-D int32 tensor on the pages' device "
+                         "or in pinned host memory")
+    if len(slots) != len(pages) or not all(0 <= s < out.numel() for s in slots):
+        raise UsageError("slots", "one index into `out` per page")
+    index = torch.tensor(list(slots), dtype=torch.int64).to(pages[0].device)
+    _launch(pages, length, out, index)

@@ -30,6 +30,10 @@ class SlotIO:
     key: BlockHash
     buffer: torch.Tensor
     """uint8, one block: a host page to write from, or a page or staging view to read into."""
+    crc: int | None = None
+    """A write's payload checksum when it was computed elsewhere (on the GPU, by the copy
+    that filled the host page); None: the store computes it.  A wrong value can only make
+    the slot fail its check when read back, never serve wrong bytes."""
 
 
 BatchOutcome = list[TransferFailed | None]

@@ -22,6 +22,7 @@ from typing import Final
 import attrs
 import torch
 
+from io_actors.gpu_checksum import checksums_into, have_kernel
 from io_actors.interfaces import Fence
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
@@ -128,6 +129,11 @@ class KVPools:
         self.gpu: Final = self._allocate_gpu()
         self.host_pinned: bool = False
         self.host: Final = self._allocate_host()
+        self.host_crcs: torch.Tensor | None = self._allocate_host_crcs()
+        """The payload checksum of each host page's content, computed on the GPU by the copy
+        that filled it (one kernel per batch of copies), so that a spill writes it into the
+        slot header without a CPU pass over the bytes.  None where that cannot run (no CUDA,
+        unpinned host pool, or no cupy): writers then checksum on the CPU."""
 
     def _check_fits(self, field: str, pages: int, *, on_host: bool) -> None:
         # Host allocations are lazily committed (overcommit): without this check an absurd
@@ -174,6 +180,13 @@ class KVPools:
                 f"{self.block_nbytes} bytes: {exc}"
             ) from None
         return flat.view(self.dtype).view(shape)
+
+    def _allocate_host_crcs(self) -> torch.Tensor | None:
+        if self.device.type != "cuda" or not self.host_pinned or self.host_pages == 0:
+            return None
+        if not have_kernel():
+            return None
+        return torch.zeros(self.host_pages, dtype=torch.int32, pin_memory=True)
 
     def gpu_page(self, page: PageId) -> torch.Tensor:
         """One GPU page as a 1-D uint8 view of its block_nbytes bytes."""
@@ -300,6 +313,10 @@ class TorchCopyEngine:
         self._non_blocking = self._async and pools.host_pinned
 
     def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
+        if self._pools.host_crcs is not None:
+            # The page's checksum must be recorded with it: the batched path does that.
+            self.copy_pages([(gpu_page, host_page)], to_gpu=False)
+            return
         src = self._pools.gpu_page(gpu_page)
         dst = self._pools.host_page(host_page)
         with self._lock:
@@ -367,6 +384,11 @@ class TorchCopyEngine:
                     for s0, d0, n in runs:
                         dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
                                                     non_blocking=self._non_blocking)
+                    if not to_gpu and pools.host_crcs is not None:
+                        # The host pages' checksums, from the GPU pages they were copied
+                        # from, behind the copies on the same stream (fences cover it).
+                        checksums_into([pools.gpu_page(src) for src, _dst in pairs],
+                                       pools.host_crcs, [dst for _src, dst in pairs])
                 self._pending_for_compute = True
             if to_gpu:
                 self._copies_to_gpu += len(pairs)

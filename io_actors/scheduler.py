@@ -117,7 +117,8 @@ class InlineIO:
     def execute(self, job: WriteJob | ReadJob) -> Completion:
         if isinstance(job, WriteJob):
             if self._writer is None:
-                self._writer = SlotWriter(self._store, self._pools.host_page)
+                self._writer = SlotWriter(self._store, self._pools.host_page,
+                                          self._pools.host_crcs)
             return self._writer.execute(job)
         if self._reader is None:
             self._reader = SlotReader(self._store, self._pools.gpu_page,

@@ -44,17 +44,26 @@ class WriteJob:
 class SlotWriter:
     """One worker thread's executor."""
 
-    def __init__(self, store: SlotStore, host_page: Callable[[PageId], torch.Tensor]) -> None:
+    def __init__(
+        self, store: SlotStore, host_page: Callable[[PageId], torch.Tensor],
+        host_crcs: torch.Tensor | None = None,
+    ) -> None:
         self._store = store
         self._host_page = host_page
+        # KVPools.host_crcs, read after the fence (the kernel that wrote an entry ran on the
+        # copy stream before it): no CPU pass over the payload.
+        self._crcs = None if host_crcs is None else host_crcs.numpy()
 
     def execute(self, job: WriteJob) -> Completion:
         writes = job.command.writes
         page = self._host_page
         job.fence.wait()
-        results = self._store.write_many(
-            [SlotIO(cmd.slot, cmd.key, page(cmd.host_page)) for cmd in writes]
-        )
+        crcs = self._crcs
+        results = self._store.write_many([
+            SlotIO(cmd.slot, cmd.key, page(cmd.host_page),
+                   None if crcs is None else int(crcs[cmd.host_page]) & 0xFFFFFFFF)
+            for cmd in writes
+        ])
         outcomes: list[TransferOutcome] = []
         for cmd, error in zip(writes, results, strict=True):
             if error is None:
@@ -77,6 +86,7 @@ class WriterPool(WorkerThreads[WriteJob]):
         store: SlotStore,
         host_page: Callable[[PageId], torch.Tensor],
         *,
+        host_crcs: torch.Tensor | None = None,
         workers: int,
         queue_depth: int,
         gate: CompletionGate,
@@ -84,6 +94,6 @@ class WriterPool(WorkerThreads[WriteJob]):
     ) -> None:
         super().__init__(
             "writer", workers=workers, queue_depth=queue_depth,
-            make_worker=lambda _index: SlotWriter(store, host_page),
+            make_worker=lambda _index: SlotWriter(store, host_page, host_crcs),
             gate=gate, report=report,
         )

@@ -186,3 +186,29 @@ def test_the_batched_gpu_checksum_is_zlib_crc32(length: int) -> None:
              for _ in range(5)]
     expected = [zlib.crc32(p.numpy().tobytes()) for p in pages]
     assert payload_checksums_cuda([p.cuda() for p in pages]) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copying_pages_to_host_records_their_checksums_on_the_gpu() -> None:
+    from io_actors.gpu_checksum import have_kernel
+    from io_actors.memory import KVPools, TorchCopyEngine
+    from statekv.config import CacheConfig
+    from statekv.ids import PageId
+
+    pools = KVPools(CacheConfig(block_size=8, gpu_blocks=6, host_blocks=6,
+                                layout=config().layout), "cuda")
+    if not have_kernel():
+        pytest.skip("needs cupy")
+    assert pools.host_crcs is not None
+    gen = torch.Generator().manual_seed(7)
+    for page in range(6):
+        pools.gpu_page(PageId(page)).copy_(
+            torch.randint(0, 256, (pools.block_nbytes,), dtype=torch.uint8, generator=gen))
+    engine = TorchCopyEngine(pools)
+    pairs = [(PageId(g), PageId(h)) for g, h in [(0, 5), (1, 0), (2, 1), (4, 3)]]
+    engine.copy_pages(pairs, to_gpu=False)
+    engine.fence().wait()
+    for _g, h in pairs:
+        expected = zlib.crc32(pools.host_page(h).numpy().tobytes())
+        assert int(pools.host_crcs[h]) & 0xFFFFFFFF == expected

@@ -538,9 +538,9 @@ class PosixSlotStore:
         for n, i in enumerate(run):
             item = items[i]
             payload = host_view(item.buffer)
+            crc = payload_checksum(payload) if item.crc is None else item.crc
             SlotHeader(
-                slot=item.slot, key=item.key, payload_len=self._payload_len,
-                payload_crc=payload_checksum(payload),
+                slot=item.slot, key=item.key, payload_len=self._payload_len, payload_crc=crc,
             ).pack_into(headers.views[n])
             iov += self._iov(item, headers.views[n], self._zero_pad_view)
         self._vector_io(os.pwritev, "write", items, run, iov, out)
