@@ -48,11 +48,9 @@ from io_actors.backends.posix import (
     PosixSlotStore,
     SlotStoreStatistics,
     check_block_tensor,
-    host_view,
 )
 from io_actors.gpu_checksum import payload_checksums_cuda
 from io_actors.interfaces import BatchOutcome, SlotIO
-from io_actors.memory import page_aligned_buffer
 from io_actors.slot_format import (
     HEADER_SIZE,
     SlotExtent,
@@ -232,44 +230,44 @@ class KvikioSlotStore:
 
     def _read_batch_to_device(self, items: list[SlotIO], payload_len: int) -> BatchOutcome:
         out: BatchOutcome = [None] * len(items)
-        headers = page_aligned_buffer(len(items) * HEADER_SIZE)
-        pending: list[tuple[int, Any, Any]] = []
+        pending: list[tuple[int, Any]] = []
         for n, item in enumerate(items):
-            offset = self._host.slot_extent(item.slot).offset
+            offset = self._host.slot_extent(item.slot).offset + HEADER_SIZE
             try:
-                head = self._file.pread(
-                    headers[n * HEADER_SIZE : (n + 1) * HEADER_SIZE].numpy(), HEADER_SIZE,
-                    offset,
-                )
-                body = self._file.pread(item.buffer, payload_len, offset + HEADER_SIZE)
+                pending.append((n, self._file.pread(item.buffer, payload_len, offset)))
             except Exception as exc:
                 out[n] = TransferFailed(f"slot {item.slot}", f"kvikio read failed: {exc}")
-                continue
-            pending.append((n, head, body))
-        landed: list[tuple[int, SlotHeader]] = []
-        for n, head, body in pending:
-            what = f"slot {items[n].slot}"
+        # While kvikio's pool moves the payloads, read the headers through the POSIX store's
+        # O_DIRECT descriptor.  Not through kvikio: its buffered host reads of the 4 KiB in
+        # front of each payload pulled the payload into the page cache too, and the direct
+        # payload reads of the same ranges then ran at a tenth of the disk's rate (measured
+        # on the H200 machine: 0.11 GB/s against 1.34 for the payload reads alone).
+        headers: dict[int, SlotHeader] = {}
+        for n, _future in pending:
+            item = items[n]
+            what = f"slot {item.slot}"
             try:
-                got_head, got = head.get(), body.get()
-            except Exception as exc:
-                out[n] = TransferFailed(what, f"kvikio read failed: {exc}")
-                continue
-            if got_head != HEADER_SIZE or got != payload_len:
-                out[n] = TransferFailed(
-                    what, f"short read: {got_head} header and {got} of {payload_len} "
-                    "payload bytes"
-                )
-                continue
-            try:
-                header = SlotHeader.unpack(
-                    host_view(headers[n * HEADER_SIZE : (n + 1) * HEADER_SIZE]), what=what
-                )
-                verify_header(header, what=what, slot=items[n].slot, key=items[n].key,
+                header = self._host.read_header(item.slot)
+                verify_header(header, what=what, slot=item.slot, key=item.key,
                               payload_len=payload_len)
             except TransferFailed as exc:
                 out[n] = exc
+            else:
+                headers[n] = header
+        landed: list[tuple[int, SlotHeader]] = []
+        for n, future in pending:
+            what = f"slot {items[n].slot}"
+            try:
+                got = future.get()
+            except Exception as exc:
+                out[n] = TransferFailed(what, f"kvikio read failed: {exc}")
                 continue
-            landed.append((n, header))
+            if out[n] is not None:
+                continue
+            if got != payload_len:
+                out[n] = TransferFailed(what, f"short read: {got} of {payload_len} payload bytes")
+                continue
+            landed.append((n, headers[n]))
         if not landed:
             return out
         try:
