@@ -114,6 +114,17 @@ def _check_pages(pages: Sequence[torch.Tensor]) -> int:
     return length
 
 
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 array on `device`, copied from pinned memory without waiting.
+
+    A copy from pageable memory would block the calling thread until the current stream had
+    drained everything queued before it -- on the copy stream, every page copy of the batch:
+    the serving thread stalled there (py-spy on the H200 machine).  torch's pinned allocator
+    keeps the source alive until the copy has run.
+    """
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
 def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
             index: torch.Tensor | None) -> None:
     """Enqueue the kernel on the current stream (no synchronization)."""
@@ -126,7 +137,7 @@ def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
     chunks = -(-length // _CRC_CHUNK)
     _position, shifts = _crc_device_tables(device, chunks)
     table = _table(device)
-    addresses = torch.tensor([p.data_ptr() for p in pages], dtype=torch.int64).to(device)
+    addresses = _to_device([p.data_ptr() for p in pages], device)
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
         kernel(
@@ -142,6 +153,20 @@ def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
     addresses.record_stream(stream)
     if index is not None:
         index.record_stream(stream)
+
+
+def warm_up(length: int, device: torch.device) -> None:
+    """Compile the kernel and build the tables for pages of `length` bytes on `device`, now.
+
+    The first call otherwise pays for both (about 0.7 s on the H200 machine, measured): on a
+    serving thread's first eviction, or inside the first batch of reads.  Caches open their
+    pools and stores with this.
+    """
+    if _kernel() is None or length <= 0:
+        return
+    page = torch.zeros(length, dtype=torch.uint8, device=device)
+    with torch.cuda.device(device):
+        payload_checksums_cuda([page])
 
 
 def payload_checksums_cuda(pages: Sequence[torch.Tensor]) -> list[int]:
@@ -176,5 +201,5 @@ def checksums_into(pages: Sequence[torch.Tensor], out: torch.Tensor,
                          "or in pinned host memory")
     if len(slots) != len(pages) or not all(0 <= s < out.numel() for s in slots):
         raise UsageError("slots", "one index into `out` per page")
-    index = torch.tensor(list(slots), dtype=torch.int64).to(pages[0].device)
+    index = _to_device(list(slots), pages[0].device)
     _launch(pages, length, out, index)

@@ -22,7 +22,7 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.gpu_checksum import checksums_into, have_kernel
+from io_actors.gpu_checksum import checksums_into, have_kernel, warm_up
 from io_actors.interfaces import Fence
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
@@ -186,6 +186,7 @@ class KVPools:
             return None
         if not have_kernel():
             return None
+        warm_up(self.block_nbytes, self.device)
         return torch.zeros(self.host_pages, dtype=torch.int32, pin_memory=True)
 
     def gpu_page(self, page: PageId) -> torch.Tensor:
