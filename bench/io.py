@@ -108,8 +108,38 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         stats = cache.statistics().cache
         assert stats.io_errors == 0 and stats.writes_in_flight == 0, stats
         cache.release("again")
+        if args.backend == "kvikio":
+            out["kvikio_gb_per_s"] = kvikio_own_rate(config, n)
     out["block_bytes"] = block_bytes
     return out
+
+
+def kvikio_own_rate(config: StateKVConfig, blocks: int) -> float:
+    """kvikio alone, same run: the payloads of `blocks` slots of the cache's data file read
+    into GPU memory with every pread submitted at once, as many kvikio threads as the
+    environment gives it (KVIKIO_NTHREADS); no headers, no checksums, no statekv.  The slots
+    were last touched with O_DIRECT, so the page cache holds none of them."""
+    import kvikio
+
+    from io_actors.backends.posix import DATA_FILE
+    from io_actors.slot_format import HEADER_SIZE, slot_nbytes
+
+    directory = config.rank_directory()
+    assert directory is not None
+    payload = config.block_bytes
+    stride = slot_nbytes(payload)
+    dst = torch.empty((blocks, payload), dtype=torch.uint8, device="cuda")
+    handle = kvikio.CuFile(str(directory / DATA_FILE), "r")
+    try:
+        start = time.perf_counter()
+        futures = [handle.pread(dst[i], payload, i * stride + HEADER_SIZE) for i in range(blocks)]
+        for future in futures:
+            future.get()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    finally:
+        handle.close()
+    return blocks * payload / seconds / 1e9
 
 
 def recall_rate(args: argparse.Namespace) -> float:
@@ -330,6 +360,9 @@ def main() -> int:
         ("recall host->GPU", recall, h2d, "pinned H2D copy" if torch.cuda.is_available()
          else "host memcpy"),
     ]
+    if "kvikio_gb_per_s" in phases:
+        rows.append(("onboard vs kvikio", phases["onboard_gb_per_s"], phases["kvikio_gb_per_s"],
+                     "kvikio's own read"))
     for name, value, limit, limit_name in rows:
         print(f"{name:<20}{value:8.2f} GB/s  vs {limit:8.2f} GB/s {limit_name:<20} "
               f"= {value / limit:5.2f}x")
@@ -344,8 +377,8 @@ def main() -> int:
     if args.write:
         figures: dict[str, dict[str, object]] = {}
         for key, (name, value, limit, limit_name) in zip(
-            ("spill_host_to_disk", "onboard_disk_to_gpu", "recall_host_to_gpu"), rows,
-            strict=True,
+            ("spill_host_to_disk", "onboard_disk_to_gpu", "recall_host_to_gpu",
+             "onboard_vs_kvikio_alone")[: len(rows)], rows, strict=True,
         ):
             del name
             figures[key] = {"value": round(value, 3), "unit": "GB/s", "limit": round(limit, 3),
