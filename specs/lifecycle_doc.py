@@ -61,6 +61,18 @@ spill write drains: the page is intact until the write reports back).
 
 GPU <-> host copies are stream ordered and need no completion; disk reads and writes are
 asynchronous, which is why SPILLING and ONBOARDING are states of their own.
+
+## Batches
+
+Disk transfers travel in batches (`WriteSlots`, `ReadSlots`: up to `max_batch_blocks`
+records, after every copy and FreeSlot of the same `take_commands()`), and an actor reports a
+batch with one `BatchFinished` holding one outcome per record, in the batch's order. A batch
+has no state of its own: each block of it took SPILL_STARTED or READ_STARTED when it was
+issued and takes SPILL_LANDED / SPILL_FAILED or READ_LANDED / READ_FAILED from its own
+outcome, exactly as a lone transfer would. A batch that partly fails therefore publishes the
+blocks that landed and fails the others; a release, a recall or a displacement that touches a
+block of a batch in flight follows the table for that block alone. `handle()` checks a batch
+whole (every transfer in flight, of one kind, named once) before it applies any of it.
 """
 
 
