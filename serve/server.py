@@ -25,7 +25,7 @@ import json
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -415,15 +415,19 @@ async def _respond(server: Server, body: _Common, *, chat: bool
 # ---------------------------------------------------------------------- the app
 
 
-def create_app(options: ServerOptions) -> FastAPI:
-    """The ASGI app; its lifespan builds the model, opens the cache and starts the engine."""
+def create_app(options: ServerOptions, server: Server | None = None) -> FastAPI:
+    """The ASGI app.  Its lifespan builds the model, opens the cache and starts the engine,
+    unless `server` was built already (the command builds it first, so that a bad option is
+    reported before anything listens); either way it closes them at shutdown."""
     state: dict[str, Server] = {}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         with tempfile.TemporaryDirectory(prefix="statekv-serve-") as tmp:
-            disk_dir = options.disk_dir if options.disk_dir is not None else Path(tmp)
-            server = await asyncio.to_thread(Server, options, disk_dir)
+            nonlocal server
+            if server is None:
+                disk_dir = options.disk_dir if options.disk_dir is not None else Path(tmp)
+                server = await asyncio.to_thread(Server, options, disk_dir)
             state["server"] = server
             try:
                 yield
@@ -493,7 +497,18 @@ def server_of(app: FastAPI) -> Server:
 
 
 def run_server(options: ServerOptions, listener: socket.socket, *,
-               log_level: str = "info") -> None:
-    """Serve on `listener` until interrupted (uvicorn handles SIGINT and SIGTERM)."""
-    config = uvicorn.Config(create_app(options), log_level=log_level, lifespan="on")
-    uvicorn.Server(config).run(sockets=[listener])
+               log_level: str = "info", on_ready: Callable[[], None] | None = None) -> None:
+    """Serve on `listener` until interrupted (uvicorn handles SIGINT and SIGTERM).
+
+    The model, cache and engine are built first, here: a typed error (an impossible budget)
+    reaches the caller before the app starts."""
+    with tempfile.TemporaryDirectory(prefix="statekv-serve-") as tmp:
+        server = Server(options, options.disk_dir if options.disk_dir is not None else Path(tmp))
+        try:
+            if on_ready is not None:
+                on_ready()
+            app = create_app(options, server)
+            config = uvicorn.Config(app, log_level=log_level, lifespan="on")
+            uvicorn.Server(config).run(sockets=[listener])
+        finally:
+            server.close()
