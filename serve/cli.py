@@ -356,8 +356,14 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UserMistake(f"argument --port: cannot listen on {args.host}:{args.port}: "
                           f"{exc.strerror or exc}") from None
+    host, port = listener.getsockname()[:2]
+
+    def announce() -> None:
+        print(f"statekv serve: {args.served_model_name} ({args.model}) on http://{host}:{port}"
+              f"/v1, metrics at /metrics; Ctrl-C stops", flush=True)
+
     with listener:
-        run_server(options, listener, log_level=args.log_level)
+        run_server(options, listener, log_level=args.log_level, on_ready=announce)
     return 0
 
 

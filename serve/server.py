@@ -25,7 +25,7 @@ import json
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -311,12 +311,29 @@ def _chat_prompt(body: ChatCompletionRequest) -> tuple[int, ...]:
         raise BadRequest("message content must be encodable as UTF-8", "messages") from None
 
 
+async def _collect(stream: _Stream) -> serving_loop.RequestResult:
+    """Wait for a request's result (its tokens arrive one by one before it)."""
+    while True:
+        item = await stream.events.get()
+        if isinstance(item, BaseException):
+            raise BadRequest(f"generation failed: {item}", None, status=500,
+                             code="engine_error")
+        if isinstance(item, serving_loop.RequestResult):
+            return item
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body was read: only that can come next)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)
     return f"data: {data}\n\n".encode()
 
 
-async def _respond(server: Server, body: _Common, *, chat: bool
+async def _respond(server: Server, request: Request, body: _Common, *, chat: bool
                    ) -> JSONResponse | StreamingResponse:
     if chat:
         assert isinstance(body, ChatCompletionRequest)
@@ -334,18 +351,19 @@ async def _respond(server: Server, body: _Common, *, chat: bool
     stream = server.generate(body, request_id, prompt, max_tokens)
 
     if not body.stream:
-        result: serving_loop.RequestResult | None = None
+        collector = asyncio.ensure_future(_collect(stream))
+        watcher = asyncio.ensure_future(_disconnected(request))
         try:
-            while result is None:
-                item = await stream.events.get()
-                if isinstance(item, BaseException):
-                    raise BadRequest(f"generation failed: {item}", None, status=500,
-                                     code="engine_error")
-                if isinstance(item, serving_loop.RequestResult):
-                    result = item
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if result is None:  # cancelled (the server stops) or failed: free its pages
+            watcher.cancel()
+            if not collector.done():  # the client went away (or the server stops)
+                collector.cancel()
                 server.engine.cancel(request_id)
+        if not collector.done() or collector.cancelled():
+            return JSONResponse(_error_body("the client closed the connection", None,
+                                            "client_closed"), status_code=499)
+        result = collector.result()  # raises BadRequest when generation failed
         text = tokenizer.decode(result.output)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         if chat:
@@ -415,15 +433,19 @@ async def _respond(server: Server, body: _Common, *, chat: bool
 # ---------------------------------------------------------------------- the app
 
 
-def create_app(options: ServerOptions) -> FastAPI:
-    """The ASGI app; its lifespan builds the model, opens the cache and starts the engine."""
+def create_app(options: ServerOptions, server: Server | None = None) -> FastAPI:
+    """The ASGI app.  Its lifespan builds the model, opens the cache and starts the engine,
+    unless `server` was built already (the command builds it first, so that a bad option is
+    reported before anything listens); either way it closes them at shutdown."""
     state: dict[str, Server] = {}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         with tempfile.TemporaryDirectory(prefix="statekv-serve-") as tmp:
-            disk_dir = options.disk_dir if options.disk_dir is not None else Path(tmp)
-            server = await asyncio.to_thread(Server, options, disk_dir)
+            nonlocal server
+            if server is None:
+                disk_dir = options.disk_dir if options.disk_dir is not None else Path(tmp)
+                server = await asyncio.to_thread(Server, options, disk_dir)
             state["server"] = server
             try:
                 yield
@@ -457,13 +479,14 @@ def create_app(options: ServerOptions) -> FastAPI:
         return JSONResponse(_error_body(str(exc.detail), None, None), status_code=exc.status_code)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
-        return await _respond(current(), body, chat=False)
+    async def completions(body: CompletionRequest, request: Request
+                          ) -> JSONResponse | StreamingResponse:
+        return await _respond(current(), request, body, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest
+    async def chat_completions(body: ChatCompletionRequest, request: Request
                                ) -> JSONResponse | StreamingResponse:
-        return await _respond(current(), body, chat=True)
+        return await _respond(current(), request, body, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -493,7 +516,18 @@ def server_of(app: FastAPI) -> Server:
 
 
 def run_server(options: ServerOptions, listener: socket.socket, *,
-               log_level: str = "info") -> None:
-    """Serve on `listener` until interrupted (uvicorn handles SIGINT and SIGTERM)."""
-    config = uvicorn.Config(create_app(options), log_level=log_level, lifespan="on")
-    uvicorn.Server(config).run(sockets=[listener])
+               log_level: str = "info", on_ready: Callable[[], None] | None = None) -> None:
+    """Serve on `listener` until interrupted (uvicorn handles SIGINT and SIGTERM).
+
+    The model, cache and engine are built first, here: a typed error (an impossible budget)
+    reaches the caller before the app starts."""
+    with tempfile.TemporaryDirectory(prefix="statekv-serve-") as tmp:
+        server = Server(options, options.disk_dir if options.disk_dir is not None else Path(tmp))
+        try:
+            if on_ready is not None:
+                on_ready()
+            app = create_app(options, server)
+            config = uvicorn.Config(app, log_level=log_level, lifespan="on")
+            uvicorn.Server(config).run(sockets=[listener])
+        finally:
+            server.close()

@@ -130,6 +130,16 @@ def test_a_typed_error_from_below_is_one_line_naming_the_flag(
     assert line.startswith("statekv demo: error: argument --disk-blocks: disk_blocks:")
 
 
+def test_serve_reports_an_impossible_budget_before_it_listens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["serve", "--port", "0", "--host-blocks", "0", "--reserved-host-blocks", "0"]
+    assert main(argv) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert "argument --disk-blocks" in one_line_error(captured.err)
+    assert captured.out == ""
+
+
 def test_a_gpu_pool_too_small_for_one_request_names_gpu_blocks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

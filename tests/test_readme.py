@@ -1,11 +1,21 @@
-"""The README's embedding example runs as written, and leaves nothing behind."""
+"""The README's examples run as written: the embedding example (leaving nothing behind), and
+the server examples against `statekv serve` (on a free port rather than 8000)."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -23,3 +33,62 @@ def test_the_readme_example_runs_and_cleans_up(tmp_path: Path,
     assert isinstance(namespace["disk_dir"], str)
     assert namespace["disk_dir"].startswith(str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+
+
+def _fenced(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """`statekv serve` as the README starts it, on a free port instead of 8000."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    statekv = Path(sys.executable).parent / "statekv"
+    server = subprocess.Popen(
+        [str(statekv), "serve", "--port", str(port), "--device", "cpu",
+         "--disk-dir", str(tmp_path_factory.mktemp("slots")), "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None, server.communicate()[1]
+            assert time.monotonic() < deadline, "statekv serve did not start"
+            time.sleep(0.1)
+        yield port
+    finally:
+        server.send_signal(signal.SIGINT)
+        _out, err = server.communicate(timeout=60)
+        assert server.returncode == 130, err
+        assert "Traceback" not in err
+
+
+def test_the_readme_openai_example_runs(readme_server: int,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    (example,) = [block for block in _fenced("python") if "OpenAI(" in block]
+    code = example.replace("127.0.0.1:8000", f"127.0.0.1:{readme_server}")
+    exec(compile(code, str(README), "exec"), {"__name__": "readme_openai"})
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 2
+    (first_prompt, first_cached), (_second_prompt, second_cached) = (
+        (int(a), int(b)) for a, b in lines)
+    assert first_cached == 0 and second_cached >= first_prompt // 2
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
+def test_the_readme_curl_example_runs(readme_server: int) -> None:
+    (example,) = [block for block in _fenced("sh") if "curl" in block]
+    script = example.replace("127.0.0.1:8000", f"127.0.0.1:{readme_server}")
+    done = subprocess.run(["bash", "-eo", "pipefail", "-c", script], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    completion, _end = json.JSONDecoder().raw_decode(done.stdout)
+    assert completion["usage"]["completion_tokens"] == 8
+    assert 'statekv_prompt_tokens_total{tier="disk"}' in done.stdout

@@ -209,6 +209,23 @@ def test_a_client_that_disconnects_mid_stream_releases_its_request(tmp_path: Pat
         assert cache.gpu_free_pages + cache.gpu_evictable_blocks == 1200  # nothing held
 
 
+def test_a_client_that_gives_up_on_a_whole_response_releases_its_request(
+    tmp_path: Path,
+) -> None:
+    roomy = attrs.evolve(SMALL, gpu_blocks=1200, max_model_len=4096)
+    with serving(roomy, tmp_path) as running:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000}
+        engine = running.server.engine
+        with httpx.Client(timeout=httpx.Timeout(60, read=0.5)) as http, \
+                pytest.raises(httpx.ReadTimeout):  # thousands of tokens: it gives up
+            http.post(f"{running.url}/v1/completions", json=body)
+        wait_until(lambda: engine.statistics().requests == 0, "the request left the loop")
+        stats = engine.statistics()
+        assert stats.cancelled == 1 and stats.loop.decode_tokens < 4000
+        cache = running.server.cache.statistics().cache
+        assert cache.requests_added == cache.requests_released == 1
+
+
 # ---------------------------------------------------------------------- bad requests
 
 
