@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from io_actors.slot_format import SlotMeta
 from statekv.ids import BlockHash, PageId, SlotId
 
 
@@ -51,8 +52,11 @@ class SlotStore(Protocol):
         """Whether `read` can fill device (GPU) memory directly (GPUDirect Storage)."""
         ...
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
-        """Write `src` (a uint8 host tensor of one block) with its header and checksum."""
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
+        """Write `src` (a uint8 host tensor of one block) with its header and checksum;
+        `meta` is what an index rebuild needs to serve the slot after a restart."""
 
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
         """Fill `dst` (uint8, one block) from the slot; verify header, length and checksum.

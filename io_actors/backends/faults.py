@@ -34,8 +34,9 @@ from typing import Final, Protocol, cast, runtime_checkable
 import attrs
 import torch
 
+from io_actors.backends.posix import Recovery
 from io_actors.interfaces import SlotStore
-from io_actors.slot_format import ALIGN, HEADER_SIZE, SlotExtent
+from io_actors.slot_format import ALIGN, HEADER_SIZE, SlotExtent, SlotMeta
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
 
@@ -80,6 +81,10 @@ class Fault(enum.Enum):
     """Write: succeeds, then one seeded bit of the payload flips on disk (media rot)."""
     SLOW = "slow"
     """The call sleeps `delay_s`, then runs normally."""
+    CRASH = "crash"
+    """Write: the process dies during this write.  A seeded subset of the slot's 4 KiB
+    pages lands (possibly all, possibly none), the call raises, and every later call of
+    either operation raises without touching the disk: nothing after a crash reaches it."""
 
 
 _APPLIES_TO: Final[dict[Fault, frozenset[Op]]] = {
@@ -92,9 +97,10 @@ _APPLIES_TO: Final[dict[Fault, frozenset[Op]]] = {
     Fault.TORN_WRITE_SILENT: frozenset({Op.WRITE}),
     Fault.BIT_FLIP: frozenset({Op.WRITE}),
     Fault.SLOW: frozenset({Op.READ, Op.WRITE}),
+    Fault.CRASH: frozenset({Op.WRITE}),
 }
 NEEDS_RAW_ACCESS: Final = frozenset(
-    {Fault.SHORT_WRITE, Fault.TORN_WRITE, Fault.TORN_WRITE_SILENT, Fault.BIT_FLIP}
+    {Fault.SHORT_WRITE, Fault.TORN_WRITE, Fault.TORN_WRITE_SILENT, Fault.BIT_FLIP, Fault.CRASH}
 )
 """Faults that rewrite bytes on disk behind the inner store's back."""
 
@@ -237,6 +243,7 @@ class FaultyStore:
         self._counts = {Op.WRITE: 0, Op.READ: 0}
         self._discards = 0
         self._injected: list[str] = []
+        self._crashed_at: int | None = None
 
     @property
     def inner(self) -> SlotStore:
@@ -275,16 +282,20 @@ class FaultyStore:
 
     # --- write ------------------------------------------------------------------------------
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
         call, rule = self._next(Op.WRITE)
+        if self._crashed_at is not None:
+            raise TransferFailed(f"slot {slot}", "the process crashed (injected)")
         if rule is None:
-            self._inner.write(slot, key, src)
+            self._inner.write(slot, key, src, meta)
             return
         what = f"slot {slot}"
         fault = rule.fault
         if fault is Fault.SLOW:
             self._sleep(rule.delay_s)
-            self._inner.write(slot, key, src)
+            self._inner.write(slot, key, src, meta)
         elif fault is Fault.EIO_OPEN:
             raise TransferFailed(what, "open failed: [Errno 5] Input/output error (injected)")
         elif fault is Fault.ENOSPC:
@@ -292,13 +303,16 @@ class FaultyStore:
                 what, "write failed: [Errno 28] No space left on device (injected)"
             )
         elif fault is Fault.EIO:
-            self._inner.write(slot, key, src)
+            self._inner.write(slot, key, src, meta)
             raise TransferFailed(what, "write failed: [Errno 5] Input/output error (injected)")
         elif fault is Fault.BIT_FLIP:
-            self._inner.write(slot, key, src)
+            self._inner.write(slot, key, src, meta)
             self._flip_bit(slot, src.numel(), self._rng(Op.WRITE, call))
         else:
-            self._tear(slot, key, src, fault, self._rng(Op.WRITE, call), what)
+            if fault is Fault.CRASH:
+                with self._lock:
+                    self._crashed_at = call
+            self._tear(slot, key, src, meta, fault, self._rng(Op.WRITE, call), what)
 
     def _extent(self, slot: SlotId) -> SlotExtent:
         # The constructor refused plans with disk faults for stores without slot_extent().
@@ -309,6 +323,7 @@ class FaultyStore:
         slot: SlotId,
         key: BlockHash,
         src: torch.Tensor,
+        meta: SlotMeta | None,
         fault: Fault,
         rng: random.Random,
         what: str,
@@ -316,9 +331,12 @@ class FaultyStore:
         """Write for real, then put back the old bytes of the pages that did not land."""
         extent = self._extent(slot)
         before = _raw_read(extent)
-        self._inner.write(slot, key, src)
+        self._inner.write(slot, key, src, meta)
         pages = extent.nbytes // ALIGN
-        if fault is Fault.SHORT_WRITE:
+        if fault is Fault.CRASH:
+            # Any subset may have reached the disk, all of it or none included.
+            lost = [p for p in range(pages) if rng.random() < 0.5]
+        elif fault is Fault.SHORT_WRITE:
             landed = rng.randrange(1, pages) if pages > 1 else 0
             lost = list(range(landed, pages))
         else:
@@ -333,6 +351,8 @@ class FaultyStore:
                 raw.write(start, before[start : start + ALIGN])
         if fault is Fault.TORN_WRITE_SILENT:
             return
+        if fault is Fault.CRASH:
+            raise TransferFailed(what, "the process crashed during this write (injected)")
         written = (pages - len(lost)) * ALIGN
         kind = "short write" if fault is Fault.SHORT_WRITE else "torn write"
         raise TransferFailed(
@@ -349,8 +369,23 @@ class FaultyStore:
 
     # --- read -------------------------------------------------------------------------------
 
+    @property
+    def crashed_at(self) -> int | None:
+        """The write call a CRASH fault struck, or None."""
+        with self._lock:
+            return self._crashed_at
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """The inner store's :attr:`~io_actors.backends.posix.PosixSlotStore.recovery`."""
+        recovery = getattr(self._inner, "recovery", None)
+        return recovery if isinstance(recovery, Recovery) else None
+
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
         call, rule = self._next(Op.READ)
+        if self._crashed_at is not None:
+            dst.fill_(POISON)
+            raise TransferFailed(f"slot {slot}", "the process crashed (injected)")
         if rule is None:
             self._inner.read(slot, key, dst)
             return
