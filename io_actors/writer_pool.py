@@ -19,12 +19,24 @@ import torch
 
 from io_actors.gate import CompletionGate
 from io_actors.interfaces import Fence, SlotStore
+from io_actors.slot_format import SlotMeta
 from io_actors.worker_threads import WorkerThreads
 from statekv.errors import TransferFailed
 from statekv.ids import PageId
 from statekv.messages import Completion, SlotWriteFailed, SlotWritten, WriteSlot
 
 log = logging.getLogger(__name__)
+_U32 = 2**32 - 1
+
+
+def slot_meta(cmd: WriteSlot) -> SlotMeta | None:
+    """What the slot header stores so that a later process can restore the block."""
+    if cmd.parent is None:
+        return None
+    return SlotMeta(
+        parent=cmd.parent, depth=cmd.depth, reuse_count=min(cmd.reuse_count, _U32),
+        expiry=cmd.expiry, written_at=cmd.issued_at, sequence=cmd.transfer,
+    )
 
 
 @attrs.frozen
@@ -44,7 +56,8 @@ class SlotWriter:
         cmd = job.command
         try:
             job.fence.wait()
-            self._store.write(cmd.slot, cmd.key, self._host_page(cmd.host_page))
+            self._store.write(cmd.slot, cmd.key, self._host_page(cmd.host_page),
+                              slot_meta(cmd))
         except TransferFailed as exc:
             log.warning("spill of block %d to slot %d failed: %s", cmd.block, cmd.slot, exc)
             return SlotWriteFailed(transfer=cmd.transfer, cause=str(exc))

@@ -441,7 +441,8 @@ class KVCacheManager:
         if (self._requests or self._index or self._writes or self._reads
                 or len(self._disk.empty) != self.config.disk_blocks):
             raise UsageError("restore", "only a fresh cache can restore blocks from disk")
-        if isinstance(blocks, str | bytes) or not isinstance(blocks, Sequence):
+        given: object = blocks
+        if isinstance(given, str | bytes) or not isinstance(given, Sequence):
             raise UsageError("blocks", "must be a sequence of RestoredBlock")
         slots: set[int] = set()
         keys: set[bytes] = set()
@@ -484,10 +485,13 @@ class KVCacheManager:
         where = f"blocks[{i}]"
         if not isinstance(entry, RestoredBlock):
             raise UsageError("blocks", f"{where} is not a RestoredBlock: {entry!r:.80}")
-        for field, value in (("key", entry.key), ("parent_key", entry.parent_key)):
-            if not isinstance(value, bytes) or len(value) != DIGEST_SIZE:
-                raise UsageError(field, f"{where}: must be a BlockHash, got {value!r:.80}")
-        slot = entry.slot
+        hashes: tuple[tuple[str, object], ...] = (
+            ("key", entry.key), ("parent_key", entry.parent_key)
+        )
+        for field, digest in hashes:
+            if not isinstance(digest, bytes) or len(digest) != DIGEST_SIZE:
+                raise UsageError(field, f"{where}: must be a BlockHash, got {digest!r:.80}")
+        slot: object = entry.slot
         if isinstance(slot, bool) or not isinstance(slot, int) or not (
             0 <= slot < self.config.disk_blocks
         ):
@@ -496,10 +500,14 @@ class KVCacheManager:
             )
         if slot in slots:
             raise UsageError("slot", f"{where}: slot {slot} restored twice")
+        assert isinstance(slot, int)
         if entry.key in keys:
             raise UsageError("key", f"{where}: key restored twice")
-        for field, value in (("depth", entry.depth), ("reuse_count", entry.reuse_count),
-                             ("sequence", entry.sequence)):
+        counts: tuple[tuple[str, object], ...] = (
+            ("depth", entry.depth), ("reuse_count", entry.reuse_count),
+            ("sequence", entry.sequence),
+        )
+        for field, value in counts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(field, f"{where}: must be an integer >= 0, got {value!r}")
         if entry.expiry is not None and not is_finite_number(entry.expiry):

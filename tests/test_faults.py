@@ -24,6 +24,7 @@ from io_actors.backends.faults import (
 )
 from io_actors.backends.posix import DATA_FILE, PosixSlotStore
 from io_actors.interfaces import SlotStore
+from io_actors.slot_format import SlotMeta
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
@@ -279,7 +280,9 @@ class _MemoryStore:
     def device_reads(self) -> bool:
         return False
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
         self.slots[slot] = (key, src.clone())
 
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:

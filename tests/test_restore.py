@@ -118,7 +118,7 @@ def test_a_deeper_block_goes_before_its_prefix_when_they_became_best_effort_toge
 
 def test_restore_only_on_a_fresh_cache() -> None:
     ex = disk_cache()
-    _, writes = fill(ex)
+    fill(ex)
     with pytest.raises(UsageError) as info:
         ex.cache.restore([], now=ex.now)
     assert info.value.field == "restore"
@@ -145,7 +145,7 @@ def test_a_bad_entry_changes_nothing_and_names_the_field(
     _, writes = fill(old)
     cache = KVCacheManager(old.cache.config)
     entries = [entry(w) for w in writes]
-    entries[2] = attrs.evolve(entries[2], **change)
+    entries[2] = attrs.evolve(entries[2], **change)  # type: ignore[arg-type]
     with pytest.raises(UsageError) as info:
         cache.restore(entries, now=old.now)
     assert info.value.field == field

@@ -603,8 +603,7 @@ class PosixSlotStore:
                     if _written(other) >= _written(entry):
                         continue
                 found[entry.key] = entry
-        slots = tuple(sorted(found.values(), key=lambda e: e.slot))
-        return Recovery(slots=slots, **counts)
+        return Recovery(slots=tuple(sorted(found.values(), key=lambda e: e.slot)), **counts)
 
     def _scan_range(self, fd: int, lo: int, hi: int) -> tuple[list[RecoveredSlot],
                                                               dict[str, int]]:
@@ -622,7 +621,7 @@ class PosixSlotStore:
             if got != HEADER_SIZE:
                 counts["corrupt"] += 1
                 continue
-            magic = view[: len(MAGIC)]
+            magic = bytes(view[: len(MAGIC)])
             if magic == zero and not any(view):
                 continue  # never written
             if magic != MAGIC:
