@@ -179,15 +179,15 @@ class StateKVConfig:
 
     def __attrs_post_init__(self) -> None:
         # Building the core config validates every core field and the sizes.
-        core = self.core_config()
-        if core.disk_blocks and self.disk_dir is None:
-            raise ConfigError("disk_dir", "a disk tier needs a directory")
-        if not core.disk_blocks and _nonzero_size(self.disk):
+        if _nonzero_size(self.disk) and not blocks_from_size("disk", self.disk, self.block_bytes):
             # A disk asked for but too small for one block is a mistake, not "no disk tier".
             raise ConfigError(
                 "disk", f"{self.disk!r} holds no slot of one {self.block_bytes}-byte "
                 "block: give at least one block, or 0 for no disk tier"
             )
+        core = self.core_config()
+        if core.disk_blocks and self.disk_dir is None:
+            raise ConfigError("disk_dir", "a disk tier needs a directory")
 
     @property
     def block_bytes(self) -> int:
