@@ -26,7 +26,7 @@ from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, DirectoryInUse, NewerFormat, TransferFailed
 from statekv.ids import BlockHash, SlotId
 from statekv.lifecycle import BlockState
-from tests.io_helpers import serve, small_config, wait_quiet
+from tests.io_helpers import compute, serve, small_config, wait_quiet, wait_ready
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float32")
 """4 tokens -> 1 x 2 x 4 x 1 x 64 x 4 = 2048 bytes a block; a slot is 8 KiB."""
@@ -389,3 +389,31 @@ def test_persistence_options_are_validated(tmp_path: Path, field: str, value: ob
 
 def test_the_mac_key_never_appears_in_the_config_repr(tmp_path: Path) -> None:
     assert MAC_KEY not in repr(small_config(tmp_path, disk_mac_key=MAC_KEY)).encode()
+
+
+def test_under_another_mac_key_no_restored_block_is_served_and_failures_are_counted(
+    tmp_path: Path,
+) -> None:
+    cfg = small_config(tmp_path, gpu=4, host=1, reserved_host=1, disk=16, disk_mac_key=MAC_KEY)
+    spill_and_close(cfg)
+    with BlockingCache(cfg) as cache:  # the right key: served
+        assert cache.statistics().cache.restored_blocks > 0
+        serve(cache, "ok", PROMPTS[-1])
+        assert cache.statistics().cache.onboard_failures == 0
+    other = small_config(tmp_path, gpu=4, host=1, reserved_host=1, disk=16,
+                         disk_mac_key=b"another-key-16by")
+    with BlockingCache(other) as cache:
+        for i, prompt in enumerate(PROMPTS):
+            status = cache.add_request(f"r{i}", prompt)
+            wait_ready(cache, f"r{i}")
+            # Every read failed its MAC: the request fell back, nothing it holds came from disk.
+            assert cache.request_status(f"r{i}").num_computed_tokens <= (
+                status.gpu_tokens + status.host_tokens)
+            compute(cache, f"r{i}", prompt)
+            cache.release(f"r{i}")
+            wait_quiet(cache)
+        stats = cache.statistics()
+        assert stats.cache.hit_blocks_disk > 0
+        assert stats.cache.onboards_completed == 0
+        assert stats.store is not None
+        assert stats.store.mac_failures == stats.cache.onboard_failures > 0
