@@ -153,8 +153,11 @@ class Check:
     """Bytes served that differ from the KV computed for their key: must be 0."""
     unknown_keys: int
     """Restored keys the workload never computed: must be 0."""
+    landed: int
+    """Blocks whose write had returned before the crash (and whose slot was not written
+    again): each must be found again."""
     lost: int
-    """Blocks whose write had returned before the crash, not found again: must be 0."""
+    """Of those, blocks not found again: must be 0."""
     served_blocks: int
     """Matched blocks a cache opened on the directory handed to requests (all checked)."""
     recovery: Recovery
@@ -209,7 +212,8 @@ def check_directory(
             served += cache.statistics().cache.hit_blocks_disk - before
         cache.check_invariants()
     return Check(restored=len(recovery.slots), verified=verified, torn=torn, wrong_bytes=wrong,
-                 unknown_keys=unknown, lost=lost, served_blocks=served, recovery=recovery)
+                 unknown_keys=unknown, landed=len(landed or {}), lost=lost,
+                 served_blocks=served, recovery=recovery)
 
 
 # --- SQLite style: a crash after the k-th write call ---------------------------------------------
@@ -354,6 +358,7 @@ class KillReport:
             "blocks_restored": sum(c.restored for c in self.checks),
             "blocks_verified": sum(c.verified for c in self.checks),
             "torn_found": sum(c.torn for c in self.checks),
+            "landed_before_kill": sum(c.landed for c in self.checks),
             "blocks_served_after_reopen": sum(c.served_blocks for c in self.checks),
             "wrong_bytes": sum(c.wrong_bytes for c in self.checks),
             "unknown_keys": sum(c.unknown_keys for c in self.checks),

@@ -37,7 +37,7 @@ def test_a_few_real_kill_9(tmp_path: Path) -> None:
     totals = report.totals()
     assert totals["kills"] == 3
     assert totals["wrong_bytes"] == 0 and totals["unknown_keys"] == 0 and totals["lost"] == 0
-    assert totals["blocks_verified"] > 0
+    assert totals["blocks_verified"] > 0 and totals["landed_before_kill"] > 0
 
 
 def test_the_write_log_keeps_only_writes_that_returned_and_were_not_overwritten(
