@@ -417,3 +417,12 @@ def test_under_another_mac_key_no_restored_block_is_served_and_failures_are_coun
         assert stats.cache.onboards_completed == 0
         assert stats.store is not None
         assert stats.store.mac_failures == stats.cache.onboard_failures > 0
+
+
+def test_reopening_a_sparse_file_with_preallocation_reserves_every_slot(tmp_path: Path) -> None:
+    PosixSlotStore(tmp_path, config(), preallocate=False).close()
+    sparse = os.stat(tmp_path / DATA_FILE)
+    assert sparse.st_blocks * 512 < sparse.st_size
+    PosixSlotStore(tmp_path, config()).close()
+    full = os.stat(tmp_path / DATA_FILE)
+    assert full.st_size == sparse.st_size and full.st_blocks * 512 >= full.st_size

@@ -557,7 +557,9 @@ class PosixSlotStore:
                 if preallocate:
                     self._check_free_space(max(0, needed - info.st_blocks * 512))
                 try:
-                    self._allocate(fd, current, needed, preallocate)
+                    # From 0: an earlier open may have left the file sparse (holes are
+                    # filled; allocated ranges cost nothing).
+                    self._allocate(fd, 0, needed, preallocate)
                 except BaseException:
                     with contextlib.suppress(OSError):
                         os.ftruncate(fd, current)
