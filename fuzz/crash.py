@@ -47,7 +47,7 @@ from io_actors.interfaces import SlotStore
 from io_actors.memory import page_aligned_buffer
 from io_actors.slot_format import SlotMeta
 from statekv.config import KVLayout
-from statekv.errors import TransferFailed
+from statekv.errors import OutOfBlocks, TransferFailed
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.ids import BlockHash, SlotId
 
@@ -116,10 +116,22 @@ def _wait_ready(cache: CacheAPI, rid: str) -> None:
         time.sleep(0.0005)
 
 
+def _wait_quiet(cache: CacheAPI) -> None:
+    deadline = time.monotonic() + 30
+    while cache.transfers_in_flight():
+        if time.monotonic() > deadline:
+            raise TimeoutError("disk transfers still in flight after 30 s")
+        time.sleep(0.0005)
+
+
 def serve_checked(cache: CacheAPI, rid: str, prompt: Sequence[int], ttl: float | None) -> int:
     """Serve one request as a serving loop would; returns wrong bytes among the pages the
     cache handed over as matched (computed pages are written here, then committed)."""
-    match = cache.add_request(rid, prompt, ttl_seconds=ttl)
+    try:
+        match = cache.add_request(rid, prompt, ttl_seconds=ttl)
+    except OutOfBlocks:
+        _wait_quiet(cache)  # as below: pages held by reads still in flight
+        match = cache.add_request(rid, prompt, ttl_seconds=ttl)
     _wait_ready(cache, rid)
     status = cache.request_status(rid)
     nbytes = cache.kv_pool[0].numel() * cache.kv_pool.element_size()
@@ -129,7 +141,13 @@ def serve_checked(cache: CacheAPI, rid: str, prompt: Sequence[int], ttl: float |
         expected = block_bytes(prompt[:(i + 1) * BLOCK_SIZE], nbytes)
         wrong += int((_page(cache, table[i]).cpu() != expected).sum())
     del match
-    cache.allocate_nowait(rid, len(prompt))
+    try:
+        cache.allocate_nowait(rid, len(prompt))
+    except OutOfBlocks:
+        # A read whose request fell back keeps its GPU page until it lands (the lifecycle's
+        # rule): as a serving loop's admission control would, wait for the disk to go quiet.
+        _wait_quiet(cache)
+        cache.allocate_nowait(rid, len(prompt))
     table = cache.block_table(rid)
     for i in range(status.num_computed_tokens // BLOCK_SIZE, len(table)):
         end = min((i + 1) * BLOCK_SIZE, len(prompt))
