@@ -350,6 +350,7 @@ def child_main(directory: str, seed: int, log: str) -> int:
     config = workload_config(Path(directory))
     rank = config.rank_directory()
     assert rank is not None
+    print("opening", flush=True)
     store = WriteLog(PosixSlotStore(rank, config.core_config()), Path(log))
     rng = random.Random(seed)
     all_prompts = prompts(seed, _CHILD_PROMPTS)
@@ -414,13 +415,17 @@ def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float 
         log = directory.parent / f"{directory.name}-writes-{n}.log"
         with _child(directory, child_seed, log) as proc:
             assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if line != "opening\n":
+                raise RuntimeError(f"child {n} did not start: {line!r}, rc={proc.wait()}")
             if rng.random() < 0.1:
-                # Kill while it opens: creating the data file, scanning, restoring.
-                time.sleep(rng.uniform(0.0, 2.0))
+                # Kill while it opens: creating or resizing the data file, the header scan,
+                # the restore.
+                time.sleep(rng.uniform(0.0, 0.05))
             else:
                 line = proc.stdout.readline()
                 if line != "ready\n":
-                    raise RuntimeError(f"child {n} did not start: {line!r}, rc={proc.wait()}")
+                    raise RuntimeError(f"child {n} did not open: {line!r}, rc={proc.wait()}")
                 time.sleep(rng.uniform(0.0, max_delay_s))
             if proc.poll() is not None:
                 raise RuntimeError(f"child {n} exited by itself: rc={proc.returncode}")
