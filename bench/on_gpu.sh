@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io demo e2e fuzz tp
+#   bench/on_gpu.sh tests io demo e2e fuzz tp rebuild
 set -uo pipefail
 OUT=${OUT:-/tmp/statekv-gpu-out}
 mkdir -p "$OUT"
@@ -36,6 +36,8 @@ for step in "$@"; do
         ${E2E_ARGS:-} ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     fuzz) run fuzz ${FUZZ_S:-120} python3 -m fuzz --profile gpu ;;
+    rebuild) run rebuild ${REBUILD_S:-300} python3 -m bench.rebuild --machine h200 \
+        --slots ${REBUILD_SLOTS:-100000} --dir "$DISK/rebuild" --write ;;
     *) echo "unknown step $step" ;;
     esac
 done

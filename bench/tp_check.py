@@ -59,6 +59,7 @@ from io_actors.config import StateKVConfig
 from io_actors.distributed import ParallelLayout, RankGroup, TensorParallelCache
 from io_actors.embed import BlockingCache, CacheAPI
 from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.slot_format import SlotMeta
 from models.config import ModelConfig
 from models.model import Chunk, PagedDecoder, StepOutput
 from models.serving_loop import RequestResult, ServeRequest, ServingLoop
@@ -115,9 +116,11 @@ class JitterStore:
             delay = self._rng.uniform(0.0, most)
         time.sleep(delay)
 
-    def write(self, slot: SlotId, key: BlockHash, src: Tensor) -> None:
+    def write(
+        self, slot: SlotId, key: BlockHash, src: Tensor, meta: SlotMeta | None = None
+    ) -> None:
         self._pause(self._max_write_s)
-        self._inner.write(slot, key, src)
+        self._inner.write(slot, key, src, meta)
 
     def read(self, slot: SlotId, key: BlockHash, dst: Tensor) -> None:
         self._pause(self._max_read_s)

@@ -6,6 +6,7 @@ Examples::
     python -m fuzz --profile soak --minutes 120    # make fuzz: rounds with new seeds
     python -m fuzz --profile gpu                   # make fuzz-gpu, on the GPU machine
     python -m fuzz --profile soak --machines system --seed 7 --minutes 5
+    python -m fuzz --profile soak --machines kill9 --minutes 0  # one round of 200 kill -9
 
 Exit status 0 when every run passed, 1 at the first failure (its report and state trace are
 written to --failures and named in the output).
@@ -17,6 +18,7 @@ import argparse
 import logging
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,12 +28,13 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine
 
 from fuzz.core_machine import CoreVsSpec
+from fuzz.crash import KillReport, kill_loop
 from fuzz.profiles import FAILURE_DIR, PROFILES, Profile
 from fuzz.runner import RunResult, run_machine
 from fuzz.steps import fuzz_rule
 from fuzz.thread_soak import SoakResult, soak_round
 
-MACHINES = ("core", "system", "threads")
+MACHINES = ("core", "system", "threads", "kill9")
 
 
 class _Floor(RuleBasedStateMachine):
@@ -60,6 +63,7 @@ class Totals:
         self.operations: dict[str, int] = dict.fromkeys(MACHINES, 0)
         self.seconds: dict[str, float] = dict.fromkeys(MACHINES, 0.0)
         self.runs = 0
+        self.kill9: dict[str, int] = {}
 
     def add_machine(self, key: str, result: RunResult) -> None:
         self.examples[key] += result.examples
@@ -73,9 +77,20 @@ class Totals:
         self.operations["threads"] += result.operations
         self.seconds["threads"] += result.seconds
 
+    def add_kills(self, report: KillReport, seconds: float) -> None:
+        for name, value in report.totals().items():
+            self.kill9[name] = self.kill9.get(name, 0) + value
+        self.seconds["kill9"] += seconds
+
     def lines(self) -> list[str]:
         out = []
         for key in MACHINES:
+            if key == "kill9":
+                if self.kill9:
+                    out.append("  kill9    " + ", ".join(f"{v:,} {k.replace('_', ' ')}"
+                                                        for k, v in self.kill9.items())
+                               + f" in {self.seconds['kill9']:.0f} s")
+                continue
             if not self.seconds[key]:
                 continue
             unit = "rounds" if key == "threads" else "examples"
@@ -107,6 +122,17 @@ def run_once(profile: Profile, machines: list[str], seed: int, totals: Totals,
                               device=profile.device, backend=profile.backend, echo=echo)
             echo(soak.line())
             totals.add_soak(soak)
+    if "kill9" in machines and profile.kill9:
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="statekv-kill9-") as tmp:
+            report = kill_loop(Path(tmp) / "cache", kills=profile.kill9, seed=seed)
+        totals.add_kills(report, time.monotonic() - started)
+        found = report.totals()
+        echo(f"kill9: {found}")
+        if found["wrong_bytes"] or found["unknown_keys"] or found["lost"]:
+            failures.mkdir(parents=True, exist_ok=True)
+            (failures / f"kill9-seed{seed}.txt").write_text(repr(report.checks[-1]) + "\n")
+            raise AssertionError(f"kill -9 loop (seed {seed}) found {found}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,9 @@
   steps of each machine and two short real-thread rounds, about a minute on the 2-core CPU
   machine, so that CI has time for everything else.
 * ``soak``: ``make fuzz``: rounds of every machine, each with a new seed, until the time
-  budget runs out (hours); prints steps/s and examples as it goes.
+  budget runs out (hours); prints steps/s and examples as it goes.  Each round also kills
+  a serving child process with SIGKILL 200 times and checks the disk tier it leaves
+  (fuzz.crash; ``make test`` runs a few kills and every crash point of a scripted workload).
 * ``mutation``: what mutmut runs for each mutant (derandomized, no shrinking).
 * ``gpu``: ``make fuzz-gpu`` on the GPU machine: the system machine and the thread soak with
   the KV pools in CUDA memory (real CUDA copies and streams) over the kvikio store when kvikio
@@ -68,6 +70,8 @@ class Profile:
     backend: str
     repeat: bool
     """Whether the run repeats, with new seeds, until its time budget is spent."""
+    kill9: int = 0
+    """Kills of a serving child process per repetition (fuzz.crash.kill_loop)."""
 
 
 PROFILES: Final[dict[str, Profile]] = {
@@ -92,6 +96,7 @@ PROFILES: Final[dict[str, Profile]] = {
         device="cpu",
         backend="posix",
         repeat=True,
+        kill9=200,
     ),
     # Mutation testing (fuzz/README.md): the same examples every run, so that a mutant is
     # killed or not whatever the run; no shrinking, since one failure kills a mutant.

@@ -31,6 +31,7 @@ import torch
 
 from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.slot_format import SlotMeta
 from statekv.errors import TransferFailed
 from statekv.ids import BlockHash, SlotId
 
@@ -175,15 +176,17 @@ class FuzzStore:
         kwargs = {} if self._sleep is None else {"sleep": self._sleep}
         return FaultyStore(self._inner, FaultPlan(rules=(rule,), seed=call), **kwargs)
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
         fault, delay, call = self._begin(Op.WRITE, slot, key)
         if delay:
             (self._sleep or _sleep)(delay)
         try:
             if fault is None:
-                self._inner.write(slot, key, src)
+                self._inner.write(slot, key, src, meta)
             else:
-                self._faulty(Op.WRITE, fault, call).write(slot, key, src)
+                self._faulty(Op.WRITE, fault, call).write(slot, key, src, meta)
         except TransferFailed:
             with self._lock:
                 self.write_errors += 1
@@ -268,7 +271,7 @@ class FuzzStore:
                 faulty = self._faulty(op, fault, call)
                 try:
                     if op is Op.WRITE:
-                        faulty.write(item.slot, item.key, item.buffer)
+                        faulty.write(item.slot, item.key, item.buffer, item.meta)
                     else:
                         faulty.read(item.slot, item.key, item.buffer)
                 except TransferFailed as exc:

@@ -27,6 +27,26 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)\s*$")
 
 BACKENDS: Final = ("posix", "kvikio")
 DEVICES: Final = ("auto", "cpu", "cuda")
+DISK_SYNC: Final = ("none", "data")
+"""Durability policies of spilled slots (specs/disk_persistence.md)."""
+
+
+def _to_disk_dir(value: object) -> Path | None:
+    # Path("") is Path("."): an empty string would quietly put slot files in the working
+    # directory.
+    if value is None:
+        return None
+    if isinstance(value, Path):
+        text = str(value) if str(value) != "." or value.parts else ""
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise ConfigError("disk_dir", f"must be a path, got {value!r}")
+    if not text.strip():
+        raise ConfigError("disk_dir", "must be a directory path, got an empty string")
+    if "\x00" in text:
+        raise ConfigError("disk_dir", f"must not contain a NUL character, got {text!r}")
+    return Path(text)
 
 
 def blocks_from_size(field: str, value: object, block_bytes: int) -> int:
@@ -48,6 +68,12 @@ def blocks_from_size(field: str, value: object, block_bytes: int) -> int:
             raise ConfigError(field, f"size {value!r} is not finite")
         return int(number * _UNITS[match.group(2).lower()]) // block_bytes
     raise ConfigError(field, f"must be a block count or a size like '8 GiB', got {value!r}")
+
+
+def _nonzero_size(value: object) -> bool:
+    """Whether `value` is a size string naming more than zero bytes."""
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    return match is not None and float(match.group(1)) > 0
 
 
 def _size_field(default: int | str = 0) -> Any:
@@ -82,8 +108,18 @@ class StateKVConfig:
     """Extra host pages handed to spills while their victims drain."""
     disk: int | str = _size_field(0)
     """Disk tier: blocks (slots) or bytes; 0 disables it."""
-    disk_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    disk_dir: Path | None = attrs.field(default=None, converter=_to_disk_dir)
     """Where slot files live; each rank and namespace gets its own subdirectory."""
+    persist: bool = attrs.field(default=True)
+    """Keep spilled blocks across restarts: a cache opened on a directory with slots from an
+    earlier process serves them (index rebuild).  False wipes the directory's slots at open."""
+    disk_sync: str = attrs.field(default="none")
+    """"none": a landed spill survives a crash of the process (kill -9), and a power loss
+    may lose recent spills, detected and never served; "data": every spill is fdatasync'ed
+    before it counts as landed, so it survives power loss too."""
+    disk_mac_key: bytes | None = attrs.field(default=None, repr=False)
+    """A 16-64 byte key: every slot is signed with keyed BLAKE2b, and a slot whose MAC fails
+    is never served.  For a disk that other users can write.  Never stored on disk."""
     backend: str = attrs.field(default="posix")
     device: str = attrs.field(default="auto")
     writers: int = attrs.field(default=2, validator=_positive_int(1, 256))
@@ -101,6 +137,23 @@ class StateKVConfig:
     rank: int = attrs.field(default=0, validator=_positive_int(0, 1 << 16))
     namespace: str = attrs.field(default="target")
     """Separates caches that must never share slot files (a draft model's from the target's)."""
+
+    @persist.validator
+    def _check_persist(self, _attribute: attrs.Attribute[bool], value: object) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError("persist", f"must be True or False, got {value!r}")
+
+    @disk_sync.validator
+    def _check_disk_sync(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if value not in DISK_SYNC:
+            raise ConfigError("disk_sync", f"unknown policy {value!r} (known: {DISK_SYNC})")
+
+    @disk_mac_key.validator
+    def _check_mac_key(self, _attribute: attrs.Attribute[bytes | None], value: object) -> None:
+        if value is not None and (not isinstance(value, bytes) or not 16 <= len(value) <= 64):
+            raise ConfigError(
+                "disk_mac_key", "must be None or a key of 16-64 bytes (bytes, not text)"
+            )
 
     @backend.validator
     def _check_backend(self, _attribute: attrs.Attribute[str], value: object) -> None:
@@ -128,6 +181,12 @@ class StateKVConfig:
 
     def __attrs_post_init__(self) -> None:
         # Building the core config validates every core field and the sizes.
+        if _nonzero_size(self.disk) and not blocks_from_size("disk", self.disk, self.block_bytes):
+            # A disk asked for but too small for one block is a mistake, not "no disk tier".
+            raise ConfigError(
+                "disk", f"{self.disk!r} holds no slot of one {self.block_bytes}-byte "
+                "block: give at least one block, or 0 for no disk tier"
+            )
         core = self.core_config()
         if core.disk_blocks and self.disk_dir is None:
             raise ConfigError("disk_dir", "a disk tier needs a directory")

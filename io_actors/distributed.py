@@ -607,6 +607,17 @@ class TensorParallelCache:
             self.lockstep = core.disk_blocks > 0 and group.world_size > 1
             if self.lockstep:
                 self._gate = _LockstepGate(group.timeout_s)
+                if config.persist:
+                    # Each rank would rebuild its index from its own directory, and a crash
+                    # can leave one rank with a write another lacks: their caches would then
+                    # decide differently.  Until restored content is agreed across ranks,
+                    # several ranks start with empty disk tiers.
+                    log.warning(
+                        "rank %d: persist=True is not supported with %d tensor-parallel ranks "
+                        "yet; the disk tier starts empty (persist=False)", group.rank,
+                        group.world_size,
+                    )
+                    config = attrs.evolve(config, persist=False)
             self._claim_directory(config)
             cache = BlockingCache(
                 config, store=store, gate=self._gate, clock=self.clock, trace=trace

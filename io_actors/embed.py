@@ -25,6 +25,7 @@ work to the trio thread.  See README.md for the whole step protocol.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -34,21 +35,30 @@ import attrs
 import torch
 import trio
 
-from io_actors.backends import open_slot_store
+from io_actors.backends import open_slot_store, public_config_error
+from io_actors.backends.posix import Recovery
 from io_actors.config import StateKVConfig
 from io_actors.gate import CompletionGate, OpenGate
 from io_actors.interfaces import SlotStore
 from io_actors.memory import KVPools, TorchCopyEngine
 from io_actors.reader_pool import ReaderPool
-from io_actors.scheduler import CloseReport, InlineIO, Scheduler, SystemStatistics
+from io_actors.scheduler import CloseReport, InlineIO, Scheduler, SystemStatistics, WallClock
 from io_actors.tracing import TraceRecorder
 from io_actors.writer_pool import WriterPool
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
-from statekv.ids import PageId, TransferId
-from statekv.manager import CachedBlock, KVCacheManager, PrefixMatch, RequestStatus
+from statekv.ids import BlockHash, PageId, TransferId
+from statekv.manager import (
+    CachedBlock,
+    KVCacheManager,
+    PrefixMatch,
+    RequestStatus,
+    RestoredBlock,
+)
 from statekv.messages import Completion
 from statekv.trace import TraceSink
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,6 +77,35 @@ def resolve_device(name: str) -> torch.device:
         # device is its own GPU (its local rank), not device 0.
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
+
+
+def restore_from_disk(
+    core: KVCacheManager, store: SlotStore | None, now: float
+) -> Recovery | None:
+    """Adopt what the store's index rebuild found (PosixSlotStore.recovery) into a fresh core."""
+    recovery = getattr(store, "recovery", None)
+    if not isinstance(recovery, Recovery):
+        return None
+    core.restore(
+        [
+            RestoredBlock(
+                key=found.key, parent_key=BlockHash(found.meta.parent), slot=found.slot,
+                depth=found.meta.depth, reuse_count=found.meta.reuse_count,
+                expiry=found.meta.expiry, written_at=found.meta.written_at,
+                sequence=found.meta.sequence,
+            )
+            for found in recovery.slots
+        ],
+        now=now,
+    )
+    if recovery.slots or recovery.reclaimed or recovery.old_files:
+        log.info(
+            "disk index rebuilt: %d blocks restored; reclaimed %d foreign, %d corrupt, "
+            "%d unauthenticated, %d duplicate, %d beyond capacity slots; %d old files",
+            len(recovery.slots), recovery.foreign, recovery.corrupt, recovery.unauthenticated,
+            recovery.duplicates, recovery.beyond_capacity, recovery.old_files,
+        )
+    return recovery
 
 
 class CacheAPI:
@@ -202,15 +241,25 @@ async def open_cache(
     device = resolve_device(config.device)
     pools = KVPools(core_config, device)
     copies = TorchCopyEngine(pools)
+    clock = clock or WallClock()
     owns_store = store is None
     if core_config.disk_blocks and store is None:
         directory = config.rank_directory()
         assert directory is not None
-        store = open_slot_store(config.backend, directory, core_config)
+        try:
+            store = open_slot_store(
+                config.backend, directory, core_config, persist=config.persist,
+                sync_writes=config.disk_sync == "data", mac_key=config.disk_mac_key,
+            )
+        except ConfigError as exc:
+            raise public_config_error(exc) from None
     try:
         inline = InlineIO(store, pools, device) if synchronous_io and store is not None else None
-        scheduler = Scheduler(KVCacheManager(core_config, trace=trace), copies, store,
-                              clock=clock, inline_io=inline, recorder=recorder)
+        core = KVCacheManager(core_config, trace=trace)
+        recovery = restore_from_disk(core, store, clock())
+        scheduler = Scheduler(core, copies, store, clock=clock, inline_io=inline,
+                              recorder=recorder)
+        scheduler.recovery = recovery
         gate = gate or OpenGate()
         writer = reader = None
         if store is not None and inline is None:

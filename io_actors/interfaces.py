@@ -18,6 +18,7 @@ from typing import Protocol
 import attrs
 import torch
 
+from io_actors.slot_format import SlotMeta
 from statekv.errors import TransferFailed
 from statekv.ids import BlockHash, PageId, SlotId
 
@@ -34,6 +35,8 @@ class SlotIO:
     """A write's payload checksum when it was computed elsewhere (on the GPU, by the copy
     that filled the host page); None: the store computes it.  A wrong value can only make
     the slot fail its check when read back, never serve wrong bytes."""
+    meta: SlotMeta | None = None
+    """A write's restore metadata for the slot header (what an index rebuild needs)."""
 
 
 BatchOutcome = list[TransferFailed | None]
@@ -75,8 +78,11 @@ class SlotStore(Protocol):
         """Whether `read` can fill device (GPU) memory directly (GPUDirect Storage)."""
         ...
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
-        """Write `src` (a uint8 host tensor of one block) with its header and checksum."""
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
+        """Write `src` (a uint8 host tensor of one block) with its header and checksum;
+        `meta` is what an index rebuild needs to serve the slot after a restart."""
 
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
         """Fill `dst` (uint8, one block) from the slot; verify header, length and checksum.
@@ -112,7 +118,7 @@ def write_each(store: SlotStore, writes: Sequence[SlotIO]) -> BatchOutcome:
     out: BatchOutcome = []
     for item in writes:
         try:
-            store.write(item.slot, item.key, item.buffer)
+            store.write(item.slot, item.key, item.buffer, item.meta)
         except TransferFailed as exc:
             out.append(exc)
         else:

@@ -85,6 +85,8 @@ CACHE_FIELDS: Final[dict[str, tuple[str, str, dict[str, str], str]]] = {
                       "Disk blocks displaced by a new spill."),
     "expirations": ("retention_expirations", COUNTER, {},
                     "Retained disk blocks whose TTL ran out."),
+    "restored_blocks": ("restored_blocks", COUNTER, {},
+                        "Disk blocks an earlier process left, adopted at open."),
     "io_errors": ("io_errors", COUNTER, {}, "Failed reads plus failed writes."),
     "cached_blocks": ("cached_blocks", GAUGE, {}, "Blocks in the prefix index, on any tier."),
     "gpu_free_pages": ("free_pages", GAUGE, {"tier": "gpu"}, "Free pages, by tier."),
@@ -147,6 +149,16 @@ class StateKVCollector(Collector):
                      "Spills decided but not yet handed to the writer pool.")
         families.add("slots_discarded", COUNTER, {}, stats.slots_discarded,
                      "Disk slots whose content was discarded.")
+        if stats.recovery is not None:
+            recovery = stats.recovery
+            for reason in ("foreign", "corrupt", "unauthenticated", "duplicates",
+                           "beyond_capacity"):
+                families.add("restore_reclaimed_slots", GAUGE, {"reason": reason},
+                             getattr(recovery, reason),
+                             "Slots found at open and reclaimed instead of served, by why.")
+        if stats.store is not None:
+            families.add("slot_mac_failures", COUNTER, {}, stats.store.mac_failures,
+                         "Slots whose keyed MAC failed on read: never served.")
         yield from families
 
 
@@ -164,12 +176,12 @@ def add_pool_statistics(families: MetricFamilies, pool: str, stats: PoolStatisti
     labels = {"pool": pool}
     families.add("io_workers", GAUGE, labels, stats.workers, "Threads of each I/O pool.")
     families.add("io_queue_depth", GAUGE, labels, stats.queued,
-                 "Transfers queued for a thread, by pool.")
+                 "Batches of transfers queued for a thread, by pool.")
     families.add("io_in_flight", GAUGE, labels, stats.in_flight,
-                 "Transfers a thread is executing, by pool.")
+                 "Batches of transfers a thread is executing, by pool.")
     families.add("io_jobs_completed", COUNTER, labels, stats.completed,
-                 "Transfers completed, by pool.")
+                 "Block transfers completed, by pool.")
     families.add("io_jobs_failed", COUNTER, labels, stats.failed,
-                 "Transfers that reported a failure, by pool.")
+                 "Block transfers that reported a failure, by pool.")
     families.add("io_jobs_dropped_at_close", COUNTER, labels, stats.dropped_at_close,
-                 "Transfers dropped when the pool closed without draining, by pool.")
+                 "Batches dropped when the pool closed without draining, by pool.")

@@ -33,6 +33,7 @@ import attrs
 import torch
 import trio
 
+from io_actors.backends.posix import Recovery, SlotStoreStatistics
 from io_actors.interfaces import CopyEngine, SlotStore
 from io_actors.memory import KVPools
 from io_actors.reader_pool import ReaderPool, ReadJob, SlotReader
@@ -83,6 +84,11 @@ class SystemStatistics:
     spill_backlog: int
     """Writes handed over but waiting for room in the writer queue (backpressure)."""
     slots_discarded: int
+    recovery: Recovery | None = None
+    """What the index rebuild at open found on disk: restored slots, and the slots it
+    reclaimed by reason (never served).  None without a disk tier."""
+    store: SlotStoreStatistics | None = None
+    """The slot store's counters (MAC failures among them), when the store keeps them."""
 
 
 @attrs.frozen(kw_only=True)
@@ -129,6 +135,9 @@ class InlineIO:
 
 class Scheduler:
     """The actor that owns a KVCacheManager."""
+
+    recovery: Recovery | None = None
+    """Set by whoever opened the store and restored the core from it (io_actors.embed)."""
 
     completion_filter: Callable[[Completion], Completion] | None = None
     """Maps every completion the pools report before it is applied (None: as reported).
@@ -233,7 +242,21 @@ class Scheduler:
             reader=self._reader.statistics() if self._reader else None,
             spill_backlog=len(self._spill_backlog),
             slots_discarded=self._slots_discarded,
+            recovery=self.recovery,
+            store=self._store_statistics(),
         )
+
+    def _store_statistics(self) -> SlotStoreStatistics | None:
+        read = getattr(self._store, "statistics", None)
+        if read is None:
+            return None
+        found = read()
+        if isinstance(found, SlotStoreStatistics):
+            return found
+        inner = getattr(self._store, "inner", None)  # a wrapper (fault injection)
+        read = getattr(inner, "statistics", None)
+        found = read() if read is not None else None
+        return found if isinstance(found, SlotStoreStatistics) else None
 
     def check_invariants(self) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ import torch
 
 from io_actors.gate import CompletionGate
 from io_actors.interfaces import Fence, SlotIO, SlotStore
+from io_actors.slot_format import SlotMeta
 from io_actors.worker_threads import WorkerThreads
 from statekv.ids import PageId
 from statekv.messages import (
@@ -29,10 +30,22 @@ from statekv.messages import (
     SlotWriteFailed,
     SlotWritten,
     TransferOutcome,
+    WriteSlot,
     WriteSlots,
 )
 
 log = logging.getLogger(__name__)
+_U32 = 2**32 - 1
+
+
+def slot_meta(cmd: WriteSlot) -> SlotMeta | None:
+    """What the slot header stores so that a later process can restore the block."""
+    if cmd.parent is None:
+        return None
+    return SlotMeta(
+        parent=cmd.parent, depth=cmd.depth, reuse_count=min(cmd.reuse_count, _U32),
+        expiry=cmd.expiry, written_at=cmd.issued_at, sequence=cmd.transfer,
+    )
 
 
 @attrs.frozen
@@ -61,7 +74,8 @@ class SlotWriter:
         crcs = self._crcs
         results = self._store.write_many([
             SlotIO(cmd.slot, cmd.key, page(cmd.host_page),
-                   None if crcs is None else int(crcs[cmd.host_page]) & 0xFFFFFFFF)
+                   None if crcs is None else int(crcs[cmd.host_page]) & 0xFFFFFFFF,
+                   slot_meta(cmd))
             for cmd in writes
         ])
         outcomes: list[TransferOutcome] = []

@@ -57,7 +57,9 @@ DISCARDED (the last holder lets go). Transitions driven by memory pressure: OFFL
 victim copied to host), SPILL_STARTED (host victim written to disk), DROPPED (content leaves
 the cache). Transitions driven by the actors' completions: SPILL_LANDED, SPILL_FAILED,
 READ_LANDED, READ_FAILED. RECALLED is a prefix hit on content in a host page (also while its
-spill write drains: the page is intact until the write reports back).
+spill write drains: the page is intact until the write reports back). RESTORED happens only
+when a cache opens on a slot directory an earlier process left: each slot the index rebuild
+accepts (specs/disk_persistence.md) takes a free record straight to ON_DISK.
 
 GPU <-> host copies are stream ordered and need no completion; disk reads and writes are
 asynchronous, which is why SPILLING and ONBOARDING are states of their own.

@@ -37,7 +37,7 @@ from statekv.errors import OutOfBlocks, UsageError
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.ids import BlockHash
 from statekv.lifecycle import BlockState
-from statekv.manager import CachedBlock
+from statekv.manager import CachedBlock, RestoredBlock
 from statekv.stats import CacheStatistics
 
 GPU, HOST, SPILLING, DISK, READING = "gpu", "host", "spilling", "disk", "reading"
@@ -160,7 +160,7 @@ class ReferenceCache:
                 "host_drops", "spills", "spills_completed", "spill_failures", "bytes_written",
                 "onboards", "onboards_completed", "onboard_failures", "bytes_read",
                 "gate_drops", "pressure_drops", "admission_refusals", "disk_busy_refusals",
-                "displacements", "expirations",
+                "displacements", "expirations", "restored_blocks",
             )
         }
 
@@ -464,6 +464,33 @@ class ReferenceCache:
         self._check_now(now)
         self._advance(now)
 
+    def restore(self, blocks: Sequence[RestoredBlock], *, now: float) -> None:
+        """Blocks left on disk by an earlier process, in the order they would be in had that
+        process never stopped: best-effort content by the time it became best-effort (its
+        write, or its deadline if that passed later), a deeper block first among equals;
+        content whose deadline still runs by (deadline, deeper first, written first)."""
+        self._check_now(now)
+        if self.requests or self.entries or self.writes or self.reads:
+            raise UsageError("restore", "only a fresh cache")
+        self._advance(now)
+        expired = [e for e in blocks if not is_live(e.expiry, now)]
+        running = [e for e in blocks if is_live(e.expiry, now)]
+        expired.sort(key=lambda e: (max(e.written_at, -math.inf if e.expiry is None
+                                        else e.expiry), e.written_at, e.sequence, -e.depth))
+        running.sort(key=lambda e: (e.written_at, e.sequence))
+        for e in expired + running:
+            b = MBlock(key=e.key, depth=e.depth, tier=DISK, reuse=e.reuse_count,
+                       expiry=e.expiry)
+            stamp = self._stamp()
+            if is_live(e.expiry, now):
+                assert e.expiry is not None
+                b.retained_key = (e.expiry, -e.depth, stamp)
+            else:
+                b.stamp = stamp
+            self.entries[e.key] = b
+        self.disk_empty -= len(blocks)
+        self.c["restored_blocks"] += len(blocks)
+
     # ------------------------------------------------------------------ completions
 
     def write_done(self, tid: int, ok: bool, now: float) -> None:
@@ -589,6 +616,7 @@ class ReferenceCache:
             disk_busy_refusals=c["disk_busy_refusals"],
             displacements=c["displacements"],
             expirations=c["expirations"],
+            restored_blocks=c["restored_blocks"],
             io_errors=c["spill_failures"] + c["onboard_failures"],
             cached_blocks=len(self.entries),
             gpu_free_pages=self.gpu_free,

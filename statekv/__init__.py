@@ -7,8 +7,10 @@ the actors in ``io_actors`` do.  See ``statekv.manager`` for the step protocol.
 from statekv.config import CacheConfig, KVLayout, SpillMode
 from statekv.errors import (
     ConfigError,
+    DirectoryInUse,
     IllegalTransition,
     InvariantViolation,
+    NewerFormat,
     OutOfBlocks,
     StateKVError,
     TransferFailed,
@@ -29,10 +31,12 @@ __all__ = [
     "CacheConfig",
     "CacheStatistics",
     "ConfigError",
+    "DirectoryInUse",
     "IllegalTransition",
     "InvariantViolation",
     "KVCacheManager",
     "KVLayout",
+    "NewerFormat",
     "OutOfBlocks",
     "PageId",
     "PrefixMatch",

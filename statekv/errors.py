@@ -18,6 +18,21 @@ class ConfigError(StateKVError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def renamed(self, field: str) -> ConfigError:
+        """The same error (same class) naming `field`: an inner layer's parameter name
+        becomes the public field the user set."""
+        return type(self)(field, self.message)
+
+
+class DirectoryInUse(ConfigError):
+    """Another cache (another process, or another store in this one) holds the slot
+    directory: two caches sharing slots would overwrite each other's KV."""
+
+
+class NewerFormat(ConfigError):
+    """The slot directory was written by a newer statekv (a newer slot format version)."""
 
 
 class UsageError(StateKVError, ValueError):

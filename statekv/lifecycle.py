@@ -88,6 +88,7 @@ class BlockEvent(enum.IntEnum):
     READ_STARTED = 110
     READ_LANDED = 111
     READ_FAILED = 112
+    RESTORED = 113
 
 
 EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
@@ -130,6 +131,9 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
     BlockEvent.READ_FAILED: (
         "The read failed (I/O error, short read, checksum): the bytes are never served."
     ),
+    BlockEvent.RESTORED: (
+        "At open, a free record adopts a slot an earlier process spilled (index rebuild)."
+    ),
 }
 
 
@@ -138,6 +142,7 @@ E = BlockEvent
 
 TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
     (S.FREE, E.ALLOCATED): S.ON_GPU,
+    (S.FREE, E.RESTORED): S.ON_DISK,
     (S.ON_GPU, E.ACQUIRED): S.ON_GPU,
     (S.ON_GPU, E.RELEASED): S.RELEASED,
     (S.ON_GPU, E.DISCARDED): S.FREE,
@@ -169,6 +174,13 @@ _WRITE_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ON_DISK, BlockState.ON_HOS
                                            BlockState.ON_GPU})
 
 
+# A record leaves FREE for a new request's page or to adopt a slot found at open, nothing else.
+_LEAVES_FREE: Final = frozenset({BlockEvent.ALLOCATED, BlockEvent.RESTORED})
+# Bytes are on disk only once a write landed, or when an index rebuild at open found them
+# there (in a slot whose header, checksums and fingerprint were checked; restore is FREE-only).
+_ENTERS_ON_DISK: Final = frozenset({BlockEvent.SPILL_LANDED, BlockEvent.RESTORED})
+
+
 def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
     """The state a block moves to when `event` happens in `state`.
 
@@ -179,10 +191,11 @@ def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
     raises: IllegalTransition
     post: (state, event) in TRANSITIONS and __return__ == TRANSITIONS[(state, event)]
     post: __return__ is not BlockState.FREE or event in (BlockEvent.DROPPED, BlockEvent.DISCARDED)
-    post: state is not BlockState.FREE or event is BlockEvent.ALLOCATED
+    post: state is not BlockState.FREE or event in _LEAVES_FREE
+    post: event is not BlockEvent.RESTORED or state is BlockState.FREE
     post: state is not BlockState.ONBOARDING or __return__ in _READ_IN_FLIGHT_EXITS
     post: state is not BlockState.SPILLING or __return__ in _WRITE_IN_FLIGHT_EXITS
-    post: __return__ is not BlockState.ON_DISK or event is BlockEvent.SPILL_LANDED
+    post: __return__ is not BlockState.ON_DISK or event in _ENTERS_ON_DISK
     post: __return__ is not BlockState.RELEASED or event is BlockEvent.RELEASED
     post: state is not BlockState.ERROR or __return__ is BlockState.FREE
     """

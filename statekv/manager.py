@@ -33,7 +33,7 @@ from statekv.arith import blocks_for_tokens, expiry_after, full_blocks, is_live,
 from statekv.block import Block
 from statekv.config import CacheConfig, is_finite_number, is_utf8_encodable
 from statekv.errors import IllegalTransition, InvariantViolation, OutOfBlocks, UsageError
-from statekv.hashing import extend_chain, root_key, token_bytes
+from statekv.hashing import DIGEST_SIZE, extend_chain, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, PageId, RequestId, SlotId, TransferId
 from statekv.lifecycle import TRANSITIONS, BlockEvent, BlockState
 from statekv.messages import (
@@ -111,6 +111,26 @@ class CachedBlock:
     expiry: float | None
     depth: int
     priority: int
+
+
+@attrs.frozen(kw_only=True)
+class RestoredBlock:
+    """One block an index rebuild found on disk, to be adopted by :meth:`KVCacheManager.restore`.
+
+    Everything here was stored with the block by the process that spilled it.
+    """
+
+    key: BlockHash
+    parent_key: BlockHash
+    slot: SlotId
+    depth: int
+    reuse_count: int
+    expiry: float | None
+    """Retention deadline on the same clock as `now` (wall-clock seconds)."""
+    written_at: float
+    """When the spill was issued, on the same clock."""
+    sequence: int
+    """Orders spills issued at the same `written_at`."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -413,6 +433,97 @@ class KVCacheManager:
             else:
                 target.expiry = expiry
 
+    def restore(self, blocks: Sequence[RestoredBlock], *, now: float) -> None:
+        """Adopt blocks an earlier process left on disk, each ON_DISK in its slot.
+
+        Only on a manager that has done nothing yet (no request, nothing cached, every slot
+        empty).  The displacement order is rebuilt as if the blocks had stayed: best-effort
+        content first, in the order it became best-effort (when it was written, or when its
+        deadline passed -- also while the process was down), a deeper block before its prefix
+        among equals; then content whose deadline is still running, by
+        :func:`~statekv.arith.retention_order`.  Validates everything before changing
+        anything: raises UsageError naming the field and the entry at fault.
+        """
+        now = _check_now(now, self._now)
+        if (self._requests or self._index or self._writes or self._reads
+                or len(self._disk.empty) != self.config.disk_blocks):
+            raise UsageError("restore", "only a fresh cache can restore blocks from disk")
+        given: object = blocks
+        if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+            raise UsageError("blocks", "must be a sequence of RestoredBlock")
+        slots: set[int] = set()
+        keys: set[bytes] = set()
+        for i, entry in enumerate(blocks):
+            self._check_restored(i, entry, slots, keys)
+        self._advance(now)
+        by_slot = sorted(blocks, key=lambda e: e.slot)
+        live = [e for e in by_slot if is_live(e.expiry, now)]
+        best_effort = [e for e in by_slot if not is_live(e.expiry, now)]
+
+        def became_best_effort(e: RestoredBlock) -> tuple[float, float, int, int]:
+            expired_at = e.expiry if e.expiry is not None else -math.inf
+            return (max(e.written_at, expired_at), e.written_at, e.sequence, -e.depth)
+
+        best_effort.sort(key=became_best_effort)
+        live.sort(key=lambda e: (e.written_at, e.sequence))
+        disk = self._disk
+        index, children = self._index, self._children
+        fresh: list[Block] = []
+        for entry in [*best_effort, *live]:
+            block = self._free_records.pop()
+            fresh.append(block)
+            block.key = entry.key
+            block.parent_key = entry.parent_key
+            block.depth = entry.depth
+            block.reuse_count = entry.reuse_count
+            block.expiry = entry.expiry
+            block.disk_slot = entry.slot
+            index[entry.key] = block
+            children[entry.parent_key] = children.get(entry.parent_key, 0) + 1
+        self._move_all(fresh, _E.RESTORED)
+        for block in fresh:
+            disk.file(block, now, self._next_seq())
+        disk.empty = [slot for slot in disk.empty if slot not in slots]
+        self._counters.restored_blocks += len(fresh)
+
+    def _check_restored(
+        self, i: int, entry: object, slots: set[int], keys: set[bytes]
+    ) -> None:
+        where = f"blocks[{i}]"
+        if not isinstance(entry, RestoredBlock):
+            raise UsageError("blocks", f"{where} is not a RestoredBlock: {entry!r:.80}")
+        hashes: tuple[tuple[str, object], ...] = (
+            ("key", entry.key), ("parent_key", entry.parent_key)
+        )
+        for field, digest in hashes:
+            if not isinstance(digest, bytes) or len(digest) != DIGEST_SIZE:
+                raise UsageError(field, f"{where}: must be a BlockHash, got {digest!r:.80}")
+        slot: object = entry.slot
+        if isinstance(slot, bool) or not isinstance(slot, int) or not (
+            0 <= slot < self.config.disk_blocks
+        ):
+            raise UsageError(
+                "slot", f"{where}: must be a slot in [0, {self.config.disk_blocks}), got {slot!r}"
+            )
+        if slot in slots:
+            raise UsageError("slot", f"{where}: slot {slot} restored twice")
+        assert isinstance(slot, int)
+        if entry.key in keys:
+            raise UsageError("key", f"{where}: key restored twice")
+        counts: tuple[tuple[str, object], ...] = (
+            ("depth", entry.depth), ("reuse_count", entry.reuse_count),
+            ("sequence", entry.sequence),
+        )
+        for field, value in counts:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(field, f"{where}: must be an integer >= 0, got {value!r}")
+        if entry.expiry is not None and not is_finite_number(entry.expiry):
+            raise UsageError("expiry", f"{where}: must be finite seconds or None")
+        if not is_finite_number(entry.written_at):
+            raise UsageError("written_at", f"{where}: must be finite seconds")
+        slots.add(slot)
+        keys.add(entry.key)
+
     def is_ready(self, request_id: RequestId | str) -> bool:
         """Whether every block of the request has landed on GPU.  O(1)."""
         return self._request(request_id).pending == 0
@@ -562,6 +673,7 @@ class KVCacheManager:
             disk_busy_refusals=c.disk_busy_refusals,
             displacements=c.displacements,
             expirations=c.expirations,
+            restored_blocks=c.restored_blocks,
             io_errors=c.spill_failures + c.onboard_failures,
             cached_blocks=len(self._index),
             gpu_free_pages=len(self._gpu.empty),
@@ -976,7 +1088,9 @@ class KVCacheManager:
         self._write_outbox.append(
             WriteSlot(
                 transfer=tid, block=victim.id, key=key, host_page=host_page, slot=slot,
-                retained=is_live(victim.expiry, now),
+                retained=is_live(victim.expiry, now), parent=victim.parent_key,
+                depth=victim.depth, reuse_count=victim.reuse_count, expiry=victim.expiry,
+                issued_at=now,
             )
         )
         self._counters.spills += 1

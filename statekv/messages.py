@@ -71,6 +71,16 @@ class WriteSlot:
     slot: SlotId
     retained: bool
     """The block carries an unexpired TTL: a write that must never be shed."""
+    # What the slot header stores so that a later process can restore the block (None /
+    # zero where a caller has no chain to give: such a slot is reclaimed, never restored).
+    parent: BlockHash | None = None
+    """Key of the previous block of the chain (the root key for a first block)."""
+    depth: int = 0
+    reuse_count: int = 0
+    expiry: float | None = None
+    """The block's retention deadline, on the core's clock (wall-clock seconds)."""
+    issued_at: float = 0.0
+    """The core's `now` when it issued the write."""
 
 
 @attrs.frozen(kw_only=True)

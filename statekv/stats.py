@@ -40,6 +40,7 @@ class Counters:
     disk_busy_refusals: int = 0
     displacements: int = 0
     expirations: int = 0
+    restored_blocks: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -109,6 +110,8 @@ class CacheStatistics:
     """Disk content displaced by a new spill."""
     expirations: int
     """Retained disk content whose TTL ran out (it became best-effort)."""
+    restored_blocks: int
+    """Blocks adopted from disk at open (left by an earlier process: restore)."""
     io_errors: int
     """Failed reads plus failed writes."""
 

@@ -24,7 +24,9 @@ from hypothesis.stateful import (
 from fuzz.spy import command_kinds
 from specs.reference_model import ReferenceCache, in_batches, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
-from statekv.ids import TransferId
+from statekv.ids import SlotId, TransferId
+from statekv.lifecycle import BlockState
+from statekv.manager import RestoredBlock
 from statekv.messages import (
     ReadSlot,
     SlotRead,
@@ -86,6 +88,10 @@ class CoreMatchesReference(RuleBasedStateMachine):
     def build(self, config: CacheConfig) -> None:
         self.real = KVCacheManager(config)
         self.model = ReferenceCache(config)
+        self.config = config
+        self.issued: dict[TransferId, WriteSlot] = {}
+        self.on_slot: dict[SlotId, WriteSlot] = {}
+        """The write whose bytes each slot holds (the emulated disk)."""
 
     # -------------------------------------------------------------- both sides, compared
 
@@ -111,6 +117,7 @@ class CoreMatchesReference(RuleBasedStateMachine):
         for c in per_block(real):
             if isinstance(c, WriteSlot):
                 self.writes.append(c.transfer)
+                self.issued[c.transfer] = c
             elif isinstance(c, ReadSlot):
                 self.reads.append(c.transfer)
 
@@ -236,6 +243,32 @@ class CoreMatchesReference(RuleBasedStateMachine):
         event = SlotWritten(transfer=tid) if ok else SlotWriteFailed(transfer=tid, cause="EIO")
         self.both(lambda: self.real.handle(event, now=self.now),
                   lambda: self.model.write_done(tid, ok, self.now))
+        if ok:
+            write = self.issued[tid]
+            self.on_slot[write.slot] = write
+
+    @precondition(lambda self: not self.live and not self.writes and not self.reads)
+    @rule(downtime=st.sampled_from([0.0, 1.0, 10.0, 60.0]))
+    def restart(self, downtime: float) -> None:
+        """The process stops and a new one restores what is on disk (an index rebuild
+        gives both sides the same entries: the slots whose content the index held)."""
+        on_disk = {b.key for b in self.real.cached_blocks() if b.state is BlockState.ON_DISK}
+        entries = [
+            RestoredBlock(key=w.key, parent_key=w.parent, slot=w.slot, depth=w.depth,
+                          reuse_count=w.reuse_count, expiry=w.expiry, written_at=w.issued_at,
+                          sequence=w.transfer)
+            for w in self.on_slot.values() if w.key in on_disk and w.parent is not None
+        ]
+        assert len(entries) == len(on_disk)
+        self.now += downtime
+        self.real = KVCacheManager(self.config)
+        self.model = ReferenceCache(self.config)
+        self.issued = {}
+        self.on_slot = {e.slot: w for e in entries for w in self.on_slot.values()
+                        if w.slot == e.slot}
+        self.both(lambda: self.real.restore(entries, now=self.now),
+                  lambda: self.model.restore(entries, now=self.now))
+        event(f"restored {min(len(entries), 3)}+ blocks")
 
     @precondition(lambda self: self.writes or self.reads)
     @rule()

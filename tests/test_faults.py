@@ -24,6 +24,7 @@ from io_actors.backends.faults import (
 )
 from io_actors.backends.posix import DATA_FILE, PosixSlotStore
 from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore, read_each, write_each
+from io_actors.slot_format import SlotMeta
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
@@ -279,7 +280,9 @@ class _MemoryStore:
     def device_reads(self) -> bool:
         return False
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
         self.slots[slot] = (key, src.clone())
 
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
@@ -318,3 +321,29 @@ def test_seam_faults_work_on_any_store() -> None:
     store.discard(SlotId(0))
     assert store.statistics().discards == 1
     store.close()
+
+
+def test_after_a_crash_nothing_reaches_the_disk(fresh: MakeStore) -> None:
+    inner = fresh()
+    store = FaultyStore(inner, FaultPlan(rules=(FaultRule(op=Op.WRITE, fault=Fault.CRASH,
+                                                          nth=3),), seed=4))
+    image_before = None
+    for slot in range(SLOTS):
+        if slot == 3:
+            image_before = (inner.path.parent / DATA_FILE).read_bytes()
+        try:
+            store.write(SlotId(slot), key(0, slot), payload(0, slot))
+        except TransferFailed as exc:
+            assert "crashed" in str(exc)
+            assert slot >= 2
+    assert store.crashed_at == 3
+    # The fourth write raised without touching the disk; so does every read.
+    assert (inner.path.parent / DATA_FILE).read_bytes() == image_before
+    dst = torch.zeros(CONFIG.block_bytes, dtype=torch.uint8)
+    with pytest.raises(TransferFailed, match="crashed"):
+        store.read(SlotId(0), key(0, 0), dst)
+    # What did land reads back intact; the crashed write is all, some or none of its pages.
+    assert bytes(dst) == bytes([POISON]) * CONFIG.block_bytes
+    for slot in (0, 1):
+        inner.read(SlotId(slot), key(0, slot), dst)
+        assert torch.equal(dst, payload(0, slot))

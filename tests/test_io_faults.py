@@ -19,6 +19,7 @@ from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, 
 from io_actors.backends.posix import PosixSlotStore
 from io_actors.embed import BlockingCache
 from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.slot_format import SlotMeta
 from statekv.ids import BlockHash, SlotId
 from tests.harness import block_keys
 from tests.io_helpers import check_pages, compute, serve, small_config, wait_quiet, wait_ready
@@ -37,9 +38,11 @@ class KeyLog:
     def device_reads(self) -> bool:
         return False
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
         self.written.append(key)
-        self.inner.write(slot, key, src)
+        self.inner.write(slot, key, src, meta)
 
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
         self.inner.read(slot, key, dst)

@@ -17,7 +17,7 @@ import torch
 from io_actors.backends import open_slot_store
 from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.backends.kvikio_store import KvikioSlotStore
-from io_actors.backends.posix import PosixSlotStore
+from io_actors.backends.posix import DATA_FILE, PosixSlotStore
 from io_actors.slot_format import payload_checksum_torch
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, TransferFailed
@@ -66,7 +66,7 @@ def test_the_store_refuses_to_open_without_cuda(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="CUDA") as info:
         KvikioSlotStore(tmp_path, CONFIG)
     assert info.value.field == "kind"
-    assert not (tmp_path / "slots.v1").exists()
+    assert not (tmp_path / DATA_FILE).exists()
 
 
 @pytest.mark.gpu

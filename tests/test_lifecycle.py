@@ -18,6 +18,7 @@ from statekv.lifecycle import (
     allowed_events,
     next_state,
 )
+from statekv.manager import RestoredBlock
 from tests.harness import Executor, config, fresh_tokens
 
 S = BlockState
@@ -114,8 +115,9 @@ def test_only_dropping_or_discarding_frees_a_block() -> None:
             assert event in (E.DROPPED, E.DISCARDED), (state, event)
 
 
-def test_a_free_record_can_only_be_allocated() -> None:
-    assert allowed_events(S.FREE) == {E.ALLOCATED}
+def test_a_free_record_can_only_be_allocated_or_restored() -> None:
+    assert allowed_events(S.FREE) == {E.ALLOCATED, E.RESTORED}
+
 
 
 def test_a_read_in_flight_ends_only_by_landing_or_failing_never_freed() -> None:
@@ -132,9 +134,9 @@ def test_a_write_in_flight_keeps_its_host_page_until_it_reports() -> None:
     assert E.DROPPED not in allowed_events(S.SPILLING)
 
 
-def test_content_reaches_disk_only_by_a_landed_write() -> None:
+def test_content_reaches_disk_only_by_a_landed_write_or_a_restore_at_open() -> None:
     into_disk = [(s, e) for (s, e), t in TRANSITIONS.items() if t is S.ON_DISK]
-    assert into_disk == [(S.SPILLING, E.SPILL_LANDED)]
+    assert into_disk == [(S.FREE, E.RESTORED), (S.SPILLING, E.SPILL_LANDED)]
 
 
 def test_a_failed_read_is_never_served_only_discarded() -> None:
@@ -212,6 +214,17 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
     for _ in range(3):                  # the third spill displaces: ON_DISK DROPPED
         ex.spill([fresh_tokens(ex.bs + 1)])
     assert ex.stats().displacements == 1
+    seen |= set(_seen(trace))
+
+    ex, _ = _traced()
+    (write,) = ex.spill([fresh_tokens(ex.bs + 1)])
+    trace = RingTrace(100)
+    restored = KVCacheManager(ex.cache.config, trace=trace)
+    assert write.parent is not None
+    restored.restore([RestoredBlock(key=write.key, parent_key=write.parent, slot=write.slot,
+                                    depth=write.depth, reuse_count=write.reuse_count,
+                                    expiry=write.expiry, written_at=write.issued_at,
+                                    sequence=write.transfer)], now=ex.now)  # FREE RESTORED
     seen |= set(_seen(trace))
 
     ex, trace = _traced(disk_blocks=0)

@@ -15,7 +15,9 @@ from io_actors.slot_format import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
+    MacMismatch,
     SlotHeader,
+    SlotMeta,
     pack_slot,
     payload_checksum,
     payload_checksum_torch,
@@ -203,15 +205,74 @@ def test_device_checksum_refuses_non_byte_tensors() -> None:
 
 def test_the_slot_format_is_stable_byte_for_byte() -> None:
     # Slot files outlive the process that wrote them: a change to any byte of the format
-    # (field order, either checksum's input) makes existing files unreadable, so it must be a
-    # new FORMAT_VERSION, never an accident.  The image below is version 1.
+    # (field order, either checksum's input, the MAC's input) makes existing files unreadable,
+    # so it must be a new FORMAT_VERSION, never an accident.  The images below are version 2.
     image = pack_slot(slot=SlotId(3), key=BlockHash(bytes(range(32))),
                       payload=bytes(range(256)) * 16)
     assert len(image) == 8192
     assert image[:72].hex() == (
-        "53544b56534c4f54" "01000000" "00100000" "0300000000000000" "0010000000000000"
+        "53544b56534c4f54" "02000000" "00100000" "0300000000000000" "0010000000000000"
         "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f" "822091a2"
-        "7978ad73"
+        "369fecca"
     )
     assert image[72:4096] == bytes(4096 - 72)
     assert image[4096:] == bytes(range(256)) * 16
+    meta = SlotMeta(parent=bytes(range(32, 64)), depth=5, reuse_count=2, expiry=1.5e9,
+                    written_at=1.4e9, sequence=9)
+    image = pack_slot(slot=SlotId(3), key=BlockHash(bytes(range(32))),
+                      payload=bytes(range(256)) * 16, config=bytes(range(16)), meta=meta,
+                      mac_key=b"k" * 16)
+    assert image[64:72].hex() == "822091a289b2c743"
+    assert image[72:188].hex() == (
+        "000102030405060708090a0b0c0d0e0f"
+        "202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f"
+        "000000c00b5ad641" "0000008093dcd441" "0900000000000000" "05000000" "02000000"
+        "07000000"
+        "4fa1e4577988785cd8357e5c4585af3797823e2a1b69c67bab0aac165dc1b205"
+    )
+    assert image[188:4096] == bytes(4096 - 188)
+
+
+META = SlotMeta(parent=bytes(32), depth=3, reuse_count=1, expiry=None, written_at=10.0,
+                sequence=4)
+
+
+def test_header_round_trips_meta_config_and_mac() -> None:
+    with_ttl = SlotMeta(parent=OTHER_KEY, depth=7, reuse_count=9, expiry=123.25,
+                        written_at=100.5, sequence=2**40)
+    for meta in (META, with_ttl):
+        header = SlotHeader(slot=1, key=KEY, payload_len=8, payload_crc=5,
+                            config=b"c" * 16, meta=meta, mac=b"m" * 32)
+        assert SlotHeader.unpack(header.pack(), what="slot 1") == header
+
+
+def test_a_keyed_mac_round_trips_and_a_wrong_or_missing_key_is_refused() -> None:
+    image = pack_slot(slot=SlotId(2), key=KEY, payload=b"kv" * 50, meta=META,
+                      mac_key=b"secret-key-16byt")
+    got = unpack_slot(image, slot=SlotId(2), key=KEY, payload_len=100,
+                      mac_key=b"secret-key-16byt")
+    assert bytes(got) == b"kv" * 50
+    with pytest.raises(MacMismatch, match="MAC mismatch"):
+        unpack_slot(image, slot=SlotId(2), key=KEY, payload_len=100, mac_key=b"other-key-16byte")
+    plain = pack_slot(slot=SlotId(2), key=KEY, payload=b"kv" * 50, meta=META)
+    with pytest.raises(MacMismatch, match="no MAC"):
+        unpack_slot(plain, slot=SlotId(2), key=KEY, payload_len=100, mac_key=b"secret-key-16byt")
+
+
+def test_a_forger_with_valid_checksums_but_no_key_is_refused() -> None:
+    # What a CRC cannot stop: rewrite the payload and fix both checksums up.
+    mac_key = b"secret-key-16byt"
+    genuine = pack_slot(slot=SlotId(2), key=KEY, payload=b"a" * 64, mac_key=mac_key)
+    header = SlotHeader.unpack(genuine, what="slot 2")
+    forged_payload = b"b" * 64
+    forged = bytearray(genuine)
+    attrs_evolve = SlotHeader(slot=2, key=KEY, payload_len=64,
+                              payload_crc=payload_checksum(forged_payload), mac=header.mac)
+    forged[:HEADER_SIZE] = attrs_evolve.pack()
+    forged[HEADER_SIZE:HEADER_SIZE + 64] = forged_payload
+    with pytest.raises(MacMismatch):
+        unpack_slot(bytes(forged), slot=SlotId(2), key=KEY, payload_len=64, mac_key=mac_key)
+    # Without a MAC key the forgery would pass: that is exactly why the MAC exists.
+    assert bytes(unpack_slot(bytes(forged), slot=SlotId(2), key=KEY, payload_len=64)) == (
+        forged_payload
+    )

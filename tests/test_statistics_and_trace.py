@@ -11,6 +11,7 @@ import pytest
 from statekv import CacheStatistics, ConfigError, KVCacheManager, RingTrace, SpillMode
 from statekv.ids import BlockId, RequestId
 from statekv.lifecycle import TRANSITIONS, BlockEvent, BlockState
+from statekv.manager import RestoredBlock
 from tests.harness import Executor, config, fresh_tokens, make
 
 Trigger = Callable[[], object]
@@ -164,6 +165,19 @@ def expiry() -> tuple[Executor, Trigger]:
     return ex, lambda: ex.tick(10.0)
 
 
+def restore_two() -> tuple[Executor, Trigger]:
+    old = _cache(host_blocks=2, gpu_blocks=6)
+    writes = old.spill([fresh_tokens(5)])
+    ex = Executor(KVCacheManager(old.cache.config), now=old.now)
+    entries = [
+        RestoredBlock(key=w.key, parent_key=w.parent or w.key, slot=w.slot, depth=w.depth,
+                      reuse_count=w.reuse_count, expiry=w.expiry, written_at=w.issued_at,
+                      sequence=w.transfer)
+        for w in writes
+    ]
+    return ex, lambda: ex.cache.restore(entries, now=ex.now)
+
+
 CASES: list[tuple[str, Setup, int]] = [
     ("requests_added", add_request, 1),
     ("requests_released", release_request, 1),
@@ -198,6 +212,7 @@ CASES: list[tuple[str, Setup, int]] = [
     ("disk_busy_refusals", disk_busy, 1),
     ("displacements", displacement, 1),
     ("expirations", expiry, 1),
+    ("restored_blocks", restore_two, 2),
     ("io_errors", failing_write, 1),
     ("io_errors", read_lands(False), 1),
     ("cached_blocks", commit_two_blocks, 2),

@@ -34,8 +34,9 @@ from typing import Final, Protocol, cast, runtime_checkable
 import attrs
 import torch
 
+from io_actors.backends.posix import Recovery
 from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
-from io_actors.slot_format import ALIGN, HEADER_SIZE, SlotExtent
+from io_actors.slot_format import ALIGN, HEADER_SIZE, SlotExtent, SlotMeta
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
 
@@ -80,6 +81,10 @@ class Fault(enum.Enum):
     """Write: succeeds, then one seeded bit of the payload flips on disk (media rot)."""
     SLOW = "slow"
     """The call sleeps `delay_s`, then runs normally."""
+    CRASH = "crash"
+    """Write: the process dies during this write.  A seeded subset of the slot's 4 KiB
+    pages lands (possibly all, possibly none), the call raises, and every later call of
+    either operation raises without touching the disk: nothing after a crash reaches it."""
 
 
 _APPLIES_TO: Final[dict[Fault, frozenset[Op]]] = {
@@ -92,9 +97,10 @@ _APPLIES_TO: Final[dict[Fault, frozenset[Op]]] = {
     Fault.TORN_WRITE_SILENT: frozenset({Op.WRITE}),
     Fault.BIT_FLIP: frozenset({Op.WRITE}),
     Fault.SLOW: frozenset({Op.READ, Op.WRITE}),
+    Fault.CRASH: frozenset({Op.WRITE}),
 }
 NEEDS_RAW_ACCESS: Final = frozenset(
-    {Fault.SHORT_WRITE, Fault.TORN_WRITE, Fault.TORN_WRITE_SILENT, Fault.BIT_FLIP}
+    {Fault.SHORT_WRITE, Fault.TORN_WRITE, Fault.TORN_WRITE_SILENT, Fault.BIT_FLIP, Fault.CRASH}
 )
 """Faults that rewrite bytes on disk behind the inner store's back."""
 
@@ -237,6 +243,7 @@ class FaultyStore:
         self._counts = {Op.WRITE: 0, Op.READ: 0}
         self._discards = 0
         self._injected: list[str] = []
+        self._crashed_at: int | None = None
 
     @property
     def inner(self) -> SlotStore:
@@ -275,12 +282,16 @@ class FaultyStore:
 
     # --- write ------------------------------------------------------------------------------
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
         call, rule = self._next(Op.WRITE)
+        if self._crashed_at is not None:
+            raise TransferFailed(f"slot {slot}", "the process crashed (injected)")
         if rule is None:
-            self._inner.write(slot, key, src)
+            self._inner.write(slot, key, src, meta)
             return
-        self._faulty_write(slot, key, src, call, rule)
+        self._faulty_write(slot, key, src, meta, call, rule)
 
     def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
         """Calls are numbered per slot, as for `write`; the slots no rule names go to the
@@ -293,37 +304,50 @@ class FaultyStore:
     def _many(
         self, op: Op, batch: Sequence[SlotIO],
         plain_call: Callable[[Sequence[SlotIO]], BatchOutcome],
-        faulty_call: Callable[[SlotId, BlockHash, torch.Tensor, int, FaultRule], None],
+        faulty_call: Callable[
+            [SlotId, BlockHash, torch.Tensor, SlotMeta | None, int, FaultRule], None
+        ],
     ) -> BatchOutcome:
+        """Per slot, in the batch's order: runs of slots no rule names go to the inner store
+        as one batch each (its vector path), a faulted slot alone, and after a CRASH nothing
+        more reaches the disk -- exactly what one call per slot would do."""
         items = list(batch)
         out: BatchOutcome = [None] * len(items)
-        plain: list[int] = []
-        faulted: list[tuple[int, int, FaultRule]] = []
-        for n in range(len(items)):
+        run: list[int] = []
+
+        def flush() -> None:
+            if run:
+                for n, outcome in zip(run, plain_call([items[n] for n in run]), strict=True):
+                    out[n] = outcome
+                run.clear()
+
+        for n, item in enumerate(items):
             call, rule = self._next(op)
+            if self._crashed_at is not None:
+                if op is Op.READ:
+                    item.buffer.fill_(POISON)
+                out[n] = TransferFailed(f"slot {item.slot}", "the process crashed (injected)")
+                continue
             if rule is None:
-                plain.append(n)
-            else:
-                faulted.append((n, call, rule))
-        if plain:
-            for n, outcome in zip(plain, plain_call([items[n] for n in plain]), strict=True):
-                out[n] = outcome
-        for n, call, rule in faulted:
-            item = items[n]
+                run.append(n)
+                continue
+            flush()
             try:
-                faulty_call(item.slot, item.key, item.buffer, call, rule)
+                faulty_call(item.slot, item.key, item.buffer, item.meta, call, rule)
             except TransferFailed as exc:
                 out[n] = exc
+        flush()
         return out
 
     def _faulty_write(
-        self, slot: SlotId, key: BlockHash, src: torch.Tensor, call: int, rule: FaultRule
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None,
+        call: int, rule: FaultRule,
     ) -> None:
         what = f"slot {slot}"
         fault = rule.fault
         if fault is Fault.SLOW:
             self._sleep(rule.delay_s)
-            self._inner.write(slot, key, src)
+            self._inner.write(slot, key, src, meta)
         elif fault is Fault.EIO_OPEN:
             raise TransferFailed(what, "open failed: [Errno 5] Input/output error (injected)")
         elif fault is Fault.ENOSPC:
@@ -331,13 +355,16 @@ class FaultyStore:
                 what, "write failed: [Errno 28] No space left on device (injected)"
             )
         elif fault is Fault.EIO:
-            self._inner.write(slot, key, src)
+            self._inner.write(slot, key, src, meta)
             raise TransferFailed(what, "write failed: [Errno 5] Input/output error (injected)")
         elif fault is Fault.BIT_FLIP:
-            self._inner.write(slot, key, src)
+            self._inner.write(slot, key, src, meta)
             self._flip_bit(slot, src.numel(), self._rng(Op.WRITE, call))
         else:
-            self._tear(slot, key, src, fault, self._rng(Op.WRITE, call), what)
+            if fault is Fault.CRASH:
+                with self._lock:
+                    self._crashed_at = call
+            self._tear(slot, key, src, meta, fault, self._rng(Op.WRITE, call), what)
 
     def _extent(self, slot: SlotId) -> SlotExtent:
         # The constructor refused plans with disk faults for stores without slot_extent().
@@ -348,6 +375,7 @@ class FaultyStore:
         slot: SlotId,
         key: BlockHash,
         src: torch.Tensor,
+        meta: SlotMeta | None,
         fault: Fault,
         rng: random.Random,
         what: str,
@@ -355,9 +383,12 @@ class FaultyStore:
         """Write for real, then put back the old bytes of the pages that did not land."""
         extent = self._extent(slot)
         before = _raw_read(extent)
-        self._inner.write(slot, key, src)
+        self._inner.write(slot, key, src, meta)
         pages = extent.nbytes // ALIGN
-        if fault is Fault.SHORT_WRITE:
+        if fault is Fault.CRASH:
+            # Any subset may have reached the disk, all of it or none included.
+            lost = [p for p in range(pages) if rng.random() < 0.5]
+        elif fault is Fault.SHORT_WRITE:
             landed = rng.randrange(1, pages) if pages > 1 else 0
             lost = list(range(landed, pages))
         else:
@@ -372,6 +403,8 @@ class FaultyStore:
                 raw.write(start, before[start : start + ALIGN])
         if fault is Fault.TORN_WRITE_SILENT:
             return
+        if fault is Fault.CRASH:
+            raise TransferFailed(what, "the process crashed during this write (injected)")
         written = (pages - len(lost)) * ALIGN
         kind = "short write" if fault is Fault.SHORT_WRITE else "torn write"
         raise TransferFailed(
@@ -388,15 +421,31 @@ class FaultyStore:
 
     # --- read -------------------------------------------------------------------------------
 
+    @property
+    def crashed_at(self) -> int | None:
+        """The write call a CRASH fault struck, or None."""
+        with self._lock:
+            return self._crashed_at
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """The inner store's :attr:`~io_actors.backends.posix.PosixSlotStore.recovery`."""
+        recovery = getattr(self._inner, "recovery", None)
+        return recovery if isinstance(recovery, Recovery) else None
+
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
         call, rule = self._next(Op.READ)
+        if self._crashed_at is not None:
+            dst.fill_(POISON)
+            raise TransferFailed(f"slot {slot}", "the process crashed (injected)")
         if rule is None:
             self._inner.read(slot, key, dst)
             return
-        self._faulty_read(slot, key, dst, call, rule)
+        self._faulty_read(slot, key, dst, None, call, rule)
 
     def _faulty_read(
-        self, slot: SlotId, key: BlockHash, dst: torch.Tensor, call: int, rule: FaultRule
+        self, slot: SlotId, key: BlockHash, dst: torch.Tensor, _meta: SlotMeta | None,
+        call: int, rule: FaultRule,
     ) -> None:
         what = f"slot {slot}"
         fault = rule.fault

@@ -46,6 +46,7 @@ import torch
 
 from io_actors.backends.posix import (
     PosixSlotStore,
+    Recovery,
     SlotStoreStatistics,
     check_block_tensor,
 )
@@ -55,6 +56,7 @@ from io_actors.slot_format import (
     HEADER_SIZE,
     SlotExtent,
     SlotHeader,
+    SlotMeta,
     check_key,
     payload_checksum_torch,
     verify_checksum,
@@ -105,8 +107,17 @@ class KvikioSlotStore:
         direct_io: bool = True,
         preallocate: bool = True,
         sync_writes: bool = False,
+        persist: bool = True,
+        mac_key: bytes | None = None,
     ) -> None:
         kvikio = _import_kvikio()
+        if mac_key is not None:
+            # A keyed MAC is computed on the host; a device read would have to bring every
+            # payload back to the host to check it, which is what this store exists to avoid.
+            raise ConfigError(
+                "mac_key", "the kvikio backend reads into GPU memory and cannot check a keyed "
+                "MAC there; use the posix backend with a MAC key"
+            )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if not isinstance(device, torch.device) or device.type != "cuda":
@@ -114,7 +125,7 @@ class KvikioSlotStore:
         self._device = device
         self._host = PosixSlotStore(
             directory, config, direct_io=direct_io, preallocate=preallocate,
-            sync_writes=sync_writes,
+            sync_writes=sync_writes, persist=persist,
         )
         try:
             self._file = kvikio.CuFile(str(self._host.path), "r")
@@ -148,8 +159,14 @@ class KvikioSlotStore:
     def slot_extent(self, slot: SlotId) -> SlotExtent:
         return self._host.slot_extent(slot)
 
-    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor) -> None:
-        self._host.write(slot, key, src)
+    @property
+    def recovery(self) -> Recovery:
+        return self._host.recovery
+
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
+        self._host.write(slot, key, src, meta)
 
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
         if isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
@@ -183,6 +200,8 @@ class KvikioSlotStore:
         what = f"slot {slot}"
         header = self._host.read_header(slot)
         verify_header(header, what=what, slot=slot, key=key, payload_len=payload_len)
+        if header.config != self._host.config_fingerprint:
+            raise TransferFailed(what, "written under another configuration fingerprint")
         offset = self._host.slot_extent(slot).offset + HEADER_SIZE
         try:
             got = self._file.pread(dst, payload_len, offset).get()
@@ -263,6 +282,8 @@ class KvikioSlotStore:
                 header = self._host.read_header(item.slot)
                 verify_header(header, what=what, slot=item.slot, key=item.key,
                               payload_len=payload_len)
+                if header.config != self._host.config_fingerprint:
+                    raise TransferFailed(what, "written under another configuration fingerprint")
             except TransferFailed as exc:
                 out[n] = exc
             else:

@@ -1,0 +1,478 @@
+"""Crash consistency of the persistent disk tier (specs/disk_persistence.md), two ways.
+
+* :func:`enumerate_crashes` -- SQLite style: a scripted spill-heavy workload runs once through
+  a counting :class:`~io_actors.backends.faults.FaultyStore` to learn its number of write
+  calls N; then, for every k in 1..N, it runs again and "crashes" at the k-th write (a seeded
+  subset of that write's pages reaches the disk, nothing after it does).  Each time the
+  directory is reopened and checked.
+* :func:`kill_loop` -- real kill -9: a child process serves a spill-heavy workload on one
+  directory, reopening what the previous child left, and is killed at random moments (also
+  while it opens and rebuilds its index); after each kill the directory is reopened and
+  checked.  The child logs every slot write it starts and every one that returned, so the
+  check knows which blocks had landed.
+
+The check (:func:`check_directory`): every slot the index rebuild restores is read back
+through the store, and every read that succeeds must return exactly the bytes computed for
+its key (the KV of a block is a function of its tokens: :func:`block_bytes`); a read that
+fails is a torn slot found, never served.  Then a cache opened on the directory serves every
+prompt and compares every page it is handed.  Wrong bytes anywhere is a failure; so is a
+block whose write returned before the crash and that the rebuild did not find (kill -9
+leaves the page cache intact, so the durability policy explains no loss here; only a power
+loss could, which these tests do not simulate).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final
+
+import attrs
+import torch
+
+from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
+from io_actors.backends.posix import PosixSlotStore, Recovery
+from io_actors.config import StateKVConfig
+from io_actors.embed import BlockingCache, CacheAPI
+from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.memory import page_aligned_buffer
+from io_actors.slot_format import SlotMeta
+from statekv.config import KVLayout
+from statekv.errors import OutOfBlocks, TransferFailed
+from statekv.hashing import chain_key, root_key, token_bytes
+from statekv.ids import BlockHash, SlotId
+
+LAYOUT: Final = KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, dtype="float32")
+BLOCK_SIZE: Final = 4
+"""A block is 1 x 2 x 4 x 1 x 32 x 4 = 1024 bytes; a slot is 8 KiB (two 4 KiB pages)."""
+DOCUMENTS: Final = 6
+"""Prompts share prefixes of this many documents (so restored blocks are found again)."""
+
+
+def workload_config(directory: Path, **overrides: object) -> StateKVConfig:
+    """Small pools, so that nearly every step spills and the disk displaces often."""
+    args: dict[str, object] = {
+        "layout": LAYOUT, "block_size": BLOCK_SIZE, "gpu": 6, "host": 2, "reserved_host": 1,
+        "disk": 10, "disk_dir": directory, "writers": 2, "readers": 2, "device": "cpu",
+    }
+    args.update(overrides)
+    return StateKVConfig(**args)  # type: ignore[arg-type]
+
+
+def prompts(seed: int, count: int) -> list[list[int]]:
+    """`count` prompts over DOCUMENTS documents: shared prefixes of random lengths."""
+    rng = random.Random(seed)
+    docs = [[1000 * d + t for t in range(5 * BLOCK_SIZE)] for d in range(DOCUMENTS)]
+    out = []
+    for _ in range(count):
+        doc = docs[rng.randrange(DOCUMENTS)]
+        cut = rng.randrange(BLOCK_SIZE + 1, len(doc) + 1)
+        out.append([*doc[:cut], rng.randrange(1_000_000, 2_000_000)])
+    return out
+
+
+def block_bytes(prefix: Sequence[int], nbytes: int) -> torch.Tensor:
+    """The KV of the block ending a prompt prefix: a fixed function of the prefix's tokens."""
+    seed = hashlib.blake2b(repr(list(prefix)).encode(), digest_size=16).digest()
+    out = bytearray()
+    counter = 0
+    while len(out) < nbytes:
+        out += hashlib.blake2b(seed + counter.to_bytes(8, "little"), digest_size=64).digest()
+        counter += 1
+    return torch.frombuffer(out[:nbytes], dtype=torch.uint8)
+
+
+def key_prefixes(all_prompts: Sequence[Sequence[int]], fingerprint: str = "") -> dict[
+    BlockHash, tuple[int, ...]
+]:
+    """The chained key of every full block of every prompt -> that block's prompt prefix."""
+    out: dict[BlockHash, tuple[int, ...]] = {}
+    for prompt in all_prompts:
+        key = root_key(fingerprint, None, None)
+        for end in range(BLOCK_SIZE, len(prompt) + 1, BLOCK_SIZE):
+            key = chain_key(key, token_bytes(prompt[end - BLOCK_SIZE:end]))
+            out[key] = tuple(prompt[:end])
+    return out
+
+
+def _page(cache: CacheAPI, page: int) -> torch.Tensor:
+    return cache.kv_pool[page].reshape(-1).view(torch.uint8)
+
+
+def _wait_ready(cache: CacheAPI, rid: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cache.is_ready(rid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"request {rid} parked for 30 s")
+        time.sleep(0.0005)
+
+
+def _wait_quiet(cache: CacheAPI) -> None:
+    deadline = time.monotonic() + 30
+    while cache.transfers_in_flight():
+        if time.monotonic() > deadline:
+            raise TimeoutError("disk transfers still in flight after 30 s")
+        time.sleep(0.0005)
+
+
+def serve_checked(cache: CacheAPI, rid: str, prompt: Sequence[int], ttl: float | None) -> int:
+    """Serve one request as a serving loop would; returns wrong bytes among the pages the
+    cache handed over as matched (computed pages are written here, then committed)."""
+    try:
+        match = cache.add_request(rid, prompt, ttl_seconds=ttl)
+    except OutOfBlocks:
+        _wait_quiet(cache)  # as below: pages held by reads still in flight
+        match = cache.add_request(rid, prompt, ttl_seconds=ttl)
+    _wait_ready(cache, rid)
+    status = cache.request_status(rid)
+    nbytes = cache.kv_pool[0].numel() * cache.kv_pool.element_size()
+    table = cache.block_table(rid)
+    wrong = 0
+    for i in range(status.num_computed_tokens // BLOCK_SIZE):
+        expected = block_bytes(prompt[:(i + 1) * BLOCK_SIZE], nbytes)
+        wrong += int((_page(cache, table[i]).cpu() != expected).sum())
+    del match
+    try:
+        cache.allocate_nowait(rid, len(prompt))
+    except OutOfBlocks:
+        # A read whose request fell back keeps its GPU page until it lands (the lifecycle's
+        # rule): as a serving loop's admission control would, wait for the disk to go quiet.
+        _wait_quiet(cache)
+        cache.allocate_nowait(rid, len(prompt))
+    table = cache.block_table(rid)
+    for i in range(status.num_computed_tokens // BLOCK_SIZE, len(table)):
+        end = min((i + 1) * BLOCK_SIZE, len(prompt))
+        _page(cache, table[i]).copy_(block_bytes(prompt[:end], nbytes))
+    cache.commit(rid, len(prompt))
+    cache.release(rid)
+    return wrong
+
+
+@attrs.frozen(kw_only=True)
+class Check:
+    """What reopening one directory after a crash found."""
+
+    restored: int
+    """Slots the index rebuild restored."""
+    verified: int
+    """Restored slots read back intact (byte-identical to their key's KV)."""
+    torn: int
+    """Restored slots whose read failed its checks (found, never served)."""
+    wrong_bytes: int
+    """Bytes served that differ from the KV computed for their key: must be 0."""
+    unknown_keys: int
+    """Restored keys the workload never computed: must be 0."""
+    landed: int
+    """Blocks whose write had returned before the crash (and whose slot was not written
+    again): each must be found again."""
+    lost: int
+    """Of those, blocks not found again: must be 0."""
+    served_blocks: int
+    """Matched blocks a cache opened on the directory handed to requests (all checked)."""
+    recovery: Recovery
+
+    @property
+    def ok(self) -> bool:
+        return not (self.wrong_bytes or self.unknown_keys or self.lost)
+
+
+def check_directory(
+    config: StateKVConfig, all_prompts: Sequence[Sequence[int]],
+    landed: dict[SlotId, BlockHash] | None = None,
+    serve: Sequence[Sequence[int]] | None = None,
+) -> Check:
+    """Reopen the directory of `config` and check everything it serves (module docstring).
+
+    `all_prompts`: every prompt any process may have cached there (for the expected bytes);
+    `serve`: the prompts to serve through a reopened cache (default: all of them);
+    `landed`: slot -> key of every write that returned and was not followed by another
+    write to the same slot before the crash (these must be found again).
+    """
+    directory = config.rank_directory()
+    assert directory is not None
+    by_key = key_prefixes(all_prompts, config.model_fingerprint)
+    core = config.core_config()
+    store = PosixSlotStore(directory, core)
+    try:
+        recovery = store.recovery
+        dst = page_aligned_buffer(store.payload_len)
+        verified = torn = wrong = unknown = 0
+        found = {s.key for s in recovery.slots}
+        for entry in recovery.slots:
+            prefix = by_key.get(entry.key)
+            if prefix is None:
+                unknown += 1
+                continue
+            try:
+                store.read(entry.slot, entry.key, dst)
+            except TransferFailed:
+                torn += 1
+                continue
+            wrong += int((dst != block_bytes(prefix, store.payload_len)).sum())
+            verified += 1
+        lost = sum(1 for key in (landed or {}).values() if key not in found)
+    finally:
+        store.close()
+    served = 0
+    with BlockingCache(config) as cache:
+        for i, prompt in enumerate(all_prompts if serve is None else serve):
+            before = cache.statistics().cache.hit_blocks_disk
+            wrong += serve_checked(cache, f"check{i}", prompt, None)
+            served += cache.statistics().cache.hit_blocks_disk - before
+        cache.check_invariants()
+    return Check(restored=len(recovery.slots), verified=verified, torn=torn, wrong_bytes=wrong,
+                 unknown_keys=unknown, landed=len(landed or {}), lost=lost,
+                 served_blocks=served, recovery=recovery)
+
+
+# --- SQLite style: a crash after the k-th write call ---------------------------------------------
+
+SCRIPT_PROMPTS: Final = 30
+SCRIPT_SEED: Final = 13
+
+
+def scripted_workload(directory: Path, plan: FaultPlan) -> tuple[FaultyStore, int]:
+    """The scripted workload through a FaultyStore (inline I/O: one call order every run).
+
+    Returns the store (its call counts) and the wrong bytes served while it ran.
+    """
+    config = workload_config(directory)
+    core = config.core_config()
+    rank = config.rank_directory()
+    assert rank is not None
+    store = FaultyStore(PosixSlotStore(rank, core), plan)
+    wrong = 0
+    try:
+        with BlockingCache(config, store=store, synchronous_io=True) as cache:
+            for i, prompt in enumerate(prompts(SCRIPT_SEED, SCRIPT_PROMPTS)):
+                ttl = (None, 3600.0, 60.0)[i % 3]
+                wrong += serve_checked(cache, f"s{i}", prompt, ttl)
+    finally:
+        store.close()
+    return store, wrong
+
+
+@attrs.frozen(kw_only=True)
+class Enumeration:
+    writes: int
+    """Write calls of the scripted workload (one crash point each)."""
+    checks: tuple[Check, ...]
+    wrong_bytes_while_running: int
+
+
+def enumerate_crashes(base: Path, *, seed: int = 0, every: int = 1) -> Enumeration:
+    """Crash the scripted workload after its k-th write call, for every k (every `every`-th
+    k, for a quicker pass), and check each directory."""
+    counting, wrong = scripted_workload(base / "count", FaultPlan())
+    writes = counting.calls(Op.WRITE)
+    checks = []
+    all_prompts = prompts(SCRIPT_SEED, SCRIPT_PROMPTS)
+    for k in range(1, writes + 1, every):
+        directory = base / f"crash{k}"
+        plan = FaultPlan(rules=(FaultRule(op=Op.WRITE, fault=Fault.CRASH, nth=k),), seed=seed)
+        store, running_wrong = scripted_workload(directory, plan)
+        assert store.crashed_at == k
+        wrong += running_wrong
+        checks.append(check_directory(workload_config(directory), all_prompts))
+    return Enumeration(writes=writes, checks=tuple(checks), wrong_bytes_while_running=wrong)
+
+
+# --- real kill -9 -----------------------------------------------------------------------------
+
+_CHILD_PROMPTS: Final = 40
+
+
+class WriteLog:
+    """A SlotStore wrapper that logs each write it starts and each that returned.
+
+    Lines go to the file with one write(2) each (O_APPEND): the kernel has them the moment
+    the call returns, so a kill -9 loses none that were made.
+    """
+
+    def __init__(self, inner: SlotStore, path: Path) -> None:
+        self._inner = inner
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    @property
+    def device_reads(self) -> bool:
+        return self._inner.device_reads
+
+    @property
+    def recovery(self) -> Recovery | None:
+        found = getattr(self._inner, "recovery", None)
+        return found if isinstance(found, Recovery) else None
+
+    def write(
+        self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
+    ) -> None:
+        os.write(self._fd, f"W {slot}\n".encode())
+        self._inner.write(slot, key, src, meta)
+        os.write(self._fd, f"L {slot} {bytes(key).hex()}\n".encode())
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        """A batch: every slot logged as started, then each one that landed as returned."""
+        items = list(writes)
+        os.write(self._fd, "".join(f"W {item.slot}\n" for item in items).encode())
+        out = self._inner.write_many(items)
+        landed = "".join(f"L {item.slot} {bytes(item.key).hex()}\n"
+                         for item, error in zip(items, out, strict=True) if error is None)
+        if landed:
+            os.write(self._fd, landed.encode())
+        return out
+
+    def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
+        self._inner.read(slot, key, dst)
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        return self._inner.read_many(reads)
+
+    def discard(self, slot: SlotId) -> None:
+        self._inner.discard(slot)
+
+    def close(self) -> None:
+        self._inner.close()
+        os.close(self._fd)
+
+
+def landed_slots(log: Path) -> dict[SlotId, BlockHash]:
+    """Slot -> key of each slot whose last logged event is a returned write."""
+    last: dict[SlotId, BlockHash | None] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "W":
+                last[SlotId(int(parts[1]))] = None
+            elif len(parts) == 3 and parts[0] == "L" and len(parts[2]) == 64:
+                last[SlotId(int(parts[1]))] = BlockHash(bytes.fromhex(parts[2]))
+            elif len(parts) >= 2 and parts[1].isdigit():
+                # A line torn by the kill: what that slot holds is unknown.
+                last[SlotId(int(parts[1]))] = None
+    return {slot: key for slot, key in last.items() if key is not None}
+
+
+def child_main(directory: str, seed: int, log: str) -> int:
+    """The child of the kill loop: reopen the directory, then serve until killed."""
+    config = workload_config(Path(directory))
+    rank = config.rank_directory()
+    assert rank is not None
+    print("opening", flush=True)
+    store = WriteLog(PosixSlotStore(rank, config.core_config()), Path(log))
+    rng = random.Random(seed)
+    all_prompts = prompts(seed, _CHILD_PROMPTS)
+    with BlockingCache(config, store=store) as cache:
+        print("ready", flush=True)
+        i = 0
+        while True:
+            prompt = all_prompts[rng.randrange(len(all_prompts))]
+            wrong = serve_checked(cache, f"c{i}", prompt, rng.choice([None, 3600.0, 30.0]))
+            if wrong:
+                print(f"served {wrong} wrong bytes", flush=True)
+                return 3
+            i += 1
+
+
+@attrs.frozen(kw_only=True)
+class KillReport:
+    kills: int
+    checks: tuple[Check, ...]
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "kills": self.kills,
+            "blocks_restored": sum(c.restored for c in self.checks),
+            "blocks_verified": sum(c.verified for c in self.checks),
+            "torn_found": sum(c.torn for c in self.checks),
+            "landed_before_kill": sum(c.landed for c in self.checks),
+            "blocks_served_after_reopen": sum(c.served_blocks for c in self.checks),
+            "wrong_bytes": sum(c.wrong_bytes for c in self.checks),
+            "unknown_keys": sum(c.unknown_keys for c in self.checks),
+            "lost": sum(c.lost for c in self.checks),
+        }
+
+
+@contextmanager
+def _child(directory: Path, seed: int, log: Path) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fuzz.crash", "child", str(directory), str(seed), str(log)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float = 1.0,
+              on_check: object = None) -> KillReport:
+    """Run `kills` children on one directory, killing each at a random moment."""
+    rng = random.Random(seed)
+    checks: list[Check] = []
+    config = workload_config(directory)
+    all_prompts: list[list[int]] = []
+    for n in range(kills):
+        child_seed = rng.randrange(2**31)
+        child_prompts = prompts(child_seed, _CHILD_PROMPTS)
+        all_prompts += child_prompts
+        log = directory.parent / f"{directory.name}-writes-{n}.log"
+        with _child(directory, child_seed, log) as proc:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if line != "opening\n":
+                raise RuntimeError(f"child {n} did not start: {line!r}, rc={proc.wait()}")
+            if rng.random() < 0.1:
+                # Kill while it opens: creating or resizing the data file, the header scan,
+                # the restore.
+                time.sleep(rng.uniform(0.0, 0.05))
+            else:
+                line = proc.stdout.readline()
+                if line != "ready\n":
+                    raise RuntimeError(f"child {n} did not open: {line!r}, rc={proc.wait()}")
+                time.sleep(rng.uniform(0.0, max_delay_s))
+            if proc.poll() is not None:
+                raise RuntimeError(f"child {n} exited by itself: rc={proc.returncode}")
+            os.kill(proc.pid, signal.SIGKILL)
+        landed = landed_slots(log)
+        log.unlink(missing_ok=True)
+        check = check_directory(config, all_prompts, landed, serve=child_prompts)
+        checks.append(check)
+        if callable(on_check):
+            on_check(n, check)
+        if not check.ok:
+            break
+    return KillReport(kills=len(checks), checks=tuple(checks))
+
+
+def summary(check: Check) -> dict[str, int]:
+    fields = attrs.asdict(check, recurse=False)
+    fields["reclaimed"] = check.recovery.reclaimed
+    del fields["recovery"]
+    return fields
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["child"]:
+        return child_main(argv[1], int(argv[2]), argv[3])
+    kills = int(argv[0]) if argv else 5
+    with tempfile.TemporaryDirectory() as tmp:
+        report = kill_loop(Path(tmp) / "cache", kills=kills,
+                           on_check=lambda n, c: print(n, summary(c), flush=True))
+    print(report.totals())
+    totals = report.totals()
+    return 0 if not (totals["wrong_bytes"] or totals["unknown_keys"] or totals["lost"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
