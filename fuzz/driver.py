@@ -442,8 +442,23 @@ class Driver:
                 == spec.host + spec.reserved_host)
         assert stats.disk_empty_slots + stats.disk_cached_blocks == spec.disk
         report = self.close_within(self.api, CLOSE_TIMEOUT, drain=True)
-        assert report is not None and report.drained, report
-        assert report.writes_dropped == report.reads_dropped == 0, report
+        # Nothing was in flight: nothing to drop, nothing finished during the close.
+        assert report == CloseReport(
+            drained=True, writes_dropped=0, reads_dropped=0, writes_finished_during_close=0,
+            reads_finished_during_close=0), report
+        after = self.api.statistics()
+        for pool in (after.writer, after.reader):
+            assert pool is not None
+            assert pool.queued == pool.in_flight == pool.dropped_at_close == 0, pool
+        assert after.spill_backlog == 0, after
+        assert after.slots_discarded == self.fuzz_store.discards, (
+            f"{after.slots_discarded} slots discarded, the store saw "
+            f"{self.fuzz_store.discards}")
+        assert after.writer is not None and after.reader is not None
+        assert (after.writer.completed, after.writer.failed, after.reader.completed,
+                after.reader.failed) == (stats.spills_completed, stats.spill_failures,
+                                         stats.onboards_completed, stats.onboard_failures), (
+            f"pools {after.writer} {after.reader} vs the core's {stats}")
         threads = self.new_threads()
         assert not threads, f"threads left running: {threads}"
         self.fuzz_store.close()

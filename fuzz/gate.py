@@ -16,6 +16,16 @@ import trio
 from statekv.ids import TransferId
 from statekv.messages import Completion, SlotReadFailed, SlotWriteFailed, SlotWritten
 
+PASSED_KINDS = ("written", "write failed", "read", "read failed")
+
+
+def _kind(completion: Completion) -> str:
+    if isinstance(completion, SlotWritten):
+        return "written"
+    if isinstance(completion, SlotWriteFailed):
+        return "write failed"
+    return "read failed" if isinstance(completion, SlotReadFailed) else "read"
+
 
 class FuzzGate:
     """:class:`io_actors.gate.CompletionGate` holding completions by transfer id."""
@@ -26,16 +36,29 @@ class FuzzGate:
         self._held: dict[TransferId, tuple[Completion, trio.Event]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._open = False
+        self._passed = {kind: 0 for kind in PASSED_KINDS}
 
     async def hold(self, completion: Completion) -> None:
         with self._lock:
             if self._open:
+                self._pass_locked(completion)
                 return
             event = trio.Event()
             self._token = trio.lowlevel.current_trio_token()
             self._held[completion.transfer] = (completion, event)
         self._notify()
         await event.wait()
+        with self._lock:
+            self._pass_locked(completion)
+
+    def _pass_locked(self, completion: Completion) -> None:
+        self._passed[_kind(completion)] += 1
+
+    def passed(self) -> dict[str, int]:
+        """Completions let through to the scheduler so far, by kind (see PASSED_KINDS): the
+        harness's own count of what each pool reported."""
+        with self._lock:
+            return dict(self._passed)
 
     def held(self) -> dict[TransferId, Completion]:
         """Completions waiting at the gate, by transfer id."""

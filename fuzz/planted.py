@@ -188,7 +188,11 @@ def feeder_pops_a_cleared_backlog() -> AbstractContextManager[None]:
             while True:
                 while self._spill_backlog:
                     job = self._spill_backlog[0]
+                    # Counted as the fixed feeder does (the pool's, while submitted), so that
+                    # only the pop of a cleared backlog is put back.
+                    self._feeding = job
                     await writer.submit(job)
+                    self._feeding = None
                     self._spill_backlog.popleft()
                 if self._closed and not self._handover:
                     return
@@ -197,6 +201,20 @@ def feeder_pops_a_cleared_backlog() -> AbstractContextManager[None]:
         return _feed_spills
 
     return _wrapped(Scheduler, "_feed_spills", make)
+
+
+def feeders_job_counted_twice() -> AbstractContextManager[None]:
+    """Found by this suite (not the seed): the job the spill feeder is submitting was counted
+    both as the writer pool's (queued) and as the backlog's, in ``statistics()`` and in the
+    close report (one write too many "finished during close").  This is the count as it
+    was before the fix."""
+
+    def make(_fixed: Callable[..., int]) -> Callable[..., int]:
+        def _backlog(self: Scheduler) -> int:
+            return len(self._spill_backlog)
+        return _backlog
+
+    return _wrapped(Scheduler, "_backlog", make)
 
 
 @attrs.frozen
@@ -223,6 +241,7 @@ PLANTED = {
         Planted("scheduler-waits-for-writes", scheduler_waits_for_writes, SystemMachine, 1000),
         Planted("feeder-pops-a-cleared-backlog", feeder_pops_a_cleared_backlog, SystemMachine,
                 3000),
+        Planted("feeders-job-counted-twice", feeders_job_counted_twice, SystemMachine, 1000),
     )
 }
 

@@ -47,12 +47,23 @@ from fuzz.gate import FuzzGate
 from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from io_actors.backends.faults import Fault, Op
+from io_actors.scheduler import CloseReport
 from io_actors.tracing import TraceRecorder
 from statekv.ids import TransferId
 from statekv.messages import Command, ReadSlot, SlotRead, SlotReadFailed, WriteSlot
+from statekv.stats import CacheStatistics
 
 SETTLE_TIMEOUT = 30.0
 """Seconds the system may take to become quiet after a step before the step fails."""
+
+
+def writer_pipeline(waiting: int, depth: int) -> tuple[int, int]:
+    """Where `waiting` writes that no thread has taken rest while every writer thread is
+    stalled: ``(writer.queued, spill_backlog)``.  The pool's pump holds the first (waiting
+    for a free thread), the queue the next `depth`, the spill feeder the next (waiting in
+    submit() for room; the pool counts it as queued), the backlog the rest."""
+    queued = min(waiting, depth + 2)
+    return queued, waiting - queued
 
 
 class SystemMachine(RuleBasedStateMachine):
@@ -116,24 +127,39 @@ class SystemMachine(RuleBasedStateMachine):
         core, writer, reader = stats.cache, stats.writer, stats.reader
         assert writer is not None and reader is not None
         w_held, r_held, _, _ = self.gate.counts()
+        passed = self.gate.passed()
         if not (core.reads_in_flight == r_held and reader.in_flight == r_held
                 and reader.queued == 0):
+            return False
+        # Every completion the gate let through is counted by its pool.
+        if (writer.completed + writer.failed != passed["written"] + passed["write failed"]
+                or reader.completed + reader.failed != passed["read"] + passed["read failed"]):
             return False
         stalled = d.fuzz_store.stalled
         # Every job a writer thread took is held at the gate or stalled in the store.
         if writer.in_flight - w_held != stalled:
             return False
-        queued, backlog = writer.queued, stats.spill_backlog
+        waiting = core.writes_in_flight - w_held - stalled
         # Jobs wait for a thread only while every thread is stalled.
-        if queued and stalled < writer.workers:
+        if waiting and stalled < writer.workers:
             return False
-        # A backlog means the spill feeder waits in submit() on a full queue: its job is
-        # counted as queued and is still in the backlog.  Queued jobs are then the queue's
-        # `depth`, the one the pool's pump holds while it waits for a free thread, and the
-        # feeder's.
-        if backlog and queued != d.spec.write_queue_depth + 2:
-            return False
-        return core.writes_in_flight == w_held + stalled + queued + backlog - (backlog > 0)
+        return self.writes_placed(waiting)
+
+    def writes_placed(self, waiting: int) -> bool:
+        """Whether the `waiting` writes no thread has taken are where they rest (see
+        :func:`writer_pipeline`), read from the scheduler's hand-over and backlog and the
+        writer queue's own channel -- not from the counters that check_counters checks."""
+        scheduler = self.d.api._scheduler
+        pool = scheduler._writer
+        assert pool is not None
+        depth = self.d.spec.write_queue_depth
+        channel = pool._send.statistics()
+        feeding = waiting >= depth + 2
+        return (not scheduler._handover
+                and channel.current_buffer_used == min(max(waiting - 1, 0), depth)
+                and channel.tasks_waiting_send == feeding
+                # The backlog holds the feeder's job until submit() returns.
+                and len(scheduler._spill_backlog) == max(waiting - depth - 1, 0))
 
     def settle(self) -> None:
         """Wait until the system is quiet; a crashed actor or a hang fails the step."""
@@ -142,6 +168,8 @@ class SystemMachine(RuleBasedStateMachine):
         while not self.quiet():
             self.d.raise_if_crashed()
             if time.monotonic() > deadline:
+                # A counter that disagrees keeps the system from looking quiet: name it.
+                self.check_counters()
                 raise AssertionError(
                     f"the system did not settle in {SETTLE_TIMEOUT}s: "
                     f"{self.d.api.statistics()}, gate {self.gate.counts()}, "
@@ -151,6 +179,44 @@ class SystemMachine(RuleBasedStateMachine):
                 self.changed.wait(wait)
             wait = min(wait * 2, 0.002)
         self.d.raise_if_crashed()
+
+    def check_counters(self) -> None:
+        """Every counter of ``statistics()`` that the model does not own, against the
+        harness's own count (the core's counters are compared with the model's in
+        :meth:`fuzz.driver.Driver.check`): the pools' threads, queues, completions and
+        failures, the spill backlog, the slots discarded.  Called when the system is quiet.
+        """
+        d = self.d
+        stats = d.api.statistics()
+        core, writer, reader = stats.cache, stats.writer, stats.reader
+        assert writer is not None and reader is not None
+        w_held, r_held, _, _ = self.gate.counts()
+        passed = self.gate.passed()
+        stalled = d.fuzz_store.stalled
+        spec = d.spec
+        assert (writer.workers, reader.workers) == (spec.writers, spec.readers), stats
+        assert writer.in_flight == w_held + stalled, (
+            f"writer in flight {writer.in_flight}: {w_held} held at the gate, {stalled} "
+            f"stalled in the store")
+        assert (reader.in_flight, reader.queued) == (r_held, 0), (
+            f"reader {reader}: {r_held} reads held at the gate, none can wait for a thread")
+        waiting = core.writes_in_flight - w_held - stalled
+        assert waiting >= 0, f"{core.writes_in_flight} writes in flight, {w_held} held, " \
+            f"{stalled} stalled"
+        queued, backlog = writer_pipeline(waiting, spec.write_queue_depth)
+        assert (writer.queued, stats.spill_backlog) == (queued, backlog), (
+            f"{waiting} writes wait for a thread (queue depth {spec.write_queue_depth}): "
+            f"{queued} queued in the pool and {backlog} backed up expected, the statistics "
+            f"say {writer.queued} and {stats.spill_backlog}")
+        assert (writer.completed, writer.failed, reader.completed, reader.failed) == (
+            passed["written"], passed["write failed"], passed["read"], passed["read failed"]
+        ), f"pools {writer} {reader}, completions through the gate {passed}"
+        assert (writer.completed, writer.failed, reader.completed, reader.failed) == (
+            core.spills_completed, core.spill_failures, core.onboards_completed,
+            core.onboard_failures), f"pools {writer} {reader} vs the core's {core}"
+        assert writer.dropped_at_close == reader.dropped_at_close == 0, stats
+        assert stats.slots_discarded == d.fuzz_store.discards, (
+            f"{stats.slots_discarded} slots discarded, the store saw {d.fuzz_store.discards}")
 
     # -------------------------------------------------------------- rules: requests
     #
@@ -305,6 +371,15 @@ class SystemMachine(RuleBasedStateMachine):
     def drain(self) -> None:
         self.drain_all()
 
+    @fuzz_rule(count=st.integers(2, 4))
+    def close_behind_a_stalled_disk(self, count: int) -> None:
+        """The disk stops answering, a burst of spills backs up behind it (the writer queue
+        fills, the spill feeder waits in submit()), and the cache closes without draining:
+        the close must count each backed-up write once, dropped or finished."""
+        self.stall_writes = True
+        self.spill_burst(count)
+        self.close_with_work_in_flight()
+
     @fuzz_rule()
     def close_with_work_in_flight(self) -> None:
         """Shut down without draining, whatever is pending (held, queued, stalled, backed up
@@ -314,11 +389,18 @@ class SystemMachine(RuleBasedStateMachine):
         account for every transfer: each is either applied to the core or reported dropped.
         """
         d = self.d
-        self.gate.open()
+        self.settle()
+        before = d.core.statistics()
+        w_held, _, _, _ = self.gate.counts()
+        waiting = before.writes_in_flight - w_held - d.fuzz_store.stalled
+        passed = self.gate.passed()
         closer = d.start_close(d.api, drain=False)
-        # A stalled disk goes on only once the close is under way: the writes it holds
-        # finish while the close drops what is queued behind them.
+        # Held completions and a stalled disk go on only once the close is under way (it
+        # counts what is in flight before it first waits): the writes a thread holds finish
+        # while the close drops what is queued behind them, and every transfer in flight
+        # before this step either finishes during the close or is dropped by it.
         closer.wait_until_closing(CLOSE_TIMEOUT)
+        self.gate.open()
         time.sleep(0.002)
         self.unstall()
         report = closer.wait(CLOSE_TIMEOUT)
@@ -331,6 +413,7 @@ class SystemMachine(RuleBasedStateMachine):
             f"{stats.writes_in_flight} writes and {stats.reads_in_flight} reads never "
             f"completed, but the close report says {report}"
         )
+        self.check_close_report(report, before, waiting, passed)
         threads = d.new_threads()
         assert not threads, f"threads left running after close: {threads}"
         note("closed with work dropped" if report.writes_dropped or report.reads_dropped
@@ -342,6 +425,42 @@ class SystemMachine(RuleBasedStateMachine):
         self.arm_write = self.arm_read = None
         self.stall_writes = False
         self.open(spec)
+
+    def check_close_report(self, report: CloseReport, before: CacheStatistics, waiting: int,
+                           passed: dict[str, int]) -> None:
+        """Every field of a close without draining against the harness's count: the reads
+        were all done (held at the gate), so none is dropped; of the `waiting` writes no
+        thread had taken, all but the one the pool's pump holds are dropped; everything
+        else finishes during the close, through the gate."""
+        d = self.d
+        after = d.api.statistics()
+        writer, reader = after.writer, after.reader
+        assert writer is not None and reader is not None
+        now = self.gate.passed()
+        through = {kind: now[kind] - passed[kind] for kind in now}
+        dropped = max(waiting - 1, 0)
+        expected = CloseReport(
+            drained=False, writes_dropped=dropped, reads_dropped=0,
+            writes_finished_during_close=before.writes_in_flight - dropped,
+            reads_finished_during_close=before.reads_in_flight,
+        )
+        assert report == expected, (
+            f"close report {report}, expected {expected}: {before.writes_in_flight} writes "
+            f"({waiting} waiting for a thread) and {before.reads_in_flight} reads in flight")
+        assert (report.writes_finished_during_close, report.reads_finished_during_close) == (
+            through["written"] + through["write failed"], through["read"] + through["read failed"]
+        ), f"close report {report}, completions through the gate during the close {through}"
+        # The pool dropped what its queue held (and the feeder's job); the backlog the rest.
+        _queued, backlog = writer_pipeline(waiting, d.spec.write_queue_depth)
+        assert writer.dropped_at_close == dropped - backlog, (writer, report)
+        assert reader.dropped_at_close == 0, reader
+        for pool in (writer, reader):
+            assert pool.queued == pool.in_flight == 0, f"{pool} after close"
+        assert after.spill_backlog == 0, after
+        assert (writer.completed + writer.failed, reader.completed + reader.failed) == (
+            now["written"] + now["write failed"], now["read"] + now["read failed"]
+        ), f"pools {writer} {reader}, completions through the gate {now}"
+        assert after.slots_discarded == d.fuzz_store.discards, after
 
     def drain_all(self) -> None:
         """Unstall the disk and land every transfer, oldest first (writes, then reads)."""
@@ -365,6 +484,7 @@ class SystemMachine(RuleBasedStateMachine):
             d._check_locked()
             _, _, failed_writes, failed_reads = self.gate.counts()
             d.check_errors_counted(failed_writes, failed_reads)
+        self.check_counters()
 
     def teardown(self) -> None:
         driver = self.driver

@@ -81,7 +81,9 @@ class SystemStatistics:
     writer: PoolStatistics | None
     reader: PoolStatistics | None
     spill_backlog: int
-    """Writes handed over but waiting for room in the writer queue (backpressure)."""
+    """Writes handed over but not yet accepted by the writer pool (backpressure).  The one
+    the spill feeder is submitting counts as the writer pool's ``queued`` instead: each write
+    is in exactly one of ``spill_backlog``, ``writer.queued`` and ``writer.in_flight``."""
     slots_discarded: int
 
 
@@ -150,6 +152,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self._handover: collections.deque[WriteJob | ReadJob] = collections.deque()
         self._spill_backlog: collections.deque[WriteJob] = collections.deque()
+        self._feeding: WriteJob | None = None
+        """The backlog's first job while the spill feeder waits in the writer's submit():
+        the pool counts it as queued already (see `_backlog`)."""
         self._spill_wakeup = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._wake_pending = False
@@ -228,7 +233,7 @@ class Scheduler:
             cache=cache,
             writer=self._writer.statistics() if self._writer else None,
             reader=self._reader.statistics() if self._reader else None,
-            spill_backlog=len(self._spill_backlog),
+            spill_backlog=self._backlog(),
             slots_discarded=self._slots_discarded,
         )
 
@@ -373,6 +378,14 @@ class Scheduler:
                 # The reader queue holds as many jobs as there are GPU pages: never full.
                 self._reader.submit_nowait(job)
 
+    def _backlog(self) -> int:
+        """Spills handed over that the writer pool has not counted yet: the backlog, less
+        the job the feeder is submitting (which the pool counts as queued from the start of
+        submit())."""
+        backlog = self._spill_backlog
+        # close() may have cleared the backlog under the feeder: then nothing is subtracted.
+        return len(backlog) - bool(backlog and backlog[0] is self._feeding)
+
     async def _feed_spills(self) -> None:
         """Trio task: move spills into the writer queue, waiting while it is full."""
         writer = self._writer
@@ -380,10 +393,13 @@ class Scheduler:
         while True:
             while self._spill_backlog:
                 job = self._spill_backlog[0]
+                self._feeding = job
                 try:
                     await writer.submit(job)
                 except trio.ClosedResourceError:
                     return  # closed without draining: close() counted the backlog as dropped
+                finally:
+                    self._feeding = None
                 # close() may have cleared the backlog while this task waited for room in a
                 # full queue: then the job is no longer the backlog's to pop.
                 if self._spill_backlog and self._spill_backlog[0] is job:
@@ -447,7 +463,9 @@ class Scheduler:
             self._closed = True
         self._pump()
         writes_dropped = reads_dropped = 0
-        busy_writes = (self._writer.busy if self._writer else 0) + len(self._spill_backlog)
+        # Each write once: the job the feeder is submitting is the pool's (queued), not the
+        # backlog's, though it is still the backlog's first until submit() returns.
+        busy_writes = (self._writer.busy if self._writer else 0) + self._backlog()
         busy_reads = self._reader.busy if self._reader else 0
         if drain:
             with trio.move_on_after(timeout):

@@ -373,7 +373,8 @@ def closing_with_spills_backed_up() -> None:
         run("stall_the_disk")
         run("spill_burst", count=4)
         stats = run.m.d.api.statistics()
-        assert stats.spill_backlog > 0  # reached: the feeder waits on a full queue
+        # Reached: the feeder waits on a full queue (the pump's job, the queue's, its own).
+        assert stats.writer is not None and stats.writer.queued == 1 + 2
         run("close_with_work_in_flight")
         run("serve_whole_request", spec=RequestSpec(PROMPT))
 
@@ -382,6 +383,22 @@ def test_closing_with_spills_backed_up_behind_a_stalled_disk_finishes() -> None:
     """Found by this suite: close(drain=False) hung when spills were backed up behind a full
     writer queue (the spill feeder crashed, the pools lost count of their jobs)."""
     closing_with_spills_backed_up()
+
+
+def test_a_close_behind_a_stalled_disk_counts_each_write_once() -> None:
+    """Found by this suite: with the spill feeder waiting in submit(), its job was counted
+    as queued in the writer pool and as backed up, in statistics() and in the close report
+    (tests/test_close_accounting.py pins the same case without the machine)."""
+
+    def scenario() -> None:
+        with system(host=3, reserved_host=2, write_queue_depth=1) as run:
+            run("serve_whole_request", spec=RequestSpec(PROMPT))
+            run("close_behind_a_stalled_disk", count=4)
+            run("serve_whole_request", spec=RequestSpec(PROMPT))
+
+    scenario()
+    error = fails_when_planted(planted.feeders_job_counted_twice, scenario)
+    assert "close report" in str(error), error
 
 
 def test_closing_with_spills_backed_up_hangs_with_the_old_feeder() -> None:
