@@ -30,6 +30,7 @@ from io_actors.scheduler import Scheduler
 from statekv.block import Block
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.manager import KVCacheManager
+from statekv.messages import Completion, SlotRead
 from statekv.pools import DiskSlots
 
 
@@ -217,6 +218,36 @@ def feeders_job_counted_twice() -> AbstractContextManager[None]:
     return _wrapped(Scheduler, "_backlog", make)
 
 
+def waiters_woken_only_on_slot_read() -> AbstractContextManager[None]:
+    """Found by this suite (not the seed): ``wait_ready`` waiters were woken only when a read
+    completion was applied, so a waiter whose request was released while parked stayed
+    parked until some other read landed, and forever if none did.  Planted a little
+    stronger -- only a successful read wakes waiters -- so that a failed read that lets a
+    request go (rewound) is missed as well."""
+
+    def make(original: Callable[..., list[trio.Event]]) -> Callable[..., list[trio.Event]]:
+        def _waiters_to_wake_locked(self: Scheduler,
+                                    completion: Completion | None) -> list[trio.Event]:
+            if not isinstance(completion, SlotRead):
+                return []
+            return original(self, completion)
+        return _waiters_to_wake_locked
+
+    return _wrapped(Scheduler, "_waiters_to_wake_locked", make)
+
+
+def wait_ready_returns_early() -> AbstractContextManager[None]:
+    """An early return: ``wait_ready`` returns at once, parked or not, so the serving loop
+    would compute on pages whose reads have not landed."""
+
+    def make(_original: Callable[..., Any]) -> Callable[..., Any]:
+        async def wait_ready(self: Scheduler, request_id: str) -> None:
+            await trio.lowlevel.checkpoint()
+        return wait_ready
+
+    return _wrapped(Scheduler, "wait_ready", make)
+
+
 @attrs.frozen
 class Planted:
     name: str
@@ -242,6 +273,9 @@ PLANTED = {
         Planted("feeder-pops-a-cleared-backlog", feeder_pops_a_cleared_backlog, SystemMachine,
                 3000),
         Planted("feeders-job-counted-twice", feeders_job_counted_twice, SystemMachine, 1000),
+        Planted("waiters-woken-only-on-slot-read", waiters_woken_only_on_slot_read,
+                SystemMachine, 1000),
+        Planted("wait-ready-returns-early", wait_ready_returns_early, SystemMachine, 1000),
     )
 }
 

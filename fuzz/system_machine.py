@@ -46,6 +46,7 @@ from fuzz.driver import CLOSE_TIMEOUT, Driver, LiveRequest, SystemSpec, system_s
 from fuzz.gate import FuzzGate
 from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
+from fuzz.waiters import Waiters
 from io_actors.backends.faults import Fault, Op
 from io_actors.scheduler import CloseReport
 from io_actors.tracing import TraceRecorder
@@ -84,6 +85,7 @@ class SystemMachine(RuleBasedStateMachine):
         self.arm_write: Fault | None = None
         self.arm_read: Fault | None = None
         self.stall_writes = False
+        self._waiters: Waiters | None = None
 
     def notify(self) -> None:
         with self.changed:
@@ -95,12 +97,18 @@ class SystemMachine(RuleBasedStateMachine):
                              on_commands=self.on_commands, notify=self.notify,
                              rescue=self.gate.open)
         self.trace = self.driver.trace
+        self._waiters = Waiters(self.driver, self.notify)
         note(f"writers={spec.writers} readers={spec.readers}")
 
     @property
     def d(self) -> Driver:
         assert self.driver is not None
         return self.driver
+
+    @property
+    def waiters(self) -> Waiters:
+        assert self._waiters is not None
+        return self._waiters
 
     def on_commands(self, commands: list[Command]) -> None:
         """Called as the scheduler takes commands, before it executes any: an armed fault goes
@@ -143,7 +151,15 @@ class SystemMachine(RuleBasedStateMachine):
         # Jobs wait for a thread only while every thread is stalled.
         if waiting and stalled < writer.workers:
             return False
-        return self.writes_placed(waiting)
+        if not self.writes_placed(waiting):
+            return False
+        with d.frozen():
+            missed = self.waiters.missed()
+            # Registrations leave with the state change that lets them go, under one lock:
+            # one left behind is a waiter nobody will wake.
+            assert not missed, f"waiters of {missed} were never woken: the requests are " \
+                "ready or gone"
+            return self.waiters.all_woken()
 
     def writes_placed(self, waiting: int) -> bool:
         """Whether the `waiting` writes no thread has taken are where they rest (see
@@ -301,6 +317,28 @@ class SystemMachine(RuleBasedStateMachine):
     def release(self, pick: int) -> None:
         self.d.release(self.pick(pick).rid)
 
+    def parked(self) -> list[str]:
+        return [rid for rid in self.d.live if not self.d.api.is_ready(rid)]
+
+    @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
+    @fuzz_rule(pick=st.integers(0, 15))
+    def wait_ready_in_background(self, pick: int) -> None:
+        """A waiter on parked request pick // 2: through the async API (open_cache's
+        wait_ready, a trio task) when pick is even, through BlockingCache.wait_ready (a
+        thread) when odd.  It wakes when the rules let its reads land or release it."""
+        parked = self.parked()
+        if parked:
+            self.waiters.start(parked[(pick // 2) % len(parked)], blocking=bool(pick % 2))
+
+    @fuzz_rule(spec=requests)
+    def wait_for_a_comeback(self, spec: RequestSpec) -> None:
+        """A conversation comes back from disk (comes_back_after_eviction) and the serving
+        loop waits for it both ways, its reads held at the gate."""
+        self.comes_back_after_eviction(spec)
+        for rid in self.parked()[-1:]:
+            self.waiters.start(rid, blocking=False)
+            self.waiters.start(rid, blocking=True)
+
     @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
     @fuzz_rule(pick=st.integers(0, 7))
     def cancel_parked(self, pick: int) -> None:
@@ -334,6 +372,13 @@ class SystemMachine(RuleBasedStateMachine):
         """The oldest (or newest) pending read reports, by transfer id."""
         reads = self.held(reads=True)
         self.land(reads[-1 if newest else 0])
+
+    @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
+    @fuzz_rule(pick=st.integers(0, 63))
+    def complete_any_read(self, pick: int) -> None:
+        """Pending read pick (in transfer-id order) reports: reads land in any order."""
+        reads = self.held(reads=True)
+        self.land(reads[pick % len(reads)])
 
     @fuzz_rule(fault=st.sampled_from(WRITE_FAULTS))
     def fail_next_write(self, fault: Fault) -> None:
@@ -405,6 +450,8 @@ class SystemMachine(RuleBasedStateMachine):
         self.unstall()
         report = closer.wait(CLOSE_TIMEOUT)
         assert report is not None
+        self.waiters.join()
+        self.waiters.check()
         with d.frozen():
             d._check_locked()
             stats = d.core.statistics()
@@ -485,6 +532,7 @@ class SystemMachine(RuleBasedStateMachine):
             _, _, failed_writes, failed_reads = self.gate.counts()
             d.check_errors_counted(failed_writes, failed_reads)
         self.check_counters()
+        self.waiters.check()
 
     def teardown(self) -> None:
         driver = self.driver
@@ -500,6 +548,8 @@ class SystemMachine(RuleBasedStateMachine):
                     driver.release(rid)
                 self.drain_all()
                 driver.check_nothing_leaks()
+                self.waiters.join()
+                self.waiters.check()
                 self.report_events()
         finally:
             self.gate.open()

@@ -278,7 +278,25 @@ class Scheduler:
                 if self._recorder is not None:
                     self._trace_invariant_locked(exc)
                 raise
-            return result
+            # A release lets go of a parked request: its waiters must not wait for a read
+            # that may never be reported (the trio thread sets them; any thread may call).
+            woken = self._waiters_to_wake_locked(None) if self._ready_waiters else []
+        token = self._token
+        if woken and token is not None:
+            for event in woken:
+                token.run_sync_soon(event.set)
+        return result
+
+    def _waiters_to_wake_locked(self, completion: Completion | None) -> list[trio.Event]:
+        """Take the waiters of every request that is ready or gone (after `completion`, or
+        after an API call when None): each is woken exactly once."""
+        del completion  # any read completion, failed or not, and any call may let one go
+        woken: list[trio.Event] = []
+        core = self._core
+        for rid in list(self._ready_waiters):
+            if not core.has_request(rid) or core.is_ready(rid):
+                woken += self._ready_waiters.pop(rid)
+        return woken
 
     def _trace_parks_locked(self, result: object) -> None:
         """Recording: the request this call parked, and those parked that it let go."""
@@ -428,9 +446,7 @@ class Scheduler:
                 self._dispatch_locked()
                 woken: list[trio.Event] = []
                 if isinstance(completion, SlotRead | SlotReadFailed) and self._ready_waiters:
-                    for rid in list(self._ready_waiters):
-                        if not self._core.has_request(rid) or self._core.is_ready(rid):
-                            woken += self._ready_waiters.pop(rid)
+                    woken = self._waiters_to_wake_locked(completion)
             for event in woken:
                 event.set()
 

@@ -401,6 +401,59 @@ def test_a_close_behind_a_stalled_disk_counts_each_write_once() -> None:
     assert "close report" in str(error), error
 
 
+def test_waiters_wake_ready_after_a_failed_read_and_gone_after_a_release() -> None:
+    """Found by this suite: a waiter on a request released while parked was not woken (only
+    read completions woke waiters).  Waiters through both APIs, reads held and landed one at
+    a time, the first failing: each waiter wakes to a ready, rewound request or a gone one."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk()
+            run("fail_next_read", fault=Fault.EIO)
+            run("add_request", spec=RequestSpec(PROMPT))
+            run("wait_ready_in_background", pick=0)  # the async API (a trio task)
+            run("wait_ready_in_background", pick=1)  # BlockingCache.wait_ready (a thread)
+            assert run.held() == (0, 2)  # reached: both reads held, two waiters parked
+            run("complete_any_read", pick=1)  # the second block's read lands: still parked
+            assert [w.woke for w in run.m.waiters.all] == [False] * 2
+            run("complete_any_read", pick=0)  # the first one fails: rewound, ready
+            assert [w.outcome for w in run.m.waiters.all] == ["ready"] * 2
+            assert run.stats().onboard_failures == 1
+
+    def released() -> None:
+        with system() as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            run("wait_ready_in_background", pick=0)
+            run("wait_ready_in_background", pick=1)
+            assert run.held() == (0, 2)  # reached: both reads held, two waiters parked
+            run("cancel_parked", pick=0)  # released while they wait: they wake, gone
+            assert [w.outcome for w in run.m.waiters.all] == ["gone"] * 2
+
+    for steps in (scenario, released):
+        steps()
+        error = fails_when_planted(planted.waiters_woken_only_on_slot_read, steps)
+        assert "were never woken" in str(error), error
+
+
+def test_a_waiter_never_wakes_while_its_request_is_parked() -> None:
+    """An early return of wait_ready is seen by the waiter itself."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            run("wait_ready_in_background", pick=0)
+            run("wait_ready_in_background", pick=1)
+            run("complete_a_read", newest=True)
+            run("complete_a_read", newest=True)
+            assert [w.outcome for w in run.m.waiters.all] == ["ready"] * 2
+
+    scenario()
+    error = fails_when_planted(planted.wait_ready_returns_early, scenario)
+    assert "still parked" in str(error), error
+
+
 def test_closing_with_spills_backed_up_hangs_with_the_old_feeder() -> None:
     """The same steps with the feeder as it was: the close hangs, and the harness says so.
 
