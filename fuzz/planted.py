@@ -248,6 +248,29 @@ def wait_ready_returns_early() -> AbstractContextManager[None]:
     return _wrapped(Scheduler, "wait_ready", make)
 
 
+def pools_kept_after_close() -> AbstractContextManager[None]:
+    """A leak for the leak check to catch (tests/test_fuzz_leak_check.py): every cache that
+    closes leaves its KV pools (the GPU pool) referenced from outside, as a cache of
+    per-process device state that grows with every cache would."""
+    kept: list[object] = []
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        async def close(self: Scheduler, **kwargs: Any) -> Any:
+            kept.append(self._copies)
+            return await original(self, **kwargs)
+        return close
+
+    @contextmanager
+    def planted() -> Iterator[None]:
+        with _wrapped(Scheduler, "close", make):
+            try:
+                yield
+            finally:
+                kept.clear()
+
+    return planted()
+
+
 @attrs.frozen
 class Planted:
     name: str

@@ -547,9 +547,11 @@ class SystemMachine(RuleBasedStateMachine):
                 for rid in list(driver.live):
                     driver.release(rid)
                 self.drain_all()
-                driver.check_nothing_leaks()
+                # Every waiter woke (the requests are gone): their threads end first, so
+                # that nothing but the cache's own references hold its memory.
                 self.waiters.join()
                 self.waiters.check()
+                driver.check_nothing_leaks()
                 self.report_events()
         finally:
             self.gate.open()

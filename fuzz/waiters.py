@@ -23,6 +23,7 @@ ready or gone has woken (:meth:`Waiters.all_woken`).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 import attrs
@@ -30,6 +31,7 @@ import torch
 import trio
 
 from fuzz.driver import Driver
+from io_actors.embed import BlockingCache
 from statekv.arith import blocks_for_tokens
 from statekv.ids import RequestId
 
@@ -52,13 +54,19 @@ class Waiters:
 
     def __init__(self, driver: Driver, notify: Callable[[], None]) -> None:
         self._d = driver
-        # The cache itself, not the driver's: a failed example's clean-up lets go of it
-        # while a blocking waiter may still be returning.
-        self._cache = driver.api
+        # The cache itself, not the driver's (a failed example's clean-up lets go of it while
+        # a blocking waiter may still be returning), and weakly: the leak check must see its
+        # memory go when the driver lets go of it.
+        self._cache = weakref.ref(driver.api)
         self._notify = notify
         self.all: list[Waiter] = []
         self.problems: list[str] = []
         self._threads: list[threading.Thread] = []
+
+    def _api(self) -> BlockingCache:
+        cache = self._cache()
+        assert cache is not None, "a waiter outlived its cache"
+        return cache
 
     def start(self, rid: str, *, blocking: bool) -> None:
         waiter = Waiter(rid, blocking)
@@ -69,12 +77,12 @@ class Waiters:
             self._threads.append(thread)
             thread.start()
             return
-        token = self._cache._token
+        token = self._api()._token
         assert token is not None
         token.run_sync_soon(trio.lowlevel.spawn_system_task, self._wait_async, waiter)
 
     async def _wait_async(self, waiter: Waiter) -> None:
-        cache = self._cache.async_cache
+        cache = self._api().async_cache
         assert cache is not None
         try:
             await cache.wait_ready(waiter.rid)
@@ -89,7 +97,7 @@ class Waiters:
 
     def _block(self, waiter: Waiter) -> None:
         try:
-            returned = self._cache.wait_ready(waiter.rid)
+            returned = self._api().wait_ready(waiter.rid)
         except BaseException as exc:
             self._woke(waiter, f"raised {exc!r}")
             self.problems.append(f"BlockingCache.wait_ready({waiter.rid}) raised {exc!r}")
@@ -99,7 +107,11 @@ class Waiters:
     def _observe(self, waiter: Waiter, returned: bool | None) -> None:
         """What the waiter sees as it wakes, under the scheduler's lock."""
         d = self._d
-        scheduler = self._cache._scheduler
+        cache = self._cache()
+        if cache is None:  # a failed example cleaned up: nothing to check
+            self._woke(waiter, "closed")
+            return
+        scheduler = cache._scheduler
         with scheduler._lock:
             core = scheduler._core
             gone = not core.has_request(waiter.rid)
@@ -145,7 +157,7 @@ class Waiters:
     def missed(self) -> list[str]:
         """Requests ready or gone that the scheduler still holds a waiter for (call under the
         scheduler's lock): those waiters will never be woken."""
-        scheduler = self._cache._scheduler
+        scheduler = self._api()._scheduler
         core = scheduler._core
         return [rid for rid in scheduler._ready_waiters
                 if not core.has_request(rid) or core.is_ready(rid)]
@@ -153,7 +165,7 @@ class Waiters:
     def all_woken(self) -> bool:
         """Whether every waiter is where it should be: woken if its request is ready or gone,
         registered with the scheduler if it is parked (call under the scheduler's lock)."""
-        scheduler = self._cache._scheduler
+        scheduler = self._api()._scheduler
         core = scheduler._core
         for rid, count in self._parked().items():
             if not core.has_request(rid) or core.is_ready(rid):
