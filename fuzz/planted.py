@@ -26,11 +26,12 @@ from fuzz.core_machine import CoreVsSpec
 from fuzz.runner import run_machine
 from fuzz.system_machine import SystemMachine
 from io_actors.backends import posix
+from io_actors.reader_pool import SlotReader
 from io_actors.scheduler import Scheduler
 from statekv.block import Block
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.manager import KVCacheManager
-from statekv.messages import Completion, SlotRead
+from statekv.messages import Completion, SlotRead, SlotReadFailed
 from statekv.pools import DiskSlots
 
 
@@ -159,6 +160,22 @@ def checksum_not_verified() -> AbstractContextManager[None]:
             setattr(posix, name, original)
 
     return planted()
+
+
+def failed_read_published() -> AbstractContextManager[None]:
+    """Seed: a read that failed (an I/O error, a short read, a bad checksum) was logged and its
+    block published anyway: the reader reports every read as landed, so the request computes
+    on whatever the page holds."""
+
+    def make(original: Callable[..., Completion]) -> Callable[..., Completion]:
+        def execute(self: SlotReader, job: Any) -> Completion:
+            result = original(self, job)
+            if isinstance(result, SlotReadFailed):
+                return SlotRead(transfer=result.transfer)
+            return result
+        return execute
+
+    return _wrapped(SlotReader, "execute", make)
 
 
 def scheduler_waits_for_writes() -> AbstractContextManager[None]:
@@ -291,6 +308,7 @@ PLANTED = {
         Planted("stale-deadline-kept", stale_deadline_kept, CoreVsSpec, 1000),
         Planted("reap-never-runs", reap_never_runs, CoreVsSpec, 1000),
         Planted("checksum-not-verified", checksum_not_verified, SystemMachine, 1000),
+        Planted("failed-read-published", failed_read_published, SystemMachine, 1000),
         Planted("release-during-onboard-system", release_during_onboard, SystemMachine, 1000),
         Planted("scheduler-waits-for-writes", scheduler_waits_for_writes, SystemMachine, 1000),
         Planted("feeder-pops-a-cleared-backlog", feeder_pops_a_cleared_backlog, SystemMachine,

@@ -50,10 +50,13 @@ from fuzz.waiters import Waiters
 from io_actors.backends.faults import Fault, Op
 from io_actors.scheduler import CloseReport
 from io_actors.tracing import TraceRecorder
-from statekv.ids import TransferId
+from statekv.ids import BlockHash, TransferId
 from statekv.messages import Command, ReadSlot, SlotRead, SlotReadFailed, WriteSlot
 from statekv.stats import CacheStatistics
 
+SILENT_WRITE_FAULTS = (Fault.BIT_FLIP, Fault.TORN_WRITE_SILENT)
+"""Writes reported done whose bytes on disk are not what was written: only the checksum of
+the read that follows stands between them and the model."""
 SETTLE_TIMEOUT = 30.0
 """Seconds the system may take to become quiet after a step before the step fails."""
 
@@ -85,6 +88,8 @@ class SystemMachine(RuleBasedStateMachine):
         self.arm_write: Fault | None = None
         self.arm_read: Fault | None = None
         self.stall_writes = False
+        self.faults_by_key: dict[tuple[Op, BlockHash], Fault] = {}
+        """Faults for the transfers of one content (corrupt_and_read_back), by operation."""
         self._waiters: Waiters | None = None
 
     def notify(self) -> None:
@@ -116,6 +121,12 @@ class SystemMachine(RuleBasedStateMachine):
         by transfer identity."""
         store = self.d.fuzz_store
         for cmd in commands:
+            if isinstance(cmd, WriteSlot | ReadSlot):
+                op = Op.WRITE if isinstance(cmd, WriteSlot) else Op.READ
+                fault = self.faults_by_key.pop((op, cmd.key), None)
+                if fault is not None:
+                    store.assign(op, cmd.slot, cmd.key, fault)
+                    continue
             if isinstance(cmd, WriteSlot):
                 if self.arm_write is not None:
                     store.assign(Op.WRITE, cmd.slot, cmd.key, self.arm_write)
@@ -379,6 +390,40 @@ class SystemMachine(RuleBasedStateMachine):
         """Pending read pick (in transfer-id order) reports: reads land in any order."""
         reads = self.held(reads=True)
         self.land(reads[pick % len(reads)])
+
+    @fuzz_rule(fault=st.sampled_from(SILENT_WRITE_FAULTS))
+    def corrupt_on_disk_and_read_back(self, fault: Fault) -> None:
+        """A block goes to disk with `fault` -- reported written, but a bit flipped or part of
+        it never landed -- and is asked for again: the read must fail its checksum (or, torn,
+        return exactly the bytes written), never serve other bytes.  The single-fault rules
+        reach this only by a long, unlikely sequence (arm, spill that very block, land, push
+        it out of the faster tiers, ask for it); the checksum path deserves the weight."""
+        self.read_back_with_fault(Op.WRITE, fault)
+
+    @fuzz_rule(fault=st.sampled_from(
+        [(Op.WRITE, f) for f in WRITE_FAULTS if f not in SILENT_WRITE_FAULTS]
+        + [(Op.READ, f) for f in READ_FAULTS]))
+    def fail_a_transfer_and_read_back(self, fault: tuple[Op, Fault]) -> None:
+        """A block goes to disk and comes back, and its write or its read fails at the store:
+        the write keeps the block on host, the read falls back -- never published."""
+        self.read_back_with_fault(*fault)
+
+    def read_back_with_fault(self, op: Op, fault: Fault) -> None:
+        """Serve one block twice (reused, retained: every spill mode spills it), push it out
+        of the faster tiers landing every transfer, then ask for it again, the read held at
+        the gate; `fault` meets this block's `op` at the store."""
+        d = self.d
+        prompt = d.fresh_prompt(1)
+        key = d.keys_of(LiveRequest("read-back", prompt, None), 1)[0]
+        self.faults_by_key[(op, key)] = fault
+        for _ in range(2):
+            d.serve(prompt, 30.0, 0)
+        for _ in range(2):
+            d.serve(d.fresh_prompt(None), None, 0)
+            self.drain_all()
+        d.add(prompt, 30.0, 0, None)
+        # A fault whose transfer never came (the block never went to disk) goes unused.
+        self.faults_by_key.clear()
 
     @fuzz_rule(fault=st.sampled_from(WRITE_FAULTS))
     def fail_next_write(self, fault: Fault) -> None:
