@@ -24,7 +24,7 @@ from fuzz.core_machine import DOCUMENTS, ChurnSpec, RequestSpec
 from fuzz.driver import SystemSpec
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from fuzz.system_machine import SystemMachine
-from io_actors.backends.faults import Fault
+from io_actors.backends.faults import Fault, Op
 from statekv.config import SpillMode
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.stats import CacheStatistics
@@ -224,6 +224,30 @@ def test_a_flipped_bit_is_never_served() -> None:
 
     scenario()
     fails_when_planted(planted.checksum_not_verified, scenario)
+
+
+@pytest.mark.parametrize("plant", [planted.checksum_not_verified,
+                                   planted.failed_read_published],
+                         ids=lambda p: p.__name__)
+def test_one_step_reaches_a_corrupt_slot_read_back(
+        plant: Callable[[], AbstractContextManager[None]]) -> None:
+    """The I/O rules with weight: one step spills a block whose bytes flip on disk and asks
+    for it again; another fails a read-back.  Neither is ever served."""
+
+    def scenario() -> None:
+        with system() as run:
+            run("corrupt_on_disk_and_read_back", fault=Fault.BIT_FLIP)
+            assert run.held() == (0, 1)  # reached: the read of the flipped slot is held
+            stats = run("drain")
+            assert stats.onboard_failures == 1 and stats.requests_fallen_back == 1
+        with system() as run:
+            run("fail_a_transfer_and_read_back", fault=(Op.READ, Fault.EIO))
+            assert run.held() == (0, 1)
+            stats = run("drain")
+            assert stats.onboard_failures == 1 and stats.requests_fallen_back == 1
+
+    scenario()
+    fails_when_planted(plant, scenario)
 
 
 @pytest.mark.parametrize("fault", WRITE_FAULTS, ids=lambda f: f.value)
