@@ -46,6 +46,7 @@ import datetime as dt
 import itertools
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -144,6 +145,13 @@ def _preset(text: str) -> str:
     return text
 
 
+def _tag(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to 64 letters, digits, '.', '_' or '-', got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=_csv(_preset), default=["70b-class", "8b-class"],
@@ -158,10 +166,51 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes moved by the raw disk read-rate measurement")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bars (auto: when stderr is a terminal)")
+    p.add_argument("--tag", type=_tag, default=None,
+                   help="appended to the results file's name (runs of one day apart)")
     p.add_argument("--plot", type=Path, default=None, metavar="RESULTS_JSON",
                    help="only draw the PNGs of an existing results file")
+    p.add_argument("--pressure", type=positive_number, default=3.0,
+                   help="without --users: users enough for a KV working set this many times "
+                        "GPU + host, per history length")
     add_run_flags(p, layers=4)
+    p.set_defaults(users=None)
     return p
+
+
+class SweepError(Exception):
+    """A flag combination the sweep cannot run, found before any run: one line, naming the
+    flag."""
+
+
+def check_fits(args: argparse.Namespace, history: int, gpu_blocks: int) -> None:
+    """A conversation's last round must fit the GPU pool, or the serving loop refuses it
+    mid-sweep."""
+    tokens: int = args.system_tokens + history + args.rounds * (
+        args.question_tokens + args.answer_tokens)
+    needed = -(-tokens // args.block_size)
+    if needed > gpu_blocks:
+        raise SweepError(
+            f"argument --gpu-gib: the last round at history {history} needs {needed} blocks "
+            f"of {args.block_size} tokens; {args.gpu_gib:g} GiB holds {gpu_blocks}")
+
+
+def user_kv_bytes(args: argparse.Namespace, history: int, kv_token: int) -> int:
+    """KV bytes of one conversation after its last round (the shared system prompt
+    counted in each: an upper bound)."""
+    tokens: int = args.system_tokens + history + args.rounds * (
+        args.question_tokens + args.answer_tokens)
+    return tokens * kv_token
+
+
+def users_for(args: argparse.Namespace, history: int, kv_token: int) -> int:
+    """--users, or enough users that their KV is --pressure times GPU + host: each history
+    length then loads the disk tier alike."""
+    if args.users is not None:
+        return int(args.users)
+    pools: float = (args.gpu_gib + args.host_gib) * 2**30
+    pressure: float = args.pressure
+    return max(1, math.ceil(pressure * pools / user_kv_bytes(args, history, kv_token)))
 
 
 # ---------------------------------------------------------------------- the sweep
@@ -277,12 +326,18 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     device = resolve_device(args.device)
     today = dt.date.today()
     args.out.mkdir(parents=True, exist_ok=True)
-    path: Path = args.out / f"sweep-{args.machine}-{today:%Y%m%d}.json"
+    tag = f"-{args.tag}" if args.tag else ""
+    path: Path = args.out / f"sweep-{args.machine}-{today:%Y%m%d}{tag}.json"
     disk_dir = args.dir or Path("/tmp/statekv-sweep")
     disk_dir.mkdir(parents=True, exist_ok=True)
     rates = sorted(args.rates)
     header = {"bench": "sweep", "machine": args.machine, "date": today.isoformat(),
               "commit": git_commit(), "command": "python -m bench.sweep " + " ".join(argv)}
+    for model_name in args.models:  # every case checked before the first run
+        blocks = pool_blocks(preset(model_name, num_layers=args.layers), args.block_size,
+                             args.gpu_gib, args.host_gib, args.disk_gib)
+        for history in args.histories:
+            check_fits(args, history, blocks[0])
     cases: list[dict[str, Any]] = []
     disable = {"auto": None, "always": False, "never": True}[args.progress]
     total_runs = len(args.models) * len(args.histories) * len(args.configs) * len(rates)
@@ -305,15 +360,17 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
         for history in args.histories:
             context = args.system_tokens + history
             tps = prefill_rate(model, args.block_size, CALIBRATION_CHUNK, context)
-            base = chat_config(args, model_config.vocab_size, 1.0, history_tokens=history)
+            case_args = argparse.Namespace(**{**vars(args),
+                                              "users": users_for(args, history, kv_token)})
+            base = chat_config(case_args, model_config.vocab_size, 1.0, history_tokens=history)
             capacity = full_reuse_capacity(base, tps)
             prompt = mean_prompt_tokens(base)
-            requests = args.users * args.rounds
-            working_set = args.users * (prompt + args.answer_tokens) * kv_token
+            requests = base.num_users * args.rounds
+            working_set = base.num_users * user_kv_bytes(args, history, kv_token)
             case: dict[str, Any] = {
                 "case": case_name(model_name, args.layers, history), "model": model_name,
                 "layers": args.layers, "history_tokens": history,
-                "context_tokens": context, "users": args.users, "rounds": args.rounds,
+                "context_tokens": context, "users": base.num_users, "rounds": args.rounds,
                 "requests": requests, "kv_bytes_per_token": kv_token,
                 "block_size": args.block_size,
                 "pool_blocks": {"gpu": blocks[0], "host": blocks[1], "disk": blocks[2]},
@@ -348,7 +405,7 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                     def tick(done: int, _total: int, inner: tqdm[Any] = inner) -> None:
                         inner.update(done - inner.n)
 
-                    workload = chat_config(args, model_config.vocab_size,
+                    workload = chat_config(case_args, model_config.vocab_size,
                                            rate["requests_per_s"], history_tokens=history)
                     run = run_config(model, key, workload, budgets_for(key, args, blocks),
                                      device=str(device), disk_dir=disk_dir, progress=tick)
@@ -473,7 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for png in plot(results, args.plot.with_suffix("")):
             print(f"wrote {png}")
         return 0
-    path = sweep(args, argv)
+    try:
+        path = sweep(args, argv)
+    except SweepError as exc:
+        p.exit(2, f"{p.prog}: error: {exc}\n")
     print(f"wrote {path}")
     pngs = plot(json.loads(path.read_text()), path.with_suffix(""))
     for png in pngs:

@@ -117,6 +117,8 @@ def test_a_configuration_cut_short_has_no_goodput() -> None:
     (["--gpu-gib", "0"], "--gpu-gib"),
     (["--layers", "two"], "--layers"),
     (["--progress", "sometimes"], "--progress"),
+    (["--tag", "a/b"], "--tag"),
+    (["--pressure", "0"], "--pressure"),
 ])
 def test_bad_flags_get_one_line_naming_the_flag(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
@@ -127,6 +129,17 @@ def test_bad_flags_get_one_line_naming_the_flag(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert flag in err and "Traceback" not in err
+
+
+def test_a_gpu_pool_too_small_for_a_conversation_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*TINY, "--histories", "48,4096", "--out", str(tmp_path), "--dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--gpu-gib" in err, err
 
 
 @pytest.mark.parametrize("content", [None, "{not json", '{"bench": "e2e", "cases": []}'])
