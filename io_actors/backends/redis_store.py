@@ -267,6 +267,7 @@ class RedisClusterStore:
                 socket_timeout=self._timeout_s,
                 socket_connect_timeout=self._timeout_s,
                 require_full_coverage=False,
+                socket_read_size=1 << 20,
                 retry=Retry(NoBackoff(), retries=1),
             )
         except (RedisError, RedisClusterException, OSError) as exc:
@@ -506,12 +507,22 @@ class RedisClusterStore:
         """One command per key, pipelined: the result or the exception of each, in order.
 
         redis-py's cluster pipeline fails every command of a pipeline when one master's
-        connection fails; one pipeline per master keeps a dead master's failure to its own
-        blocks.  MOVED and ASK answers inside a pipeline are followed by redis-py.
+        connection fails: after such a failure the keys are tried again with one pipeline
+        per master, which keeps a dead master's failure to its own blocks.  (A command that
+        landed on a live master is sent twice then: a GET, EXISTS or SET of the same value,
+        all idempotent.)  MOVED and ASK answers inside a pipeline are followed by redis-py.
         """
 
-        groups: dict[str, list[int]] = {}
         results: list[object] = [None] * len(rkeys)
+        # All masters at once first: the pipeline sends to every master before it reads.
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for n in range(len(rkeys)):
+                queue(pipe, n)
+            return list(pipe.execute(raise_on_error=False))
+        except (RedisError, RedisClusterException, OSError):
+            pass
+        groups: dict[str, list[int]] = {}
         for n, rkey in enumerate(rkeys):
             try:
                 name = self._client.get_node_from_key(rkey).name
