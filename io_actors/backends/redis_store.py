@@ -41,7 +41,7 @@ import threading
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import attrs
 import torch
@@ -120,6 +120,16 @@ class RemoteIO:
 
 RemoteOutcome = list[TransferFailed | None]
 """One entry per item of a batch, in order: None when it landed (verified, for a fetch)."""
+
+
+class SharedStore(Protocol):
+    """What the remote actors use of a shared store (the store, or a fault-injecting one)."""
+
+    def publish_many(self, items: Sequence[RemoteIO]) -> RemoteOutcome: ...
+
+    def fetch_many(self, items: Sequence[RemoteIO]) -> RemoteOutcome: ...
+
+    def match_prefix(self, keys: Sequence[BlockHash]) -> int: ...
 
 
 @attrs.frozen(kw_only=True)
