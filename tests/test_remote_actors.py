@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -255,3 +256,15 @@ def test_another_tenant_gets_nothing_from_a_shared_prefix(
     with RedisClusterStore(redis_cluster.url, cfg, namespace=namespace) as s:
         assert s.match_prefix(other) == 0
         assert s.match_prefix(_keys) == 6
+
+
+def test_the_readme_shared_tier_example_runs(redis_cluster: LocalRedisCluster,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (REPO / "README.md").read_text()
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                  if "RedisClusterStore" in b]
+    url = "redis://10.0.0.5:7000,redis://10.0.0.6:7000,redis://10.0.0.7:7000"
+    assert url in example
+    exec(compile(example.replace(url, redis_cluster.url), "README.md", "exec"),
+         {"__name__": "readme_shared_tier"})
+    assert capsys.readouterr().out.strip() == "served to B: 4 blocks"
