@@ -31,6 +31,8 @@ from pathlib import Path
 
 import attrs
 
+from io_actors.backends.remote_faults import owns_slot
+
 CLUSTER_BUS_OFFSET = 10000
 """Redis Cluster's node-to-node bus listens on the client port plus this."""
 START_TIMEOUT_S = 30.0
@@ -195,7 +197,7 @@ class LocalRedisCluster:
             for line in self._cli(node.port, "cluster", "nodes").splitlines():
                 fields = line.split()
                 if len(fields) > 2 and "myself" in fields[2].split(","):
-                    if _owns(fields[8:], slot):
+                    if owns_slot(fields[8:], slot):
                         return node
                     break
         raise RuntimeError(f"no live master owns slot {slot}")
@@ -217,16 +219,6 @@ class LocalRedisCluster:
                 except subprocess.TimeoutExpired:
                     node.process.kill()
                     node.process.wait(timeout=10)
-
-
-def _owns(ranges: list[str], slot: int) -> bool:
-    for item in ranges:
-        if item.startswith("["):
-            continue  # a slot being migrated: "[slot->-node]"
-        lo, _, hi = item.partition("-")
-        if int(lo) <= slot <= int(hi or lo):
-            return True
-    return False
 
 
 @contextlib.contextmanager

@@ -164,7 +164,7 @@ class _Admin:
                 continue
             for line in lines:
                 fields = line.split()
-                if "myself" in fields[2].split(",") and _owns(fields[8:], slot):
+                if "myself" in fields[2].split(",") and owns_slot(fields[8:], slot):
                     return name
         raise UsageError("key", f"no reachable master owns slot {slot}")
 
@@ -204,7 +204,9 @@ class _Admin:
             conn.close()
 
 
-def _owns(ranges: list[str], slot: int) -> bool:
+def owns_slot(ranges: list[str], slot: int) -> bool:
+    """Whether the slot ranges of a CLUSTER NODES line ("0-5460", "7", "[...]" while
+    migrating) include `slot`."""
     for item in ranges:
         if item.startswith("["):
             continue
@@ -378,4 +380,5 @@ __all__ = [
     "RemoteFaultPlan",
     "RemoteFaultRule",
     "RemoteOp",
+    "owns_slot",
 ]
