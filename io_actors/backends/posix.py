@@ -248,7 +248,7 @@ class Recovery:
     """Slots past the configured size (the data file shrank)."""
     old_files: int = 0
     """Data files of an older format version, removed."""
-    journal: JournalReplay = JournalReplay()
+    journal: JournalReplay = attrs.field(factory=JournalReplay)
     """What replaying the retention journal found: deadlines lengthened after their slot
     was written (applied to `slots`), and the records ignored, by why."""
 
@@ -558,13 +558,14 @@ class PosixSlotStore:
                                 config=self._config_fp, mac_key=self._mac_key)
         slots: list[RecoveredSlot] = []
         keep: list[RetentionRecord] = []
-        for entry in recovery.slots:
-            deadline = latest.get(entry.slot)
-            if deadline is not None and (entry.meta.expiry is None
-                                         or deadline > entry.meta.expiry):
-                entry = attrs.evolve(entry, meta=attrs.evolve(entry.meta, expiry=deadline))
-                keep.append(RetentionRecord(slot=entry.slot, key=entry.key, expiry=deadline))
-            slots.append(entry)
+        for found in recovery.slots:
+            deadline = latest.get(found.slot)
+            if deadline is not None and (found.meta.expiry is None
+                                         or deadline > found.meta.expiry):
+                slots.append(attrs.evolve(found, meta=attrs.evolve(found.meta, expiry=deadline)))
+                keep.append(RetentionRecord(slot=found.slot, key=found.key, expiry=deadline))
+            else:
+                slots.append(found)
         if counts.ignored:
             _log.warning(
                 "%s: %d retention records ignored (%d torn, %d unauthenticated, %d foreign)",
