@@ -170,7 +170,7 @@ def replay(
     for n in range(whole):
         rec = view[n * RECORD_SIZE : (n + 1) * RECORD_SIZE]
         (crc,) = _CRC.unpack_from(rec, _CRC_AT)
-        if rec[:8] != MAGIC or zlib.crc32(rec[:_CRC_AT]) != crc:
+        if bytes(rec[:8]) != MAGIC or zlib.crc32(rec[:_CRC_AT]) != crc:
             counts["torn"] += 1
             continue
         _magic, version, flags, slot, key, expiry, fingerprint = _FIELDS.unpack_from(rec, 0)

@@ -188,6 +188,7 @@ class Scheduler:
         self._all_closed = trio.Event()
         # PersistRetention: records wait here for the retention task, which appends all that
         # accumulated with one call in a worker thread (never on the serving thread).
+        self._journal = retention_store(store)
         self._retention: list[RetentionRecord] = []
         self._retention_busy = 0
         self._retention_wakeup = trio.Event()
@@ -424,9 +425,10 @@ class Scheduler:
             copies.copy_pages(run, to_gpu=run_to_gpu)
         if copied:
             copies.order_before_compute()
-        if retention and isinstance(self._store, RetentionStore):
+        journal = self._journal
+        if retention and journal is not None:
             if self._inline is not None:
-                append_retention(self._store, retention)  # the naive design: right here
+                append_retention(journal, retention)  # the naive design: right here
             else:
                 self._retention += retention
         if inline:
@@ -554,8 +556,8 @@ class Scheduler:
                 nursery.start_soon(self._feed_spills)
             if reader is not None:
                 await nursery.start(reader.run)
-            if isinstance(self._store, RetentionStore) and self._inline is None:
-                nursery.start_soon(self._feed_retention, self._store)
+            if self._journal is not None and self._inline is None:
+                nursery.start_soon(self._feed_retention, self._journal)
             task_status.started()
             await self._all_closed.wait()
             self._completions_send.close()
@@ -621,3 +623,9 @@ def append_retention(store: RetentionStore, records: list[RetentionRecord]) -> N
         store.persist_retention(records)
     except TransferFailed as exc:
         log.warning("%d lengthened deadlines not journaled: %s", len(records), exc)
+
+
+def retention_store(store: object) -> RetentionStore | None:
+    """`store` where it keeps a retention journal; None where lengthened deadlines stay in
+    memory (a store without one keeps each block's spill-time deadline across restarts)."""
+    return store if isinstance(store, RetentionStore) else None

@@ -553,7 +553,7 @@ class PosixSlotStore:
         if not records:
             journal.start(())
             return recovery
-        restored = {entry.slot: bytes(entry.key) for entry in recovery.slots}
+        restored: dict[int, bytes] = {entry.slot: bytes(entry.key) for entry in recovery.slots}
         latest, counts = replay(records, restored=restored, slots=self._slots,
                                 config=self._config_fp, mac_key=self._mac_key)
         slots: list[RecoveredSlot] = []
@@ -704,7 +704,12 @@ class PosixSlotStore:
                     if _written(other) >= _written(entry):
                         continue
                 found[entry.key] = entry
-        return Recovery(slots=tuple(sorted(found.values(), key=lambda e: e.slot)), **counts)
+        return Recovery(
+            slots=tuple(sorted(found.values(), key=lambda e: e.slot)),
+            foreign=counts["foreign"], corrupt=counts["corrupt"],
+            unauthenticated=counts["unauthenticated"], duplicates=counts["duplicates"],
+            beyond_capacity=counts["beyond_capacity"],
+        )
 
     def _scan_range(self, fd: int, lo: int, hi: int) -> tuple[list[RecoveredSlot],
                                                               dict[str, int]]:
