@@ -304,13 +304,18 @@ class RetentionJournal:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
             os.replace(new, self._path)
-            os.fsync(self._dir_fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(new)
             raise
         os.close(fd)
+        try:
+            os.fsync(self._dir_fd)
+        except OSError as exc:
+            # The rename happened: the journal in place is the new one, whose records are
+            # the old ones' live subset; only its survival of a power loss is in doubt.
+            _log.warning("%s: directory sync after a rewrite failed (%s)", self._path, exc)
         appender = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
         self._size = len(data)
         return appender
