@@ -129,7 +129,8 @@ def run_once(profile: Profile, machines: list[str], seed: int, totals: Totals,
         totals.add_kills(report, time.monotonic() - started)
         found = report.totals()
         echo(f"kill9: {found}")
-        if found["wrong_bytes"] or found["unknown_keys"] or found["lost"]:
+        if (found["wrong_bytes"] or found["unknown_keys"] or found["lost"]
+                or found["deadline_errors"]):
             failures.mkdir(parents=True, exist_ok=True)
             (failures / f"kill9-seed{seed}.txt").write_text(repr(report.checks[-1]) + "\n")
             raise AssertionError(f"kill -9 loop (seed {seed}) found {found}")

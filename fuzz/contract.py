@@ -13,7 +13,9 @@ verifies what the core *tells the actors to do*, which is what would hurt real b
   destination of a second read: it is not on any free list until the read lands;
 * disk transfers come in batches (``WriteSlots`` / ``ReadSlots``) of 1 to
   ``max_batch_blocks`` records, after every copy and FreeSlot of the same take; a batch's
-  completion reports one outcome per record of that batch, in order.
+  completion reports one outcome per record of that batch, in order;
+* a PersistRetention names a slot that holds its key, or whose write or read in flight is of
+  its key (a record for other content would be inert at replay: a core bug all the same).
 
 Every harness feeds it the commands in the order the core emitted them and the completions in
 the order the core applied them.
@@ -32,6 +34,7 @@ from statekv.messages import (
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
+    PersistRetention,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -103,6 +106,15 @@ class CommandContract:
                 )
             self.read_pages[cmd.gpu_page] = cmd.transfer
             self.reads[cmd.transfer] = cmd
+        elif isinstance(cmd, PersistRetention):
+            moving = self.busy.get(cmd.slot)
+            transfer = (self.writes.get(moving) or self.reads.get(moving)
+                        if moving is not None else None)
+            holds = transfer.key if transfer is not None else self.slot_content.get(cmd.slot)
+            if holds != cmd.key:
+                raise ContractViolation(
+                    f"{cmd} names a slot that holds other content ({_short(holds)})"
+                )
         elif isinstance(cmd, FreeSlot):
             if cmd.slot in self.busy:
                 raise ContractViolation(

@@ -43,8 +43,9 @@ from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, 
 from io_actors.backends.posix import PosixSlotStore, Recovery
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, CacheAPI
-from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
 from io_actors.memory import page_aligned_buffer
+from io_actors.retention_journal import RetentionRecord
 from io_actors.slot_format import SlotMeta
 from statekv.config import KVLayout
 from statekv.errors import OutOfBlocks, TransferFailed
@@ -141,6 +142,15 @@ def serve_checked(cache: CacheAPI, rid: str, prompt: Sequence[int], ttl: float |
         expected = block_bytes(prompt[:(i + 1) * BLOCK_SIZE], nbytes)
         wrong += int((_page(cache, table[i]).cpu() != expected).sum())
     del match
+    compute_checked(cache, rid, prompt)
+    cache.release(rid)
+    return wrong
+
+
+def compute_checked(cache: CacheAPI, rid: str, prompt: Sequence[int]) -> None:
+    """Act as the forward pass: write the KV of every block the cache did not match, commit."""
+    status = cache.request_status(rid)
+    nbytes = cache.kv_pool[0].numel() * cache.kv_pool.element_size()
     try:
         cache.allocate_nowait(rid, len(prompt))
     except OutOfBlocks:
@@ -153,7 +163,36 @@ def serve_checked(cache: CacheAPI, rid: str, prompt: Sequence[int], ttl: float |
         end = min((i + 1) * BLOCK_SIZE, len(prompt))
         _page(cache, table[i]).copy_(block_bytes(prompt[:end], nbytes))
     cache.commit(rid, len(prompt))
-    cache.release(rid)
+
+
+def twin_prompts(n: int) -> tuple[list[int], list[list[int]]]:
+    """The n-th retention extension of a workload: a prompt of two full blocks, and three
+    fillers of as many blocks that push its blocks out to disk."""
+    base = 5_000_000 + 10_000 * n
+    return ([base + t for t in range(2 * BLOCK_SIZE + 1)],
+            [[base + 1000 * (j + 1) + t for t in range(2 * BLOCK_SIZE + 1)] for j in range(3)])
+
+
+def extend_retention(cache: CacheAPI, rid: str, n: int, short: float, long: float) -> int:
+    """Lengthen a deadline while its block is on disk: two requests compute the same new
+    prompt (the second one's blocks stay private duplicates); the first is released with the
+    `short` TTL, fillers push its blocks out to disk, then the second is released with the
+    `long` TTL and stamps the cached twins where they are (PersistRetention).  Returns the
+    wrong bytes the fillers were served."""
+    prompt, fillers = twin_prompts(n)
+    for side, ttl in (("a", short), ("b", long)):
+        try:
+            cache.add_request(f"{rid}{side}", prompt, ttl_seconds=ttl)
+        except OutOfBlocks:
+            _wait_quiet(cache)
+            cache.add_request(f"{rid}{side}", prompt, ttl_seconds=ttl)
+        _wait_ready(cache, f"{rid}{side}")
+    compute_checked(cache, f"{rid}a", prompt)
+    compute_checked(cache, f"{rid}b", prompt)
+    cache.release(f"{rid}a")
+    wrong = sum(serve_checked(cache, f"{rid}f{j}", filler, None)
+                for j, filler in enumerate(fillers))
+    cache.release(f"{rid}b")
     return wrong
 
 
@@ -179,23 +218,30 @@ class Check:
     served_blocks: int
     """Matched blocks a cache opened on the directory handed to requests (all checked)."""
     recovery: Recovery
+    deadlines_checked: int = 0
+    """Restored slots whose deadline was checked against the ledger (DeadlineLedger)."""
+    deadline_errors: tuple[str, ...] = ()
+    """Restored deadlines never issued for that content, or earlier than one durably
+    committed for that slot and key: must be none."""
 
     @property
     def ok(self) -> bool:
-        return not (self.wrong_bytes or self.unknown_keys or self.lost)
+        return not (self.wrong_bytes or self.unknown_keys or self.lost or self.deadline_errors)
 
 
 def check_directory(
     config: StateKVConfig, all_prompts: Sequence[Sequence[int]],
     landed: dict[SlotId, BlockHash] | None = None,
     serve: Sequence[Sequence[int]] | None = None,
+    ledger: DeadlineLedger | None = None,
 ) -> Check:
     """Reopen the directory of `config` and check everything it serves (module docstring).
 
     `all_prompts`: every prompt any process may have cached there (for the expected bytes);
     `serve`: the prompts to serve through a reopened cache (default: all of them);
     `landed`: slot -> key of every write that returned and was not followed by another
-    write to the same slot before the crash (these must be found again).
+    write to the same slot before the crash (these must be found again); `ledger`: the
+    deadlines issued and committed (every restored deadline is checked against it).
     """
     directory = config.rank_directory()
     assert directory is not None
@@ -220,6 +266,7 @@ def check_directory(
             wrong += int((dst != block_bytes(prefix, store.payload_len)).sum())
             verified += 1
         lost = sum(1 for key in (landed or {}).values() if key not in found)
+        deadline_errors = ledger.check(recovery) if ledger is not None else []
     finally:
         store.close()
     served = 0
@@ -231,7 +278,9 @@ def check_directory(
         cache.check_invariants()
     return Check(restored=len(recovery.slots), verified=verified, torn=torn, wrong_bytes=wrong,
                  unknown_keys=unknown, landed=len(landed or {}), lost=lost,
-                 served_blocks=served, recovery=recovery)
+                 served_blocks=served, recovery=recovery,
+                 deadlines_checked=len(recovery.slots) if ledger is not None else 0,
+                 deadline_errors=tuple(deadline_errors))
 
 
 # --- SQLite style: a crash after the k-th write call ---------------------------------------------
@@ -240,50 +289,81 @@ SCRIPT_PROMPTS: Final = 30
 SCRIPT_SEED: Final = 13
 
 
-def scripted_workload(directory: Path, plan: FaultPlan) -> tuple[FaultyStore, int]:
+SCRIPT_EXTENSIONS: Final = 5
+"""Retention extensions of blocks on disk in the scripted workload (one after every
+SCRIPT_PROMPTS // SCRIPT_EXTENSIONS prompts)."""
+
+
+def script_prompts() -> list[list[int]]:
+    """Every prompt the scripted workload serves."""
+    out = prompts(SCRIPT_SEED, SCRIPT_PROMPTS)
+    for n in range(SCRIPT_EXTENSIONS):
+        prompt, fillers = twin_prompts(n)
+        out += [prompt, *fillers]
+    return out
+
+
+def scripted_workload(directory: Path, plan: FaultPlan) -> tuple[FaultyStore, int, Path]:
     """The scripted workload through a FaultyStore (inline I/O: one call order every run).
 
-    Returns the store (its call counts) and the wrong bytes served while it ran.
+    Returns the store (its call counts), the wrong bytes served while it ran, and the
+    write log (WriteLog) of what reached the store.
     """
     config = workload_config(directory)
     core = config.core_config()
     rank = config.rank_directory()
     assert rank is not None
     store = FaultyStore(PosixSlotStore(rank, core), plan)
+    log = directory.parent / f"{directory.name}-writes.log"
+    logged = WriteLog(store, log)
     wrong = 0
+    every = SCRIPT_PROMPTS // SCRIPT_EXTENSIONS
     try:
-        with BlockingCache(config, store=store, synchronous_io=True) as cache:
+        with BlockingCache(config, store=logged, synchronous_io=True) as cache:
             for i, prompt in enumerate(prompts(SCRIPT_SEED, SCRIPT_PROMPTS)):
                 ttl = (None, 3600.0, 60.0)[i % 3]
                 wrong += serve_checked(cache, f"s{i}", prompt, ttl)
+                if i % every == every - 1:
+                    wrong += extend_retention(cache, f"x{i}", i // every, 60.0, 3600.0)
     finally:
-        store.close()
-    return store, wrong
+        logged.close()
+    return store, wrong, log
 
 
 @attrs.frozen(kw_only=True)
 class Enumeration:
     writes: int
-    """Write calls of the scripted workload (one crash point each)."""
+    """Slot write calls of the scripted workload (one crash point each)."""
+    journal_appends: int
+    """Retention journal appends of the scripted workload (one crash point each, torn at a
+    seeded byte: often inside a record)."""
     checks: tuple[Check, ...]
     wrong_bytes_while_running: int
 
 
 def enumerate_crashes(base: Path, *, seed: int = 0, every: int = 1) -> Enumeration:
-    """Crash the scripted workload after its k-th write call, for every k (every `every`-th
-    k, for a quicker pass), and check each directory."""
-    counting, wrong = scripted_workload(base / "count", FaultPlan())
+    """Crash the scripted workload during its k-th slot write, and during its k-th journal
+    append, for every k (every `every`-th k, for a quicker pass), and check each directory,
+    deadlines included."""
+    counting, wrong, _log = scripted_workload(base / "count", FaultPlan())
     writes = counting.calls(Op.WRITE)
+    appends = counting.calls(Op.JOURNAL)
     checks = []
-    all_prompts = prompts(SCRIPT_SEED, SCRIPT_PROMPTS)
-    for k in range(1, writes + 1, every):
-        directory = base / f"crash{k}"
-        plan = FaultPlan(rules=(FaultRule(op=Op.WRITE, fault=Fault.CRASH, nth=k),), seed=seed)
-        store, running_wrong = scripted_workload(directory, plan)
+    all_prompts = script_prompts()
+    points = [(Op.WRITE, k) for k in range(1, writes + 1, every)]
+    points += [(Op.JOURNAL, k) for k in range(1, appends + 1, every)]
+    for op, k in points:
+        directory = base / f"crash-{op.value}{k}"
+        plan = FaultPlan(rules=(FaultRule(op=op, fault=Fault.CRASH, nth=k),), seed=seed)
+        store, running_wrong, log = scripted_workload(directory, plan)
         assert store.crashed_at == k
         wrong += running_wrong
-        checks.append(check_directory(workload_config(directory), all_prompts))
-    return Enumeration(writes=writes, checks=tuple(checks), wrong_bytes_while_running=wrong)
+        ledger = DeadlineLedger()
+        ledger.read(log)
+        checks.append(check_directory(workload_config(directory), all_prompts,
+                                      landed_slots(log), ledger=ledger))
+    return Enumeration(writes=writes, journal_appends=appends, checks=tuple(checks),
+                       wrong_bytes_while_running=wrong)
 
 
 # --- real kill -9 -----------------------------------------------------------------------------
@@ -314,20 +394,33 @@ class WriteLog:
     def write(
         self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
     ) -> None:
-        os.write(self._fd, f"W {slot}\n".encode())
+        line = _line(slot, key, meta.expiry if meta is not None else None)
+        os.write(self._fd, f"W {line}".encode())
         self._inner.write(slot, key, src, meta)
-        os.write(self._fd, f"L {slot} {bytes(key).hex()}\n".encode())
+        os.write(self._fd, f"L {line}".encode())
 
     def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
         """A batch: every slot logged as started, then each one that landed as returned."""
         items = list(writes)
-        os.write(self._fd, "".join(f"W {item.slot}\n" for item in items).encode())
+        lines = [_line(item.slot, item.key, item.meta.expiry if item.meta else None)
+                 for item in items]
+        os.write(self._fd, "".join(f"W {line}" for line in lines).encode())
         out = self._inner.write_many(items)
-        landed = "".join(f"L {item.slot} {bytes(item.key).hex()}\n"
-                         for item, error in zip(items, out, strict=True) if error is None)
+        landed = "".join(f"L {line}"
+                         for line, error in zip(lines, out, strict=True) if error is None)
         if landed:
             os.write(self._fd, landed.encode())
         return out
+
+    def persist_retention(self, records: Sequence[RetentionRecord]) -> None:
+        """One journal append: its records logged as started (j), then as returned (J)."""
+        lines = "".join(_line(r.slot, r.key, r.expiry) for r in records)
+        os.write(self._fd, "".join(f"j {line}" for line in lines.splitlines(True)).encode())
+        inner = self._inner
+        if not isinstance(inner, RetentionStore):
+            return  # a store without a journal: the deadlines stay in memory
+        inner.persist_retention(records)
+        os.write(self._fd, "".join(f"J {line}" for line in lines.splitlines(True)).encode())
 
     def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
         self._inner.read(slot, key, dst)
@@ -343,20 +436,85 @@ class WriteLog:
         os.close(self._fd)
 
 
+def _line(slot: int, key: bytes, expiry: float | None) -> str:
+    return f"{slot} {bytes(key).hex()} {'-' if expiry is None else repr(float(expiry))}\n"
+
+
 def landed_slots(log: Path) -> dict[SlotId, BlockHash]:
     """Slot -> key of each slot whose last logged event is a returned write."""
     last: dict[SlotId, BlockHash | None] = {}
     if log.exists():
         for line in log.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 2 and parts[0] == "W":
+            if parts[:1] in (["j"], ["J"]):
+                continue  # journal appends: DeadlineLedger reads them
+            if len(parts) in (2, 4) and parts[0] == "W":
                 last[SlotId(int(parts[1]))] = None
-            elif len(parts) == 3 and parts[0] == "L" and len(parts[2]) == 64:
+            elif len(parts) in (3, 4) and parts[0] == "L" and len(parts[2]) == 64:
                 last[SlotId(int(parts[1]))] = BlockHash(bytes.fromhex(parts[2]))
             elif len(parts) >= 2 and parts[1].isdigit():
                 # A line torn by the kill: what that slot holds is unknown.
                 last[SlotId(int(parts[1]))] = None
     return {slot: key for slot, key in last.items() if key is not None}
+
+
+class DeadlineLedger:
+    """Which retention deadlines each content was given, and which are durably committed.
+
+    Read from WriteLog logs, in order (one per process, the kill loop's across processes):
+    a deadline is *issued* for a key when a slot write carrying it, or a journal append
+    naming it, starts; it is *committed* for (slot, key) when that write or append returned
+    (kill -9 loses nothing the kernel has: disk_sync "none" suffices), and stays committed
+    until a write of another key to the slot returns.  After a crash every restored
+    deadline must be one issued for its key (None only where none is committed), and never
+    earlier than one committed for its slot and key.
+    """
+
+    def __init__(self) -> None:
+        self.issued: dict[bytes, set[float]] = {}
+        self.committed: dict[int, dict[bytes, float]] = {}
+
+    def read(self, log: Path) -> None:
+        if not log.exists():
+            return
+        for line in log.read_text().splitlines():
+            parts = line.split()
+            if len(parts) != 4 or parts[0] not in {"W", "L", "j", "J"} or len(parts[2]) != 64:
+                if len(parts) >= 2 and parts[1].isdigit():
+                    # A line torn by the kill: nothing is known of that slot any more.
+                    self.committed.pop(int(parts[1]), None)
+                continue
+            kind, slot, key = parts[0], int(parts[1]), bytes.fromhex(parts[2])
+            expiry = None if parts[3] == "-" else float(parts[3])
+            here = self.committed.setdefault(slot, {})
+            if kind in {"W", "L"}:
+                # A write of another key puts what the slot held at risk from its start (a
+                # torn write), and replaces it once returned.
+                for other in [k for k in here if k != key]:
+                    del here[other]
+            if kind in {"W", "j"}:
+                if expiry is not None:
+                    self.issued.setdefault(key, set()).add(expiry)
+            elif expiry is not None:
+                here[key] = max(here.get(key, expiry), expiry)
+
+    def forget_commitments(self) -> None:
+        """Start a new process's log: checking a directory serves requests through a cache,
+        whose writes no log records, so only what was issued is carried over."""
+        self.committed.clear()
+
+    def check(self, recovery: Recovery) -> list[str]:
+        """What is wrong with the restored deadlines (nothing, when the list is empty)."""
+        errors = []
+        for entry in recovery.slots:
+            key, expiry = bytes(entry.key), entry.meta.expiry
+            floor = self.committed.get(entry.slot, {}).get(key)
+            where = f"slot {entry.slot} ({key.hex()[:12]})"
+            if expiry is not None and expiry not in self.issued.get(key, ()):
+                errors.append(f"{where}: deadline {expiry!r} was never issued for it")
+            if floor is not None and (expiry is None or expiry < floor):
+                errors.append(f"{where}: deadline {expiry!r}, but {floor!r} was committed")
+        return errors
 
 
 def child_main(directory: str, seed: int, log: str) -> int:
@@ -368,16 +526,36 @@ def child_main(directory: str, seed: int, log: str) -> int:
     store = WriteLog(PosixSlotStore(rank, config.core_config()), Path(log))
     rng = random.Random(seed)
     all_prompts = prompts(seed, _CHILD_PROMPTS)
+    extensions = child_extensions(seed)
     with BlockingCache(config, store=store) as cache:
         print("ready", flush=True)
         i = 0
         while True:
             prompt = all_prompts[rng.randrange(len(all_prompts))]
             wrong = serve_checked(cache, f"c{i}", prompt, rng.choice([None, 3600.0, 30.0]))
+            if i % 5 == 4 and i // 5 < len(extensions):
+                wrong += extend_retention(cache, f"x{i}", extensions[i // 5], 30.0, 3600.0)
             if wrong:
                 print(f"served {wrong} wrong bytes", flush=True)
                 return 3
             i += 1
+
+
+_CHILD_EXTENSIONS: Final = 16
+
+
+def child_extensions(seed: int) -> list[int]:
+    """The twin_prompts numbers of a child's retention extensions (token ids stay < 2**32)."""
+    return [(seed % 4000) * _CHILD_EXTENSIONS + j for j in range(_CHILD_EXTENSIONS)]
+
+
+def child_prompts(seed: int) -> list[list[int]]:
+    """Every prompt a child of the kill loop may serve."""
+    out = prompts(seed, _CHILD_PROMPTS)
+    for n in child_extensions(seed):
+        prompt, fillers = twin_prompts(n)
+        out += [prompt, *fillers]
+    return out
 
 
 @attrs.frozen(kw_only=True)
@@ -396,6 +574,10 @@ class KillReport:
             "wrong_bytes": sum(c.wrong_bytes for c in self.checks),
             "unknown_keys": sum(c.unknown_keys for c in self.checks),
             "lost": sum(c.lost for c in self.checks),
+            "deadlines_checked": sum(c.deadlines_checked for c in self.checks),
+            "journal_records_applied": sum(c.recovery.journal.applied for c in self.checks),
+            "journal_records_torn": sum(c.recovery.journal.torn for c in self.checks),
+            "deadline_errors": sum(len(c.deadline_errors) for c in self.checks),
         }
 
 
@@ -420,12 +602,13 @@ def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float 
     """Run `kills` children on one directory, killing each at a random moment."""
     rng = random.Random(seed)
     checks: list[Check] = []
+    ledger = DeadlineLedger()
     config = workload_config(directory)
     all_prompts: list[list[int]] = []
     for n in range(kills):
         child_seed = rng.randrange(2**31)
-        child_prompts = prompts(child_seed, _CHILD_PROMPTS)
-        all_prompts += child_prompts
+        served = child_prompts(child_seed)
+        all_prompts += served
         log = directory.parent / f"{directory.name}-writes-{n}.log"
         with _child(directory, child_seed, log) as proc:
             assert proc.stdout is not None
@@ -445,8 +628,10 @@ def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float 
                 raise RuntimeError(f"child {n} exited by itself: rc={proc.returncode}")
             os.kill(proc.pid, signal.SIGKILL)
         landed = landed_slots(log)
+        ledger.read(log)
         log.unlink(missing_ok=True)
-        check = check_directory(config, all_prompts, landed, serve=child_prompts)
+        check = check_directory(config, all_prompts, landed, serve=served, ledger=ledger)
+        ledger.forget_commitments()
         checks.append(check)
         if callable(on_check):
             on_check(n, check)
@@ -471,7 +656,8 @@ def main(argv: list[str]) -> int:
                            on_check=lambda n, c: print(n, summary(c), flush=True))
     print(report.totals())
     totals = report.totals()
-    return 0 if not (totals["wrong_bytes"] or totals["unknown_keys"] or totals["lost"]) else 1
+    bad = totals["wrong_bytes"] or totals["unknown_keys"] or totals["lost"]
+    return 0 if not (bad or totals["deadline_errors"]) else 1
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ short read or write, failed open, header or checksum mismatch) and never return 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
 
+from io_actors.retention_journal import RetentionRecord
 from io_actors.slot_format import SlotMeta
 from statekv.errors import TransferFailed
 from statekv.ids import BlockHash, PageId, SlotId
@@ -111,6 +112,17 @@ class SlotStore(Protocol):
         """The slot's content left the cache (a hint: it may be invalidated or trimmed)."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RetentionStore(Protocol):
+    """A store that keeps lengthened retention deadlines across restarts (optional: a store
+    without it keeps each block's spill-time deadline, and the scheduler drops the records).
+    """
+
+    def persist_retention(self, records: Sequence[RetentionRecord]) -> None:
+        """Append the records durably under the store's sync policy; raises TransferFailed
+        when they could not be (the deadlines then live in memory only)."""
 
 
 def write_each(store: SlotStore, writes: Sequence[SlotIO]) -> BatchOutcome:

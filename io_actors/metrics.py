@@ -156,9 +156,26 @@ class StateKVCollector(Collector):
                 families.add("restore_reclaimed_slots", GAUGE, {"reason": reason},
                              getattr(recovery, reason),
                              "Slots found at open and reclaimed instead of served, by why.")
+            for outcome in ("applied", "stale", "torn", "unauthenticated", "foreign"):
+                families.add("restore_retention_records", GAUGE, {"outcome": outcome},
+                             getattr(recovery.journal, outcome),
+                             "Retention journal records replayed at open, by outcome: applied "
+                             "(a lengthened deadline restored), stale (the slot was reused), "
+                             "or ignored (torn, unauthenticated, foreign).")
+        families.add("retention_backlog", GAUGE, {}, stats.retention_backlog,
+                     "Lengthened deadlines waiting for their journal append.")
         if stats.store is not None:
             families.add("slot_mac_failures", COUNTER, {}, stats.store.mac_failures,
                          "Slots whose keyed MAC failed on read: never served.")
+            families.add("retention_records_journaled", COUNTER, {},
+                         stats.store.retention_records,
+                         "Lengthened retention deadlines appended to the journal.")
+            families.add("retention_journal_failures", COUNTER, {},
+                         stats.store.retention_failures,
+                         "Lengthened deadlines whose journal append failed (kept in memory).")
+            families.add("retention_journal_compactions", COUNTER, {},
+                         stats.store.journal_compactions,
+                         "Run-time rewrites of the retention journal.")
         yield from families
 
 

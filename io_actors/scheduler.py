@@ -34,14 +34,15 @@ import torch
 import trio
 
 from io_actors.backends.posix import Recovery, SlotStoreStatistics
-from io_actors.interfaces import CopyEngine, SlotStore
+from io_actors.interfaces import CopyEngine, RetentionStore, SlotStore
 from io_actors.memory import KVPools
 from io_actors.reader_pool import ReaderPool, ReadJob, SlotReader
+from io_actors.retention_journal import RetentionRecord
 from io_actors.tracing import TraceRecorder
 from io_actors.worker_threads import PoolStatistics
 from io_actors.writer_pool import SlotWriter, WriteJob, WriterPool
 from statekv.config import CacheConfig
-from statekv.errors import InvariantViolation, UsageError
+from statekv.errors import InvariantViolation, TransferFailed, UsageError
 from statekv.ids import PageId, RequestId, SlotId, TransferId
 from statekv.manager import CachedBlock, KVCacheManager, PrefixMatch, RequestStatus
 from statekv.messages import (
@@ -49,6 +50,7 @@ from statekv.messages import (
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
+    PersistRetention,
     ReadSlots,
     WriteSlots,
     is_read,
@@ -91,6 +93,9 @@ class SystemStatistics:
     reclaimed by reason (never served).  None without a disk tier."""
     store: SlotStoreStatistics | None = None
     """The slot store's counters (MAC failures among them), when the store keeps them."""
+    retention_backlog: int = 0
+    """Lengthened deadlines taken from the core (PersistRetention) whose journal append has
+    not returned yet."""
 
 
 @attrs.frozen(kw_only=True)
@@ -181,6 +186,12 @@ class Scheduler:
             float("inf")
         )
         self._all_closed = trio.Event()
+        # PersistRetention: records wait here for the retention task, which appends all that
+        # accumulated with one call in a worker thread (never on the serving thread).
+        self._journal = retention_store(store)
+        self._retention: list[RetentionRecord] = []
+        self._retention_busy = 0
+        self._retention_wakeup = trio.Event()
         # Recording (off when None): every hook below costs one `is None` test without it.
         self._recorder = recorder
         self._parked_traced: set[RequestId] = set()
@@ -249,7 +260,12 @@ class Scheduler:
             slots_discarded=self._slots_discarded,
             recovery=self.recovery,
             store=self._store_statistics(),
+            retention_backlog=self._retention_backlog(),
         )
+
+    def _retention_backlog(self) -> int:
+        with self._lock:
+            return len(self._retention) + self._retention_busy
 
     def _store_statistics(self) -> SlotStoreStatistics | None:
         read = getattr(self._store, "statistics", None)
@@ -362,6 +378,7 @@ class Scheduler:
         copied = False
         fence = None
         inline: list[WriteJob | ReadJob] = []
+        retention: list[RetentionRecord] = []
         # Consecutive copies of one direction go to the copy engine as one call (the order
         # of all copies is kept: a direction change flushes the run).
         run: list[tuple[PageId, PageId]] = []
@@ -402,10 +419,18 @@ class Scheduler:
                 if self._store is not None:
                     self._store.discard(cmd.slot)
                 self._slots_discarded += 1
+            elif isinstance(cmd, PersistRetention):
+                retention.append(RetentionRecord(slot=cmd.slot, key=cmd.key, expiry=cmd.expiry))
         if run:
             copies.copy_pages(run, to_gpu=run_to_gpu)
         if copied:
             copies.order_before_compute()
+        journal = self._journal
+        if retention and journal is not None:
+            if self._inline is not None:
+                append_retention(journal, retention)  # the naive design: right here
+            else:
+                self._retention += retention
         if inline:
             assert self._inline is not None
             for job in inline:
@@ -419,7 +444,8 @@ class Scheduler:
                     self._trace_parks_locked(None)
             self._dispatch_locked()
             return
-        if self._handover and not self._wake_pending and self._token is not None:
+        if ((self._handover or self._retention) and not self._wake_pending
+                and self._token is not None):
             self._wake_pending = True
             self._token.run_sync_soon(self._pump)
 
@@ -429,6 +455,8 @@ class Scheduler:
             self._wake_pending = False
             jobs = list(self._handover)
             self._handover.clear()
+            if self._retention:
+                self._retention_wakeup.set()
         for job in jobs:
             if isinstance(job, WriteJob):
                 self._spill_backlog.append(job)
@@ -468,6 +496,23 @@ class Scheduler:
                 return
             self._spill_wakeup = trio.Event()
             await self._spill_wakeup.wait()
+
+    async def _feed_retention(self, store: RetentionStore) -> None:
+        """Trio task: append the lengthened deadlines, all that accumulated in one call, in a
+        worker thread; until closed and every record taken (drained or dropped)."""
+        while True:
+            with self._lock:
+                records, self._retention = self._retention, []
+                self._retention_busy = len(records)
+            if records:
+                await trio.to_thread.run_sync(append_retention, store, records)
+                with self._lock:
+                    self._retention_busy = 0
+                continue
+            if self._closed:
+                return
+            self._retention_wakeup = trio.Event()
+            await self._retention_wakeup.wait()
 
     async def report_completion(self, completion: Completion) -> None:
         """Called by the pools (trio thread) for every completion."""
@@ -511,6 +556,8 @@ class Scheduler:
                 nursery.start_soon(self._feed_spills)
             if reader is not None:
                 await nursery.start(reader.run)
+            if self._journal is not None and self._inline is None:
+                nursery.start_soon(self._feed_retention, self._journal)
             task_status.started()
             await self._all_closed.wait()
             self._completions_send.close()
@@ -528,8 +575,12 @@ class Scheduler:
         if drain:
             with trio.move_on_after(timeout):
                 while (self._spill_backlog or (self._writer and self._writer.busy)
-                       or (self._reader and self._reader.busy)):
+                       or (self._reader and self._reader.busy) or self._retention_backlog()):
                     await trio.sleep(0.001)
+        with self._lock:
+            retention_dropped = len(self._retention)
+            self._retention.clear()
+        self._retention_wakeup.set()
         self._spill_wakeup.set()
         if self._writer is not None:
             dropped = self._writer.close_queue(drop_queued=True)
@@ -551,6 +602,9 @@ class Scheduler:
         if writes_dropped or reads_dropped:
             log.warning("closed with %d spills and %d onboards dropped", writes_dropped,
                         reads_dropped)
+        if retention_dropped:
+            log.warning("closed with %d lengthened deadlines not journaled (a restart keeps "
+                        "the earlier ones)", retention_dropped)
         return CloseReport(
             drained=drain and not writes_dropped and not reads_dropped,
             writes_dropped=writes_dropped,
@@ -559,3 +613,19 @@ class Scheduler:
             reads_finished_during_close=busy_reads - reads_dropped,
         )
 
+
+
+def append_retention(store: RetentionStore, records: list[RetentionRecord]) -> None:
+    """Journal lengthened deadlines; a failure leaves them in memory only (logged; the store
+    counts it), never fails the cache: the block is still served, its restart deadline is the
+    one its slot header holds."""
+    try:
+        store.persist_retention(records)
+    except TransferFailed as exc:
+        log.warning("%d lengthened deadlines not journaled: %s", len(records), exc)
+
+
+def retention_store(store: object) -> RetentionStore | None:
+    """`store` where it keeps a retention journal; None where lengthened deadlines stay in
+    memory (a store without one keeps each block's spill-time deadline across restarts)."""
+    return store if isinstance(store, RetentionStore) else None

@@ -52,6 +52,7 @@ from statekv.messages import (
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
+    PersistRetention,
     ReadSlot,
     SlotReadFailed,
     SlotWriteFailed,
@@ -377,6 +378,9 @@ def _decode_message(seq: int, time: float, msg: BlockCommand | TransferOutcome) 
     if isinstance(msg, FreeSlot):
         return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="store",
                            event=name, slot=msg.slot)
+    if isinstance(msg, PersistRetention):
+        return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="writer",
+                           event=name, slot=msg.slot, detail=f"deadline {msg.expiry:.3f}")
     writes = isinstance(msg, SlotWritten | SlotWriteFailed)
     cause = msg.cause if isinstance(msg, SlotWriteFailed | SlotReadFailed) else None
     # Block and slot come from the transfer's command (see annotate).

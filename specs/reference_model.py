@@ -21,7 +21,8 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
   then (unless protect_unexpired) retained content by (expiry, deeper first, first in).
 * Retention: releasing a request with ttl_seconds stamps its full blocks (or, for a private
   duplicate, the cached twin) with max(current stamp, now + ttl); content is retained while
-  now < expiry.
+  now < expiry.  A stamp that lengthens the deadline of a block with a disk slot (on disk,
+  spilling, being read) emits PersistRetention.
 """
 
 from __future__ import annotations
@@ -436,6 +437,9 @@ class ReferenceCache:
                 target.expiry = expiry
                 if target.tier == DISK:
                     target.retained_key = (expiry, -target.depth, self._stamp())
+                if target.tier in (DISK, SPILLING, READING):
+                    # Its slot header holds an earlier deadline: the new one is journaled.
+                    self.commands.append(("PersistRetention", target.key))
         self._let_go(req, req.blocks)
         self.c["requests_released"] += 1
 

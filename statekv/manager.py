@@ -43,6 +43,7 @@ from statekv.messages import (
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
+    PersistRetention,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -418,7 +419,9 @@ class KVCacheManager:
 
         A block the request computed after another request had committed the same content
         is a private duplicate; the stamp goes to the cached twin, wherever it is now -- on
-        disk it is re-filed in the retention order at once.
+        disk it is re-filed in the retention order at once.  A stamped block that has a disk
+        slot (on disk, being spilled or read back) was written with an earlier deadline in
+        its slot header: a PersistRetention makes the new one survive a restart.
         """
         index = self._index
         for i in range(req.committed):
@@ -432,6 +435,9 @@ class KVCacheManager:
                 self._disk.file(target, now, self._next_seq())
             else:
                 target.expiry = expiry
+            slot, key = target.disk_slot, target.key
+            if slot is not None and key is not None:
+                self._outbox.append(PersistRetention(slot=slot, key=key, expiry=expiry))
 
     def restore(self, blocks: Sequence[RestoredBlock], *, now: float) -> None:
         """Adopt blocks an earlier process left on disk, each ON_DISK in its slot.

@@ -18,6 +18,8 @@ Ordering contract for whoever executes commands (the actors, or a test harness):
    ``SlotRead`` only once its bytes are complete on the device.
 5. At most one read or write is in flight per slot: the core never issues a second one
    before the first has reported back.
+6. ``PersistRetention`` is ordered against nothing and reports nothing: it is taken with
+   the copies and ``FreeSlot`` commands, in the order decided, and may run at any later time.
 
 Batches.  Disk transfers travel in batches: the core emits ``WriteSlots`` (a round of spills)
 and ``ReadSlots`` (a run of disk hits), each holding up to ``CacheConfig.max_batch_blocks``
@@ -102,6 +104,21 @@ class FreeSlot:
 
 
 @attrs.frozen(kw_only=True)
+class PersistRetention:
+    """Make a lengthened retention deadline of a block that has a disk slot survive a restart.
+
+    The slot header holds the deadline the block was spilled with; this one is later.  No
+    completion, and no order against the slot's transfers: a record whose slot holds other
+    content by the time it is replayed is inert (specs/disk_persistence.md).
+    """
+
+    slot: SlotId
+    key: BlockHash
+    expiry: float
+    """The new deadline, on the core's clock (wall-clock seconds)."""
+
+
+@attrs.frozen(kw_only=True)
 class WriteSlots:
     """Write a run of blocks to their slots as one vector I/O; report one BatchFinished."""
 
@@ -125,10 +142,10 @@ class ReadSlots:
         return self.reads[0].transfer
 
 
-Command = CopyGpuToHost | CopyHostToGpu | WriteSlots | ReadSlots | FreeSlot
+Command = CopyGpuToHost | CopyHostToGpu | WriteSlots | ReadSlots | FreeSlot | PersistRetention
 """What the core emits (``take_commands``)."""
 
-BlockCommand = CopyGpuToHost | CopyHostToGpu | WriteSlot | ReadSlot | FreeSlot
+BlockCommand = CopyGpuToHost | CopyHostToGpu | WriteSlot | ReadSlot | FreeSlot | PersistRetention
 """One block's part of a command: batches opened up (``per_block``)."""
 
 # --- completions ----------------------------------------------------------------------------

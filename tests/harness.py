@@ -26,6 +26,7 @@ from statekv.messages import (
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
+    PersistRetention,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -90,6 +91,8 @@ class Executor:
         self.slot_content: dict[SlotId, BlockHash] = {}
         """What each slot holds on the emulated disk (set when a write lands)."""
         self.freed: list[SlotId] = []
+        self.retention: list[PersistRetention] = []
+        """Every PersistRetention taken, in order."""
         self._ids = count()
 
     @property
@@ -141,6 +144,8 @@ class Executor:
                 assert cmd.slot not in busy, f"slot {cmd.slot} freed with a transfer in flight"
                 self.slot_content.pop(cmd.slot, None)
                 self.freed.append(cmd.slot)
+            elif isinstance(cmd, PersistRetention):
+                self.retention.append(cmd)
             else:
                 assert isinstance(cmd, CopyGpuToHost | CopyHostToGpu)
         self.log.extend(cmds)

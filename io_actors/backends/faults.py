@@ -29,19 +29,28 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Final, Protocol, cast, runtime_checkable
 
 import attrs
 import torch
 
 from io_actors.backends.posix import Recovery
-from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
+from io_actors.retention_journal import RetentionRecord
 from io_actors.slot_format import ALIGN, HEADER_SIZE, SlotExtent, SlotMeta
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
 
 POISON: Final = 0xA5
 """Byte value a failed read leaves in its destination (a real failed read leaves garbage)."""
+
+
+class _JournalAccess(Protocol):
+    """A store that can say where its retention journal is (PosixSlotStore)."""
+
+    @property
+    def journal_path(self) -> Path: ...
 
 
 @runtime_checkable
@@ -56,6 +65,8 @@ class Op(enum.Enum):
 
     WRITE = "write"
     READ = "read"
+    JOURNAL = "journal"
+    """Appends to the retention journal (``persist_retention``), numbered on their own."""
 
 
 class Fault(enum.Enum):
@@ -84,20 +95,22 @@ class Fault(enum.Enum):
     CRASH = "crash"
     """Write: the process dies during this write.  A seeded subset of the slot's 4 KiB
     pages lands (possibly all, possibly none), the call raises, and every later call of
-    either operation raises without touching the disk: nothing after a crash reaches it."""
+    any operation raises without touching the disk: nothing after a crash reaches it.
+    Journal: a seeded prefix of the append lands (possibly all, possibly none, often
+    ending inside a record), then the same."""
 
 
 _APPLIES_TO: Final[dict[Fault, frozenset[Op]]] = {
     Fault.EIO_OPEN: frozenset({Op.READ, Op.WRITE}),
-    Fault.EIO: frozenset({Op.READ, Op.WRITE}),
+    Fault.EIO: frozenset({Op.READ, Op.WRITE, Op.JOURNAL}),
     Fault.ENOSPC: frozenset({Op.WRITE}),
     Fault.SHORT_READ: frozenset({Op.READ}),
     Fault.SHORT_WRITE: frozenset({Op.WRITE}),
     Fault.TORN_WRITE: frozenset({Op.WRITE}),
     Fault.TORN_WRITE_SILENT: frozenset({Op.WRITE}),
     Fault.BIT_FLIP: frozenset({Op.WRITE}),
-    Fault.SLOW: frozenset({Op.READ, Op.WRITE}),
-    Fault.CRASH: frozenset({Op.WRITE}),
+    Fault.SLOW: frozenset({Op.READ, Op.WRITE, Op.JOURNAL}),
+    Fault.CRASH: frozenset({Op.WRITE, Op.JOURNAL}),
 }
 NEEDS_RAW_ACCESS: Final = frozenset(
     {Fault.SHORT_WRITE, Fault.TORN_WRITE, Fault.TORN_WRITE_SILENT, Fault.BIT_FLIP, Fault.CRASH}
@@ -240,7 +253,7 @@ class FaultyStore:
         self._plan = plan
         self._sleep = sleep
         self._lock = threading.Lock()
-        self._counts = {Op.WRITE: 0, Op.READ: 0}
+        self._counts = {Op.WRITE: 0, Op.READ: 0, Op.JOURNAL: 0}
         self._discards = 0
         self._injected: list[str] = []
         self._crashed_at: int | None = None
@@ -365,6 +378,41 @@ class FaultyStore:
                 with self._lock:
                     self._crashed_at = call
             self._tear(slot, key, src, meta, fault, self._rng(Op.WRITE, call), what)
+
+    # --- the retention journal ---------------------------------------------------------------
+
+    def persist_retention(self, records: Sequence[RetentionRecord]) -> None:
+        """One journal append.  Over a store that keeps no journal the records are not
+        kept, as the scheduler does for such a store, and no call is counted."""
+        inner = self._inner
+        if not isinstance(inner, RetentionStore):
+            return
+        call, rule = self._next(Op.JOURNAL)
+        what = "retention journal"
+        if self._crashed_at is not None:
+            raise TransferFailed(what, "the process crashed (injected)")
+        if rule is None:
+            inner.persist_retention(records)
+            return
+        fault = rule.fault
+        if fault is Fault.SLOW:
+            self._sleep(rule.delay_s)
+            inner.persist_retention(records)
+        elif fault is Fault.EIO:
+            raise TransferFailed(what, "append failed: [Errno 5] Input/output error (injected)")
+        else:  # CRASH
+            with self._lock:
+                self._crashed_at = call
+            path = cast(_JournalAccess, inner).journal_path
+            before = path.stat().st_size if path.exists() else 0
+            inner.persist_retention(records)
+            after = path.stat().st_size
+            kept = self._rng(Op.JOURNAL, call).randrange(after - before + 1)
+            os.truncate(path, before + kept)
+            raise TransferFailed(
+                what, f"the process crashed during this append: {kept} of "
+                f"{after - before} bytes landed (injected)"
+            )
 
     def _extent(self, slot: SlotId) -> SlotExtent:
         # The constructor refused plans with disk faults for stores without slot_extent().

@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from io_actors.backends.posix import (
 )
 from io_actors.gpu_checksum import payload_checksums_cuda, warm_up
 from io_actors.interfaces import BatchOutcome, SlotIO
+from io_actors.retention_journal import RetentionRecord
 from io_actors.slot_format import (
     HEADER_SIZE,
     SlotExtent,
@@ -162,6 +164,14 @@ class KvikioSlotStore:
     @property
     def recovery(self) -> Recovery:
         return self._host.recovery
+
+    @property
+    def journal_path(self) -> Path:
+        return self._host.journal_path
+
+    def persist_retention(self, records: Sequence[RetentionRecord]) -> None:
+        """The wrapped store's retention journal (the same directory)."""
+        self._host.persist_retention(records)
 
     def write(
         self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None = None
@@ -334,4 +344,8 @@ class KvikioSlotStore:
             bytes_read=reads * self._host.payload_len,
             bounced=host.bounced,
             direct_io=host.direct_io,
+            mac_failures=host.mac_failures,
+            retention_records=host.retention_records,
+            retention_failures=host.retention_failures,
+            journal_compactions=host.journal_compactions,
         )

@@ -55,6 +55,13 @@ import torch
 
 from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.memory import page_aligned_buffer
+from io_actors.retention_journal import (
+    JournalReplay,
+    JournalStatistics,
+    RetentionJournal,
+    RetentionRecord,
+    replay,
+)
 from io_actors.slot_format import (
     ALIGN,
     FORMAT_VERSION,
@@ -241,6 +248,9 @@ class Recovery:
     """Slots past the configured size (the data file shrank)."""
     old_files: int = 0
     """Data files of an older format version, removed."""
+    journal: JournalReplay = attrs.field(factory=JournalReplay)
+    """What replaying the retention journal found: deadlines lengthened after their slot
+    was written (applied to `slots`), and the records ignored, by why."""
 
     @property
     def reclaimed(self) -> int:
@@ -274,6 +284,12 @@ class SlotStoreStatistics:
     mac_failures: int = 0
     """Reads refused because the slot's keyed MAC was missing or wrong (counted in
     read_failures too)."""
+    retention_records: int = 0
+    """Lengthened deadlines appended to the retention journal."""
+    retention_failures: int = 0
+    """Lengthened deadlines whose append failed (kept in memory only)."""
+    journal_compactions: int = 0
+    """Run-time rewrites of the retention journal (it holds a bounded number of records)."""
 
 
 def host_view(tensor: torch.Tensor) -> memoryview:
@@ -395,16 +411,27 @@ class PosixSlotStore:
         self._path = self._directory / DATA_FILE
         self._dir_fd = -1
         self._fd = -1
+        journal: RetentionJournal | None = None
         try:
             self._dir_fd = self._lock_directory()
-            self._fd, self._recovery = self._open_data_file(preallocate, persist)
+            journal = RetentionJournal(
+                self._directory, self._dir_fd, slots=self._slots, config=self._config_fp,
+                mac_key=self._mac_key, sync=sync_writes,
+            )
+            # Vetted before anything changes on disk, like the data file.
+            records = journal.vet()
+            self._fd, recovery = self._open_data_file(preallocate, persist)
+            self._recovery = self._replay(journal, recovery, records if persist else None)
         except BaseException:
+            if journal is not None:
+                journal.close()
             if self._fd >= 0:
                 os.close(self._fd)
             if self._dir_fd >= 0:
                 os.close(self._dir_fd)
             _remove_created(created)
             raise
+        self._journal = journal
         self._direct = direct_io and self._enable_direct_io()
         self._cond = threading.Condition()
         self._closed = False
@@ -517,6 +544,36 @@ class PosixSlotStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._directory / _NEW_FILE)
         return fd, attrs.evolve(recovery, old_files=len(older))
+
+    def _replay(
+        self, journal: RetentionJournal, recovery: Recovery, records: bytes | None
+    ) -> Recovery:
+        """Apply the journal's lengthened deadlines to the restored slots (the later deadline
+        wins), then rewrite the journal with the records that still say something."""
+        if not records:
+            journal.start(())
+            return recovery
+        restored: dict[int, bytes] = {entry.slot: bytes(entry.key) for entry in recovery.slots}
+        latest, counts = replay(records, restored=restored, slots=self._slots,
+                                config=self._config_fp, mac_key=self._mac_key)
+        slots: list[RecoveredSlot] = []
+        keep: list[RetentionRecord] = []
+        for found in recovery.slots:
+            deadline = latest.get(found.slot)
+            if deadline is not None and (found.meta.expiry is None
+                                         or deadline > found.meta.expiry):
+                slots.append(attrs.evolve(found, meta=attrs.evolve(found.meta, expiry=deadline)))
+                keep.append(RetentionRecord(slot=found.slot, key=found.key, expiry=deadline))
+            else:
+                slots.append(found)
+        if counts.ignored:
+            _log.warning(
+                "%s: %d retention records ignored (%d torn, %d unauthenticated, %d foreign)",
+                journal.path, counts.ignored, counts.torn, counts.unauthenticated,
+                counts.foreign,
+            )
+        journal.start(keep)
+        return attrs.evolve(recovery, slots=tuple(slots), journal=counts)
 
     def _open_existing(self) -> int:
         try:
@@ -647,7 +704,12 @@ class PosixSlotStore:
                     if _written(other) >= _written(entry):
                         continue
                 found[entry.key] = entry
-        return Recovery(slots=tuple(sorted(found.values(), key=lambda e: e.slot)), **counts)
+        return Recovery(
+            slots=tuple(sorted(found.values(), key=lambda e: e.slot)),
+            foreign=counts["foreign"], corrupt=counts["corrupt"],
+            unauthenticated=counts["unauthenticated"], duplicates=counts["duplicates"],
+            beyond_capacity=counts["beyond_capacity"],
+        )
 
     def _scan_range(self, fd: int, lo: int, hi: int) -> tuple[list[RecoveredSlot],
                                                               dict[str, int]]:
@@ -771,6 +833,7 @@ class PosixSlotStore:
                 raise
             with self._cond:
                 self._writes += 1
+        self._journal.slot_written(slot, key)
 
     def _write(
         self, slot: SlotId, key: BlockHash, src: torch.Tensor, meta: SlotMeta | None,
@@ -868,7 +931,36 @@ class PosixSlotStore:
                     self._each(items, run, out, lambda item, buffer, what: self._write(
                         item.slot, item.key, item.buffer, item.meta, buffer, what))
         self._count(out, write=True)
+        for item, outcome in zip(items, out, strict=True):
+            if outcome is None:
+                self._journal.slot_written(item.slot, item.key)
         return out
+
+    def persist_retention(self, records: Sequence[RetentionRecord]) -> None:
+        """Append lengthened deadlines to the retention journal (retention_journal.py).
+
+        raises: TransferFailed when the append failed (the journal stays whole).
+        """
+        for record in records:
+            if not isinstance(record, RetentionRecord):
+                raise UsageError("records", f"must hold RetentionRecord, got {record!r:.80}")
+            self._check_slot(record.slot)
+        with self._cond:
+            if self._closed:
+                raise UsageError("store", f"slot store {self._path} is closed")
+            self._in_flight += 1
+        try:
+            self._journal.append(records)
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._cond.notify_all()
+
+    @property
+    def journal_path(self) -> Path:
+        """The retention journal (fault injection tears appends to it)."""
+        return self._journal.path
 
     def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
         items = self._check_batch("reads", reads, "dst")
@@ -1076,10 +1168,12 @@ class PosixSlotStore:
                 self._cond.wait()
             self._free_buffers.clear()
             self._free_headers.clear()
+        self._journal.close()
         os.close(self._fd)
         os.close(self._dir_fd)  # releases the directory lock
 
     def statistics(self) -> SlotStoreStatistics:
+        journal: JournalStatistics = self._journal.statistics()
         with self._cond:
             return SlotStoreStatistics(
                 writes=self._writes,
@@ -1091,6 +1185,9 @@ class PosixSlotStore:
                 bounced=self._bounced,
                 direct_io=self._direct,
                 mac_failures=self._mac_failures,
+                retention_records=journal.appended,
+                retention_failures=journal.append_failures,
+                journal_compactions=journal.compactions,
             )
 
     # --- helpers ----------------------------------------------------------------------------
