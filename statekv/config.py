@@ -155,6 +155,10 @@ class CacheConfig:
     """The largest ttl_seconds a request may ask for."""
     model_fingerprint: str = attrs.field(default="")
     """Names the weights the KV was computed with; part of every block key."""
+    cost_aware_onboarding: bool = attrs.field(default=True, validator=_check_bool)
+    """Recompute a run of disk hits instead of reading it back when the reported disk read
+    rate and prefill rate say recomputing is faster (statekv.cost); until both have been
+    reported, disk hits are always read."""
 
     @max_ttl_seconds.validator
     def _check_max_ttl(self, _attribute: attrs.Attribute[float], value: object) -> None:
