@@ -15,7 +15,25 @@ from collections.abc import Callable
 import trio
 
 from statekv.ids import TransferId
-from statekv.messages import Completion, SlotReadFailed, SlotWriteFailed, is_read, outcomes
+from statekv.messages import (
+    Completion,
+    SlotReadFailed,
+    SlotWriteFailed,
+    SlotWritten,
+    is_read,
+    outcomes,
+)
+
+PASSED_KINDS = ("written", "write failed", "read", "read failed")
+
+
+def _kind(outcome: Completion) -> str:
+    """The PASSED_KINDS entry of one block transfer's outcome."""
+    if isinstance(outcome, SlotWritten):
+        return "written"
+    if isinstance(outcome, SlotWriteFailed):
+        return "write failed"
+    return "read failed" if isinstance(outcome, SlotReadFailed) else "read"
 
 
 class FuzzGate:
@@ -27,16 +45,30 @@ class FuzzGate:
         self._held: dict[TransferId, tuple[Completion, trio.Event]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._open = False
+        self._passed = {kind: 0 for kind in PASSED_KINDS}
 
     async def hold(self, completion: Completion) -> None:
         with self._lock:
             if self._open:
+                self._pass_locked(completion)
                 return
             event = trio.Event()
             self._token = trio.lowlevel.current_trio_token()
             self._held[completion.transfer] = (completion, event)
         self._notify()
         await event.wait()
+        with self._lock:
+            self._pass_locked(completion)
+
+    def _pass_locked(self, completion: Completion) -> None:
+        for outcome in outcomes(completion):  # counted per block transfer, as pools count
+            self._passed[_kind(outcome)] += 1
+
+    def passed(self) -> dict[str, int]:
+        """Block transfers let through to the scheduler so far, by kind (see PASSED_KINDS):
+        the harness's own count of what each pool reported."""
+        with self._lock:
+            return dict(self._passed)
 
     def held(self) -> dict[TransferId, Completion]:
         """Completions waiting at the gate, by transfer id."""

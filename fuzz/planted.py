@@ -26,10 +26,12 @@ from fuzz.core_machine import CoreVsSpec
 from fuzz.runner import run_machine
 from fuzz.system_machine import SystemMachine
 from io_actors.backends import posix
+from io_actors.reader_pool import SlotReader
 from io_actors.scheduler import Scheduler
 from statekv.block import Block
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.manager import KVCacheManager
+from statekv.messages import BatchFinished, Completion, SlotRead, SlotReadFailed, outcomes
 from statekv.pools import DiskSlots
 
 
@@ -160,6 +162,24 @@ def checksum_not_verified() -> AbstractContextManager[None]:
     return planted()
 
 
+def failed_read_published() -> AbstractContextManager[None]:
+    """Seed: a read that failed (an I/O error, a short read, a bad checksum) was logged and its
+    block published anyway: the reader reports every read as landed, so the request computes
+    on whatever the page holds."""
+
+    def make(original: Callable[..., Completion]) -> Callable[..., Completion]:
+        def execute(self: SlotReader, job: Any) -> Completion:
+            result = original(self, job)
+            landed = tuple(SlotRead(transfer=one.transfer)
+                           if isinstance(one, SlotReadFailed) else one
+                           for one in outcomes(result))
+            return BatchFinished(outcomes=landed) if isinstance(result, BatchFinished) \
+                else landed[0]
+        return execute
+
+    return _wrapped(SlotReader, "execute", make)
+
+
 def scheduler_waits_for_writes() -> AbstractContextManager[None]:
     """Seed: loadFromFile waited for the slot's pending writes on the scheduler, so onboarding
     a just-spilled block parked the whole engine behind the write queue.  Here a new request
@@ -188,7 +208,11 @@ def feeder_pops_a_cleared_backlog() -> AbstractContextManager[None]:
             while True:
                 while self._spill_backlog:
                     job = self._spill_backlog[0]
+                    # Counted as the fixed feeder does (the pool's, while submitted), so that
+                    # only the pop of a cleared backlog is put back.
+                    self._feeding = job
                     await writer.submit(job)
+                    self._feeding = None
                     self._spill_backlog.popleft()
                 if self._closed and not self._handover:
                     return
@@ -197,6 +221,75 @@ def feeder_pops_a_cleared_backlog() -> AbstractContextManager[None]:
         return _feed_spills
 
     return _wrapped(Scheduler, "_feed_spills", make)
+
+
+def feeders_job_counted_twice() -> AbstractContextManager[None]:
+    """Found by this suite (not the seed): the job the spill feeder is submitting was counted
+    both as the writer pool's (queued) and as the backlog's in ``statistics()`` (and, before
+    the close report counted block transfers from the core, one write too many "finished
+    during close" there too).  This is the count as it was before the fix."""
+
+    def make(_fixed: Callable[..., int]) -> Callable[..., int]:
+        def _backlog(self: Scheduler) -> int:
+            return len(self._spill_backlog)
+        return _backlog
+
+    return _wrapped(Scheduler, "_backlog", make)
+
+
+def waiters_woken_only_on_slot_read() -> AbstractContextManager[None]:
+    """Found by this suite (not the seed): ``wait_ready`` waiters were woken only when a read
+    completion was applied, so a waiter whose request was released while parked stayed
+    parked until some other read landed, and forever if none did.  Planted a little
+    stronger -- only a successful read wakes waiters -- so that a failed read that lets a
+    request go (rewound) is missed as well."""
+
+    def make(original: Callable[..., list[trio.Event]]) -> Callable[..., list[trio.Event]]:
+        def _waiters_to_wake_locked(self: Scheduler,
+                                    completion: Completion | None) -> list[trio.Event]:
+            # Only a batch of reads that all landed (a lone landed read) wakes waiters.
+            if completion is None or not all(isinstance(one, SlotRead)
+                                             for one in outcomes(completion)):
+                return []
+            return original(self, completion)
+        return _waiters_to_wake_locked
+
+    return _wrapped(Scheduler, "_waiters_to_wake_locked", make)
+
+
+def wait_ready_returns_early() -> AbstractContextManager[None]:
+    """An early return: ``wait_ready`` returns at once, parked or not, so the serving loop
+    would compute on pages whose reads have not landed."""
+
+    def make(_original: Callable[..., Any]) -> Callable[..., Any]:
+        async def wait_ready(self: Scheduler, request_id: str) -> None:
+            await trio.lowlevel.checkpoint()
+        return wait_ready
+
+    return _wrapped(Scheduler, "wait_ready", make)
+
+
+def pools_kept_after_close() -> AbstractContextManager[None]:
+    """A leak for the leak check to catch (tests/test_fuzz_leak_check.py): every cache that
+    closes leaves its KV pools (the GPU pool) referenced from outside, as a cache of
+    per-process device state that grows with every cache would."""
+    kept: list[object] = []
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        async def close(self: Scheduler, **kwargs: Any) -> Any:
+            kept.append(self._copies)
+            return await original(self, **kwargs)
+        return close
+
+    @contextmanager
+    def planted() -> Iterator[None]:
+        with _wrapped(Scheduler, "close", make):
+            try:
+                yield
+            finally:
+                kept.clear()
+
+    return planted()
 
 
 @attrs.frozen
@@ -219,10 +312,15 @@ PLANTED = {
         Planted("stale-deadline-kept", stale_deadline_kept, CoreVsSpec, 1000),
         Planted("reap-never-runs", reap_never_runs, CoreVsSpec, 1000),
         Planted("checksum-not-verified", checksum_not_verified, SystemMachine, 1000),
+        Planted("failed-read-published", failed_read_published, SystemMachine, 1000),
         Planted("release-during-onboard-system", release_during_onboard, SystemMachine, 1000),
         Planted("scheduler-waits-for-writes", scheduler_waits_for_writes, SystemMachine, 1000),
         Planted("feeder-pops-a-cleared-backlog", feeder_pops_a_cleared_backlog, SystemMachine,
                 3000),
+        Planted("feeders-job-counted-twice", feeders_job_counted_twice, SystemMachine, 1000),
+        Planted("waiters-woken-only-on-slot-read", waiters_woken_only_on_slot_read,
+                SystemMachine, 1000),
+        Planted("wait-ready-returns-early", wait_ready_returns_early, SystemMachine, 1000),
     )
 }
 

@@ -109,6 +109,8 @@ class FuzzStore:
         """Write calls that raised TransferFailed."""
         self.read_errors = 0
         """Read calls that raised TransferFailed."""
+        self.discards = 0
+        """Calls of discard(): the harness's count of the slots the scheduler let go."""
         self.injected: list[str] = []
         self.violations: list[str] = []
 
@@ -299,6 +301,8 @@ class FuzzStore:
                 self.violations += problems
 
     def discard(self, slot: SlotId) -> None:
+        with self._lock:
+            self.discards += 1
         self._inner.discard(slot)
 
     def close(self) -> None:

@@ -46,18 +46,33 @@ from fuzz.driver import CLOSE_TIMEOUT, Driver, LiveRequest, SystemSpec, system_s
 from fuzz.gate import FuzzGate
 from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
+from fuzz.waiters import Waiters
 from io_actors.backends.faults import Fault, Op
+from io_actors.scheduler import CloseReport
 from io_actors.tracing import TraceRecorder
-from statekv.ids import TransferId
+from statekv.ids import BlockHash, TransferId
 from statekv.messages import (
     Command,
     ReadSlots,
     WriteSlots,
     is_read,
 )
+from statekv.stats import CacheStatistics
 
+SILENT_WRITE_FAULTS = (Fault.BIT_FLIP, Fault.TORN_WRITE_SILENT)
+"""Writes reported done whose bytes on disk are not what was written: only the checksum of
+the read that follows stands between them and the model."""
 SETTLE_TIMEOUT = 30.0
 """Seconds the system may take to become quiet after a step before the step fails."""
+
+
+def writer_pipeline(waiting: int, depth: int) -> tuple[int, int]:
+    """Where `waiting` writes that no thread has taken rest while every writer thread is
+    stalled: ``(writer.queued, spill_backlog)``.  The pool's pump holds the first (waiting
+    for a free thread), the queue the next `depth`, the spill feeder the next (waiting in
+    submit() for room; the pool counts it as queued), the backlog the rest."""
+    queued = min(waiting, depth + 2)
+    return queued, waiting - queued
 
 
 class SystemMachine(RuleBasedStateMachine):
@@ -83,6 +98,11 @@ class SystemMachine(RuleBasedStateMachine):
         self.write_batches: set[TransferId] = set()
         self.read_batches: set[TransferId] = set()
         """Names of the batches dispatched (pruned to those in flight by quiet())."""
+        self.batch_blocks: dict[TransferId, int] = {}
+        """Block transfers of each write batch in flight, by name."""
+        self.faults_by_key: dict[tuple[Op, BlockHash], Fault] = {}
+        """Faults for the transfers of one content (corrupt_and_read_back), by operation."""
+        self._waiters: Waiters | None = None
 
     def notify(self) -> None:
         with self.changed:
@@ -94,12 +114,18 @@ class SystemMachine(RuleBasedStateMachine):
                              on_commands=self.on_commands, notify=self.notify,
                              rescue=self.gate.open)
         self.trace = self.driver.trace
+        self._waiters = Waiters(self.driver, self.notify)
         note(f"writers={spec.writers} readers={spec.readers}")
 
     @property
     def d(self) -> Driver:
         assert self.driver is not None
         return self.driver
+
+    @property
+    def waiters(self) -> Waiters:
+        assert self._waiters is not None
+        return self._waiters
 
     def on_commands(self, commands: list[Command]) -> None:
         """Called as the scheduler takes commands, before it executes any: an armed fault goes
@@ -109,9 +135,19 @@ class SystemMachine(RuleBasedStateMachine):
         for batch in commands:
             if isinstance(batch, WriteSlots):
                 self.write_batches.add(batch.transfer)
+                self.batch_blocks[batch.transfer] = len(batch.writes)
             elif isinstance(batch, ReadSlots):
                 self.read_batches.add(batch.transfer)
         for batch in commands:
+            # A fault for one content's transfer (read_back_with_fault) goes to it, whichever
+            # batch carries it.
+            if isinstance(batch, WriteSlots | ReadSlots):
+                op = Op.WRITE if isinstance(batch, WriteSlots) else Op.READ
+                transfers = batch.writes if isinstance(batch, WriteSlots) else batch.reads
+                for one in transfers:
+                    fault = self.faults_by_key.pop((op, one.key), None)
+                    if fault is not None:
+                        store.assign(op, one.slot, one.key, fault)
             if isinstance(batch, WriteSlots):
                 if self.arm_write is not None:
                     cmd = batch.writes[min(self.arm_write_at, len(batch.writes) - 1)]
@@ -134,33 +170,56 @@ class SystemMachine(RuleBasedStateMachine):
         core, writer, reader = stats.cache, stats.writer, stats.reader
         assert writer is not None and reader is not None
         w_jobs_held, r_jobs_held = self.gate.jobs()
+        passed = self.gate.passed()
         # Batches dispatched whose completion the core has not applied (the scheduler knows
         # every transfer in flight; a batch is named by its first).
         in_flight = set(d.api.transfers_in_flight())
         self.write_batches &= in_flight
         self.read_batches &= in_flight
+        for name in set(self.batch_blocks) - self.write_batches:
+            del self.batch_blocks[name]
         if core.reads_in_flight + core.writes_in_flight != len(in_flight):
             return False
         if not (len(self.read_batches) == reader.in_flight == r_jobs_held
                 and reader.queued == 0):
             return False
+        # Every completion the gate let through is counted by its pool.
+        if (writer.completed + writer.failed != passed["written"] + passed["write failed"]
+                or reader.completed + reader.failed != passed["read"] + passed["read failed"]):
+            return False
         stalled = d.fuzz_store.stalled
         # Every job a writer thread took is held at the gate or stalled in the store.
         if writer.in_flight - w_jobs_held != stalled:
             return False
-        queued, backlog = writer.queued, stats.spill_backlog
+        waiting = len(self.write_batches) - w_jobs_held - stalled
         # Jobs wait for a thread only while every thread is stalled.
-        if queued and stalled < writer.workers:
+        if waiting and stalled < writer.workers:
             return False
-        # A backlog means the spill feeder waits in submit() on a full queue: its job is
-        # counted as queued and is still in the backlog.  Queued jobs are then the queue's
-        # `depth`, the one the pool's pump holds while it waits for a free thread, and the
-        # feeder's.
-        if backlog and queued != d.spec.write_queue_depth + 2:
+        if not self.writes_placed(waiting):
             return False
-        return len(self.write_batches) == (
-            w_jobs_held + stalled + queued + backlog - (backlog > 0)
-        )
+        with d.frozen():
+            missed = self.waiters.missed()
+            # Registrations leave with the state change that lets them go, under one lock:
+            # one left behind is a waiter nobody will wake.
+            assert not missed, f"waiters of {missed} were never woken: the requests are " \
+                "ready or gone"
+            return self.waiters.all_woken()
+
+    def writes_placed(self, waiting: int) -> bool:
+        """Whether the `waiting` writes no thread has taken are where they rest (see
+        :func:`writer_pipeline`), read from the scheduler's hand-over and backlog and the
+        writer queue's own channel -- not from the counters that check_counters checks."""
+        scheduler = self.d.api._scheduler
+        pool = scheduler._writer
+        assert pool is not None
+        depth = self.d.spec.write_queue_depth
+        channel = pool._send.statistics()
+        feeding = waiting >= depth + 2
+        return (not scheduler._handover
+                and channel.current_buffer_used == min(max(waiting - 1, 0), depth)
+                and channel.tasks_waiting_send == feeding
+                # The backlog holds the feeder's job until submit() returns.
+                and len(scheduler._spill_backlog) == max(waiting - depth - 1, 0))
 
     def settle(self) -> None:
         """Wait until the system is quiet; a crashed actor or a hang fails the step."""
@@ -169,6 +228,8 @@ class SystemMachine(RuleBasedStateMachine):
         while not self.quiet():
             self.d.raise_if_crashed()
             if time.monotonic() > deadline:
+                # A counter that disagrees keeps the system from looking quiet: name it.
+                self.check_counters()
                 raise AssertionError(
                     f"the system did not settle in {SETTLE_TIMEOUT}s: "
                     f"{self.d.api.statistics()}, gate {self.gate.counts()}, "
@@ -178,6 +239,46 @@ class SystemMachine(RuleBasedStateMachine):
                 self.changed.wait(wait)
             wait = min(wait * 2, 0.002)
         self.d.raise_if_crashed()
+
+    def check_counters(self) -> None:
+        """Every counter of ``statistics()`` that the model does not own, against the
+        harness's own count (the core's counters are compared with the model's in
+        :meth:`fuzz.driver.Driver.check`): the pools' threads, queues, completions and
+        failures, the spill backlog, the slots discarded.  Called when the system is quiet.
+        """
+        d = self.d
+        stats = d.api.statistics()
+        core, writer, reader = stats.cache, stats.writer, stats.reader
+        assert writer is not None and reader is not None
+        # Pools count jobs (a batch is one) in their queues and threads, and block transfers
+        # in their completions; the gate holds a batch's completion as one.
+        w_held, r_held = self.gate.jobs()
+        passed = self.gate.passed()
+        stalled = d.fuzz_store.stalled
+        spec = d.spec
+        assert (writer.workers, reader.workers) == (spec.writers, spec.readers), stats
+        assert writer.in_flight == w_held + stalled, (
+            f"writer in flight {writer.in_flight}: {w_held} held at the gate, {stalled} "
+            f"stalled in the store")
+        assert (reader.in_flight, reader.queued) == (r_held, 0), (
+            f"reader {reader}: {r_held} read jobs held at the gate, none can wait for a thread")
+        waiting = len(self.write_batches) - w_held - stalled
+        assert waiting >= 0, f"{len(self.write_batches)} write batches in flight, {w_held} " \
+            f"held, {stalled} stalled"
+        queued, backlog = writer_pipeline(waiting, spec.write_queue_depth)
+        assert (writer.queued, stats.spill_backlog) == (queued, backlog), (
+            f"{waiting} write jobs wait for a thread (queue depth {spec.write_queue_depth}): "
+            f"{queued} queued in the pool and {backlog} backed up expected, the statistics "
+            f"say {writer.queued} and {stats.spill_backlog}")
+        assert (writer.completed, writer.failed, reader.completed, reader.failed) == (
+            passed["written"], passed["write failed"], passed["read"], passed["read failed"]
+        ), f"pools {writer} {reader}, completions through the gate {passed}"
+        assert (writer.completed, writer.failed, reader.completed, reader.failed) == (
+            core.spills_completed, core.spill_failures, core.onboards_completed,
+            core.onboard_failures), f"pools {writer} {reader} vs the core's {core}"
+        assert writer.dropped_at_close == reader.dropped_at_close == 0, stats
+        assert stats.slots_discarded == d.fuzz_store.discards, (
+            f"{stats.slots_discarded} slots discarded, the store saw {d.fuzz_store.discards}")
 
     # -------------------------------------------------------------- rules: requests
     #
@@ -262,6 +363,28 @@ class SystemMachine(RuleBasedStateMachine):
     def release(self, pick: int) -> None:
         self.d.release(self.pick(pick).rid)
 
+    def parked(self) -> list[str]:
+        return [rid for rid in self.d.live if not self.d.api.is_ready(rid)]
+
+    @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
+    @fuzz_rule(pick=st.integers(0, 15))
+    def wait_ready_in_background(self, pick: int) -> None:
+        """A waiter on parked request pick // 2: through the async API (open_cache's
+        wait_ready, a trio task) when pick is even, through BlockingCache.wait_ready (a
+        thread) when odd.  It wakes when the rules let its reads land or release it."""
+        parked = self.parked()
+        if parked:
+            self.waiters.start(parked[(pick // 2) % len(parked)], blocking=bool(pick % 2))
+
+    @fuzz_rule(spec=requests)
+    def wait_for_a_comeback(self, spec: RequestSpec) -> None:
+        """A conversation comes back from disk (comes_back_after_eviction) and the serving
+        loop waits for it both ways, its reads held at the gate."""
+        self.comes_back_after_eviction(spec)
+        for rid in self.parked()[-1:]:
+            self.waiters.start(rid, blocking=False)
+            self.waiters.start(rid, blocking=True)
+
     @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
     @fuzz_rule(pick=st.integers(0, 7))
     def cancel_parked(self, pick: int) -> None:
@@ -294,6 +417,47 @@ class SystemMachine(RuleBasedStateMachine):
         """The oldest (or newest) pending read reports, by transfer id."""
         reads = self.held(reads=True)
         self.land(reads[-1 if newest else 0])
+
+    @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
+    @fuzz_rule(pick=st.integers(0, 63))
+    def complete_any_read(self, pick: int) -> None:
+        """Pending read pick (in transfer-id order) reports: reads land in any order."""
+        reads = self.held(reads=True)
+        self.land(reads[pick % len(reads)])
+
+    @fuzz_rule(fault=st.sampled_from(SILENT_WRITE_FAULTS))
+    def corrupt_on_disk_and_read_back(self, fault: Fault) -> None:
+        """A block goes to disk with `fault` -- reported written, but a bit flipped or part of
+        it never landed -- and is asked for again: the read must fail its checksum (or, torn,
+        return exactly the bytes written), never serve other bytes.  The single-fault rules
+        reach this only by a long, unlikely sequence (arm, spill that very block, land, push
+        it out of the faster tiers, ask for it); the checksum path deserves the weight."""
+        self.read_back_with_fault(Op.WRITE, fault)
+
+    @fuzz_rule(fault=st.sampled_from(
+        [(Op.WRITE, f) for f in WRITE_FAULTS if f not in SILENT_WRITE_FAULTS]
+        + [(Op.READ, f) for f in READ_FAULTS]))
+    def fail_a_transfer_and_read_back(self, fault: tuple[Op, Fault]) -> None:
+        """A block goes to disk and comes back, and its write or its read fails at the store:
+        the write keeps the block on host, the read falls back -- never published."""
+        self.read_back_with_fault(*fault)
+
+    def read_back_with_fault(self, op: Op, fault: Fault) -> None:
+        """Serve one block twice (reused, retained: every spill mode spills it), push it out
+        of the faster tiers landing every transfer, then ask for it again, the read held at
+        the gate; `fault` meets this block's `op` at the store."""
+        d = self.d
+        prompt = d.fresh_prompt(1)
+        key = d.keys_of(LiveRequest("read-back", prompt, None), 1)[0]
+        self.faults_by_key[(op, key)] = fault
+        for _ in range(2):
+            d.serve(prompt, 30.0, 0)
+        for _ in range(2):
+            d.serve(d.fresh_prompt(None), None, 0)
+            self.drain_all()
+        d.add(prompt, 30.0, 0, None)
+        # A fault whose transfer never came (the block never went to disk) goes unused.
+        self.faults_by_key.clear()
 
     @fuzz_rule(fault=st.sampled_from(WRITE_FAULTS))
     def fail_next_write(self, fault: Fault) -> None:
@@ -342,6 +506,15 @@ class SystemMachine(RuleBasedStateMachine):
     def drain(self) -> None:
         self.drain_all()
 
+    @fuzz_rule(count=st.integers(2, 4))
+    def close_behind_a_stalled_disk(self, count: int) -> None:
+        """The disk stops answering, a burst of spills backs up behind it (the writer queue
+        fills, the spill feeder waits in submit()), and the cache closes without draining:
+        the close must count each backed-up write once, dropped or finished."""
+        self.stall_writes = True
+        self.spill_burst(count)
+        self.close_with_work_in_flight()
+
     @fuzz_rule()
     def close_with_work_in_flight(self) -> None:
         """Shut down without draining, whatever is pending (held, queued, stalled, backed up
@@ -351,15 +524,29 @@ class SystemMachine(RuleBasedStateMachine):
         account for every transfer: each is either applied to the core or reported dropped.
         """
         d = self.d
-        self.gate.open()
+        self.settle()
+        self.check_counters()
+        before = d.core.statistics()
+        w_held, _ = self.gate.jobs()
+        waiting = len(self.write_batches) - w_held - d.fuzz_store.stalled
+        # Threads take jobs oldest first, and the pool's pump holds the oldest waiting one:
+        # the close drops the newest `waiting - 1` batches (batch names grow with dispatch).
+        newest = sorted(self.write_batches)[len(self.write_batches) - max(waiting - 1, 0):]
+        dropped_blocks = sum(self.batch_blocks[name] for name in newest)
+        passed = self.gate.passed()
         closer = d.start_close(d.api, drain=False)
-        # A stalled disk goes on only once the close is under way: the writes it holds
-        # finish while the close drops what is queued behind them.
+        # Held completions and a stalled disk go on only once the close is under way (it
+        # counts what is in flight before it first waits): the writes a thread holds finish
+        # while the close drops what is queued behind them, and every transfer in flight
+        # before this step either finishes during the close or is dropped by it.
         closer.wait_until_closing(CLOSE_TIMEOUT)
+        self.gate.open()
         time.sleep(0.002)
         self.unstall()
         report = closer.wait(CLOSE_TIMEOUT)
         assert report is not None
+        self.waiters.join()
+        self.waiters.check()
         with d.frozen():
             d._check_locked()
             stats = d.core.statistics()
@@ -368,6 +555,7 @@ class SystemMachine(RuleBasedStateMachine):
             f"{stats.writes_in_flight} writes and {stats.reads_in_flight} reads never "
             f"completed, but the close report says {report}"
         )
+        self.check_close_report(report, before, waiting, dropped_blocks, passed)
         threads = d.new_threads()
         assert not threads, f"threads left running after close: {threads}"
         note("closed with work dropped" if report.writes_dropped or report.reads_dropped
@@ -378,9 +566,47 @@ class SystemMachine(RuleBasedStateMachine):
         self.gate = FuzzGate(self.notify)
         self.write_batches.clear()
         self.read_batches.clear()
+        self.batch_blocks.clear()
         self.arm_write = self.arm_read = None
         self.stall_writes = False
         self.open(spec)
+
+    def check_close_report(self, report: CloseReport, before: CacheStatistics, waiting: int,
+                           dropped_blocks: int, passed: dict[str, int]) -> None:
+        """Every field of a close without draining against the harness's count: the reads
+        were all done (held at the gate), so none is dropped; of the `waiting` write jobs no
+        thread had taken, all but the one the pool's pump holds are dropped (their
+        `dropped_blocks` block transfers); everything else finishes during the close,
+        through the gate."""
+        d = self.d
+        after = d.api.statistics()
+        writer, reader = after.writer, after.reader
+        assert writer is not None and reader is not None
+        now = self.gate.passed()
+        through = {kind: now[kind] - passed[kind] for kind in now}
+        dropped = max(waiting - 1, 0)
+        expected = CloseReport(
+            drained=False, writes_dropped=dropped_blocks, reads_dropped=0,
+            writes_finished_during_close=before.writes_in_flight - dropped_blocks,
+            reads_finished_during_close=before.reads_in_flight,
+        )
+        assert report == expected, (
+            f"close report {report}, expected {expected}: {before.writes_in_flight} writes "
+            f"({waiting} waiting for a thread) and {before.reads_in_flight} reads in flight")
+        assert (report.writes_finished_during_close, report.reads_finished_during_close) == (
+            through["written"] + through["write failed"], through["read"] + through["read failed"]
+        ), f"close report {report}, completions through the gate during the close {through}"
+        # The pool dropped what its queue held (and the feeder's job); the backlog the rest.
+        _queued, backlog = writer_pipeline(waiting, d.spec.write_queue_depth)
+        assert writer.dropped_at_close == dropped - backlog, (writer, report)
+        assert reader.dropped_at_close == 0, reader
+        for pool in (writer, reader):
+            assert pool.queued == pool.in_flight == 0, f"{pool} after close"
+        assert after.spill_backlog == 0, after
+        assert (writer.completed + writer.failed, reader.completed + reader.failed) == (
+            now["written"] + now["write failed"], now["read"] + now["read failed"]
+        ), f"pools {writer} {reader}, completions through the gate {now}"
+        assert after.slots_discarded == d.fuzz_store.discards, after
 
     def drain_all(self) -> None:
         """Unstall the disk and land every transfer, oldest first (writes, then reads)."""
@@ -404,6 +630,8 @@ class SystemMachine(RuleBasedStateMachine):
             d._check_locked()
             _, _, failed_writes, failed_reads = self.gate.counts()
             d.check_errors_counted(failed_writes, failed_reads)
+        self.check_counters()
+        self.waiters.check()
 
     def teardown(self) -> None:
         driver = self.driver
@@ -418,6 +646,10 @@ class SystemMachine(RuleBasedStateMachine):
                 for rid in list(driver.live):
                     driver.release(rid)
                 self.drain_all()
+                # Every waiter woke (the requests are gone): their threads end first, so
+                # that nothing but the cache's own references hold its memory.
+                self.waiters.join()
+                self.waiters.check()
                 driver.check_nothing_leaks()
                 self.report_events()
         finally:

@@ -312,6 +312,8 @@ class BlockingCache(CacheAPI):
             config = attrs.evolve(config, device=str(resolve_device(config.device)))
         self._open_args = (config, store, gate, clock, trace, synchronous_io)
         self._recorder = recorder
+        self.async_cache: AsyncCache | None = None
+        """The async API this facade runs on its trio thread (for tasks spawned there)."""
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._drain = True
@@ -345,6 +347,7 @@ class BlockingCache(CacheAPI):
                               recorder=self._recorder) as cache:
             self._scheduler = cache._scheduler
             self._pools = cache._pools
+            self.async_cache = cache
             self._token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()
             self._ready.set()

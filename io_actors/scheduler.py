@@ -82,7 +82,9 @@ class SystemStatistics:
     writer: PoolStatistics | None
     reader: PoolStatistics | None
     spill_backlog: int
-    """Writes handed over but waiting for room in the writer queue (backpressure)."""
+    """Writes handed over but not yet accepted by the writer pool (backpressure).  The one
+    the spill feeder is submitting counts as the writer pool's ``queued`` instead: each write
+    is in exactly one of ``spill_backlog``, ``writer.queued`` and ``writer.in_flight``."""
     slots_discarded: int
     recovery: Recovery | None = None
     """What the index rebuild at open found on disk: restored slots, and the slots it
@@ -162,6 +164,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self._handover: collections.deque[WriteJob | ReadJob] = collections.deque()
         self._spill_backlog: collections.deque[WriteJob] = collections.deque()
+        self._feeding: WriteJob | None = None
+        """The backlog's first job while the spill feeder waits in the writer's submit():
+        the pool counts it as queued already (see `_backlog`)."""
         self._spill_wakeup = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._wake_pending = False
@@ -240,7 +245,7 @@ class Scheduler:
             cache=cache,
             writer=self._writer.statistics() if self._writer else None,
             reader=self._reader.statistics() if self._reader else None,
-            spill_backlog=len(self._spill_backlog),
+            spill_backlog=self._backlog(),
             slots_discarded=self._slots_discarded,
             recovery=self.recovery,
             store=self._store_statistics(),
@@ -299,7 +304,25 @@ class Scheduler:
                 if self._recorder is not None:
                     self._trace_invariant_locked(exc)
                 raise
-            return result
+            # A release lets go of a parked request: its waiters must not wait for a read
+            # that may never be reported (the trio thread sets them; any thread may call).
+            woken = self._waiters_to_wake_locked(None) if self._ready_waiters else []
+        token = self._token
+        if woken and token is not None:
+            for event in woken:
+                token.run_sync_soon(event.set)
+        return result
+
+    def _waiters_to_wake_locked(self, completion: Completion | None) -> list[trio.Event]:
+        """Take the waiters of every request that is ready or gone (after `completion`, or
+        after an API call when None): each is woken exactly once."""
+        del completion  # any read completion, failed or not, and any call may let one go
+        woken: list[trio.Event] = []
+        core = self._core
+        for rid in list(self._ready_waiters):
+            if not core.has_request(rid) or core.is_ready(rid):
+                woken += self._ready_waiters.pop(rid)
+        return woken
 
     def _trace_parks_locked(self, result: object) -> None:
         """Recording: the request this call parked, and those parked that it let go."""
@@ -415,6 +438,14 @@ class Scheduler:
                 # The reader queue holds as many jobs as there are GPU pages: never full.
                 self._reader.submit_nowait(job)
 
+    def _backlog(self) -> int:
+        """Spills handed over that the writer pool has not counted yet: the backlog, less
+        the job the feeder is submitting (which the pool counts as queued from the start of
+        submit())."""
+        backlog = self._spill_backlog
+        # close() may have cleared the backlog under the feeder: then nothing is subtracted.
+        return len(backlog) - bool(backlog and backlog[0] is self._feeding)
+
     async def _feed_spills(self) -> None:
         """Trio task: move spills into the writer queue, waiting while it is full."""
         writer = self._writer
@@ -422,10 +453,13 @@ class Scheduler:
         while True:
             while self._spill_backlog:
                 job = self._spill_backlog[0]
+                self._feeding = job
                 try:
                     await writer.submit(job)
                 except trio.ClosedResourceError:
                     return  # closed without draining: close() counted the backlog as dropped
+                finally:
+                    self._feeding = None
                 # close() may have cleared the backlog while this task waited for room in a
                 # full queue: then the job is no longer the backlog's to pop.
                 if self._spill_backlog and self._spill_backlog[0] is job:
@@ -454,9 +488,7 @@ class Scheduler:
                 self._dispatch_locked()
                 woken: list[trio.Event] = []
                 if self._ready_waiters and is_read(completion):
-                    for rid in list(self._ready_waiters):
-                        if not self._core.has_request(rid) or self._core.is_ready(rid):
-                            woken += self._ready_waiters.pop(rid)
+                    woken = self._waiters_to_wake_locked(completion)
             for event in woken:
                 event.set()
 

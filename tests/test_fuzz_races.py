@@ -24,7 +24,7 @@ from fuzz.core_machine import DOCUMENTS, ChurnSpec, RequestSpec
 from fuzz.driver import SystemSpec
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from fuzz.system_machine import SystemMachine
-from io_actors.backends.faults import Fault
+from io_actors.backends.faults import Fault, Op
 from statekv.config import SpillMode
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.stats import CacheStatistics
@@ -229,6 +229,30 @@ def test_a_flipped_bit_is_never_served() -> None:
     fails_when_planted(planted.checksum_not_verified, scenario)
 
 
+@pytest.mark.parametrize("plant", [planted.checksum_not_verified,
+                                   planted.failed_read_published],
+                         ids=lambda p: p.__name__)
+def test_one_step_reaches_a_corrupt_slot_read_back(
+        plant: Callable[[], AbstractContextManager[None]]) -> None:
+    """The I/O rules with weight: one step spills a block whose bytes flip on disk and asks
+    for it again; another fails a read-back.  Neither is ever served."""
+
+    def scenario() -> None:
+        with system() as run:
+            run("corrupt_on_disk_and_read_back", fault=Fault.BIT_FLIP)
+            assert run.held() == (0, 1)  # reached: the read of the flipped slot is held
+            stats = run("drain")
+            assert stats.onboard_failures == 1 and stats.requests_fallen_back == 1
+        with system() as run:
+            run("fail_a_transfer_and_read_back", fault=(Op.READ, Fault.EIO))
+            assert run.held() == (0, 1)
+            stats = run("drain")
+            assert stats.onboard_failures == 1 and stats.requests_fallen_back == 1
+
+    scenario()
+    fails_when_planted(plant, scenario)
+
+
 @pytest.mark.parametrize("fault", WRITE_FAULTS, ids=lambda f: f.value)
 def test_every_write_fault_is_counted_and_the_cache_keeps_serving(fault: Fault) -> None:
     with system() as run:
@@ -428,7 +452,8 @@ def closing_with_spills_backed_up() -> None:
         run("stall_the_disk")
         run("spill_burst", count=4)
         stats = run.m.d.api.statistics()
-        assert stats.spill_backlog > 0  # reached: the feeder waits on a full queue
+        # Reached: the feeder waits on a full queue (the pump's job, the queue's, its own).
+        assert stats.writer is not None and stats.writer.queued == 1 + 2
         run("close_with_work_in_flight")
         run("serve_whole_request", spec=RequestSpec(PROMPT))
 
@@ -437,6 +462,76 @@ def test_closing_with_spills_backed_up_behind_a_stalled_disk_finishes() -> None:
     """Found by this suite: close(drain=False) hung when spills were backed up behind a full
     writer queue (the spill feeder crashed, the pools lost count of their jobs)."""
     closing_with_spills_backed_up()
+
+
+def test_a_close_behind_a_stalled_disk_counts_each_write_once() -> None:
+    """Found by this suite: with the spill feeder waiting in submit(), its job was counted
+    as queued in the writer pool and as backed up in statistics() (the close report counts
+    block transfers from the core, and tests/test_close_accounting.py pins it without the
+    machine): the counter check before the close names the spill backlog."""
+
+    def scenario() -> None:
+        with system(host=3, reserved_host=2, write_queue_depth=1) as run:
+            run("serve_whole_request", spec=RequestSpec(PROMPT))
+            run("close_behind_a_stalled_disk", count=4)
+            run("serve_whole_request", spec=RequestSpec(PROMPT))
+
+    scenario()
+    error = fails_when_planted(planted.feeders_job_counted_twice, scenario)
+    assert "backed up expected" in str(error), error
+
+
+def test_waiters_wake_ready_after_a_failed_read_and_gone_after_a_release() -> None:
+    """Found by this suite: a waiter on a request released while parked was not woken (only
+    read completions woke waiters).  Waiters through both APIs, reads held and landed one at
+    a time, the first failing: each waiter wakes to a ready, rewound request or a gone one."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk()
+            run("fail_next_read", fault=Fault.EIO)
+            run("add_request", spec=RequestSpec(PROMPT))
+            run("wait_ready_in_background", pick=0)  # the async API (a trio task)
+            run("wait_ready_in_background", pick=1)  # BlockingCache.wait_ready (a thread)
+            assert run.held() == (0, 2)  # reached: both reads held, two waiters parked
+            run("complete_any_read", pick=1)  # the second block's read lands: still parked
+            assert [w.woke for w in run.m.waiters.all] == [False] * 2
+            run("complete_any_read", pick=0)  # the first one fails: rewound, ready
+            assert [w.outcome for w in run.m.waiters.all] == ["ready"] * 2
+            assert run.stats().onboard_failures == 1
+
+    def released() -> None:
+        with system() as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            run("wait_ready_in_background", pick=0)
+            run("wait_ready_in_background", pick=1)
+            assert run.held() == (0, 2)  # reached: both reads held, two waiters parked
+            run("cancel_parked", pick=0)  # released while they wait: they wake, gone
+            assert [w.outcome for w in run.m.waiters.all] == ["gone"] * 2
+
+    for steps in (scenario, released):
+        steps()
+        error = fails_when_planted(planted.waiters_woken_only_on_slot_read, steps)
+        assert "were never woken" in str(error), error
+
+
+def test_a_waiter_never_wakes_while_its_request_is_parked() -> None:
+    """An early return of wait_ready is seen by the waiter itself."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            run("wait_ready_in_background", pick=0)
+            run("wait_ready_in_background", pick=1)
+            run("complete_a_read", newest=True)
+            run("complete_a_read", newest=True)
+            assert [w.outcome for w in run.m.waiters.all] == ["ready"] * 2
+
+    scenario()
+    error = fails_when_planted(planted.wait_ready_returns_early, scenario)
+    assert "still parked" in str(error), error
 
 
 def test_closing_with_spills_backed_up_hangs_with_the_old_feeder() -> None:

@@ -1,0 +1,57 @@
+"""The leak check of the system harnesses still catches a real leak once the process-lifetime
+caches are warmed before its baseline (fuzz/memory_probe.py).
+
+On the CPU machine the probe is the bytes of every KV pool still alive (the GPU profile uses
+the CUDA allocator's count); the leak is planted: every cache that closes leaves its pools
+referenced from outside.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import pytest
+
+from fuzz import memory_probe, planted
+from fuzz.driver import Driver
+from fuzz.memory_probe import live_pool_bytes
+from tests.test_fuzz_races import BASE
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs() -> None:
+    logging.getLogger("io_actors").setLevel(logging.ERROR)
+
+
+def one_cache_life() -> None:
+    """Open, serve through every tier, close: the teardown's leak check runs."""
+    spec = attrs.evolve(BASE, gpu=4, host=1, reserved_host=0, disk=4)
+    d = Driver(spec, device="cpu", backend="posix", memory_probe=live_pool_bytes)
+    try:
+        first = d.fresh_prompt(None)
+        d.serve(first, None, 0)
+        for _ in range(3):
+            d.serve(d.fresh_prompt(None), None, 0)
+            memory_probe._until_quiet(d)
+        d.check_nothing_leaks()
+    finally:
+        d.clean_up()
+
+
+def test_the_leak_check_passes_a_cache_that_gives_its_memory_back() -> None:
+    one_cache_life()
+    one_cache_life()
+
+
+def test_the_leak_check_catches_a_cache_that_keeps_its_memory() -> None:
+    one_cache_life()  # warmed: the planted leak is the only difference
+    with planted.pools_kept_after_close(), pytest.raises(AssertionError,
+                                                         match="GPU memory leaked"):
+        one_cache_life()
+
+
+def test_the_warm_up_runs_once_per_process_and_shape() -> None:
+    one_cache_life()
+    spec = attrs.evolve(BASE, gpu=4, host=1, reserved_host=0, disk=4)
+    assert not memory_probe.warm_up(spec, "cpu", "posix")
