@@ -30,6 +30,7 @@ from statekv.manager import KVCacheManager, PrefixMatch
 from statekv.messages import (
     Command,
     Completion,
+    PrefetchSlots,
     ReadSlots,
     SlotRead,
     SlotWriteFailed,
@@ -111,6 +112,8 @@ def command_kinds(commands: list[Command]) -> list[CommandKind]:
             kinds.append(("WriteSlots", tuple(w.key for w in c.writes)))
         elif isinstance(c, ReadSlots):
             kinds.append(("ReadSlots", tuple(r.key for r in c.reads)))
+        elif isinstance(c, PrefetchSlots):
+            kinds.append(("PrefetchSlots", tuple(r.key for r in c.reads)))
         else:
             kinds.append((type(c).__name__, None))
     return kinds

@@ -170,6 +170,7 @@ class ReferenceCache:
         self.disk_rate: float | None = None
         self.prefill: dict[int, float] = {}
         self.next_transfer = 0
+        self.last_prefetch = (0, 0, 0, 0)
         self.counter = 0
         self.now = -math.inf
         self.commands: list[tuple[str, BlockHash | None]] = []
@@ -546,7 +547,8 @@ class ReferenceCache:
                 cached += 1
         self.queued[rid] = wanted
         bs = self.bs
-        return started * bs, shared * bs, cached * bs, unfetched * bs
+        self.last_prefetch = (started * bs, shared * bs, cached * bs, unfetched * bs)
+        return self.last_prefetch
 
     def _end_prefetch(self, rid: str) -> None:
         for b in reversed(self.queued.pop(rid)):
