@@ -22,7 +22,6 @@ from hypothesis.stateful import (
 )
 
 from fuzz.spy import command_kinds
-from tests.harness import block_keys
 from specs.reference_model import ReferenceCache, in_batches, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
 from statekv.ids import SlotId, TransferId
@@ -38,6 +37,7 @@ from statekv.messages import (
     WriteSlot,
     per_block,
 )
+from tests.harness import block_keys
 
 T = TypeVar("T")
 
