@@ -163,6 +163,11 @@ class CacheAPI:
         `context_tokens`: the estimate cost-aware onboarding weighs disk reads against."""
         self._scheduler.report_prefill(num_tokens, seconds, context_tokens=context_tokens)
 
+    def cost_estimates(self) -> tuple[float | None, float | None]:
+        """(disk read bytes per second measured by the readers, prefill seconds per token at
+        the longest context reported): None where nothing was measured yet."""
+        return self._scheduler.cost_estimates()
+
     def allocate_nowait(self, request_id: str, num_tokens: int) -> None:
         """GPU pages for the request's first `num_tokens` tokens, or OutOfBlocks."""
         self._scheduler.allocate_nowait(request_id, num_tokens)

@@ -240,6 +240,10 @@ class Scheduler:
         with self._lock:
             self._core.report_prefill(num_tokens, seconds, context_tokens=context_tokens)
 
+    def cost_estimates(self) -> tuple[float | None, float | None]:
+        with self._lock:
+            return self._core.cost_estimates()
+
     def allocate_nowait(self, request_id: str, num_tokens: int) -> None:
         self._call(lambda now: self._core.allocate_nowait(request_id, num_tokens, now=now))
 

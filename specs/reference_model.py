@@ -506,7 +506,7 @@ class ReferenceCache:
     ) -> tuple[int, int, int, int]:
         """Returns (started, shared, cached, unfetched) tokens."""
         self._check_now(now)
-        if rid in self.requests or rid in self.queued:
+        if rid in self.requests:
             raise UsageError("request_id", "exists")
         if not tokens:
             raise UsageError("token_ids", "empty")
@@ -516,12 +516,14 @@ class ReferenceCache:
                                                    lora_id), None, 0)
         matched = self._match(req)
         self._advance(now)
-        wanted: list[MBlock] = []
+        wanted = self.queued.setdefault(rid, [])
         started = shared = cached = unfetched = 0
         for i, b in enumerate(matched):
             if b.key is None or self.entries.get(b.key) is not b:
                 break  # dropped by an eviction of this call
-            if b.tier in (PREFETCHING, PREFETCHED):
+            if rid in b.prefetchers:
+                shared += 1
+            elif b.tier in (PREFETCHING, PREFETCHED):
                 b.prefetchers.append(rid)
                 wanted.append(b)
                 shared += 1
@@ -545,7 +547,6 @@ class ReferenceCache:
                 started += 1
             else:
                 cached += 1
-        self.queued[rid] = wanted
         bs = self.bs
         self.last_prefetch = (started * bs, shared * bs, cached * bs, unfetched * bs)
         return self.last_prefetch

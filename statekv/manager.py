@@ -111,7 +111,8 @@ class PrefetchStarted:
     started_tokens: int
     """Tokens whose disk -> host read this call issued."""
     shared_tokens: int
-    """Tokens already being prefetched (or prefetched) for another queued request."""
+    """Tokens already being prefetched (or prefetched) for another queued request, or by an
+    earlier call for this one."""
     cached_tokens: int
     """Tokens of the matched prefix already on GPU or host (or being onboarded)."""
     unfetched_tokens: int
@@ -325,24 +326,25 @@ class KVCacheManager:
         Takes host pages as a GPU eviction would (an empty page, else a host victim spilled or
         dropped), never a reserved page's worth more, never another prefetch's page, and
         never a GPU page: admission is never held up by a prefetch.  Blocks already on GPU or
-        host are left alone.  Ends with ``add_request(request_id, ...)``, which takes the
+        host are left alone.  Calling it again for a request still queued starts the reads
+        that could not start before (host pages come back as spills land).  Ends with ``add_request(request_id, ...)``, which takes the
         prefetched blocks as host hits, or ``release(request_id)`` if the request leaves the
         queue; the host tier may also reclaim the pages (prefetched pages go first).
         """
         now = _check_now(now, self._now)
         rid = self._check_new_request_id(request_id)
-        if rid in self._queued:
-            raise UsageError("request_id", f"request {rid!r} is already prefetching")
         req = self._new_request(rid, token_ids, cache_salt, lora_id, None, 0)
         matched = self._lookup_prefix(req)
         self._advance(now)
-        blocks: list[Block] = []
+        blocks = self._queued.setdefault(rid, [])
         started = shared = cached = unfetched = 0
         self._cause = rid
         try:
             for i, block in enumerate(matched):
                 state = block.state
-                if state is _S.PREFETCHING or state is _S.PREFETCHED:
+                if rid in block.prefetchers:
+                    shared += 1  # asked for by an earlier call of this request
+                elif state is _S.PREFETCHING or state is _S.PREFETCHED:
                     block.prefetchers.append(rid)
                     blocks.append(block)
                     shared += 1
@@ -365,7 +367,6 @@ class KVCacheManager:
                     cached += 1
         finally:
             self._cause = None
-        self._queued[rid] = blocks
         bs = self._block_size
         return PrefetchStarted(
             request_id=rid, started_tokens=started * bs, shared_tokens=shared * bs,

@@ -136,6 +136,18 @@ def test_a_failed_prefetch_is_never_served() -> None:
     assert ex.stats().host_free_pages == 2
 
 
+def test_a_second_call_starts_what_the_first_could_not() -> None:
+    ex, doc = on_disk()
+    hold = ex.prefetch("q", doc[:3])  # one block: one host page
+    assert hold.started_tokens == 2
+    again = ex.prefetch("q", doc)
+    assert (again.started_tokens, again.shared_tokens) == (2, 2)
+    ex.drain()
+    ex.release("q")
+    assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]
+    assert ex.stats().host_free_pages == 2
+
+
 def test_two_queued_requests_share_a_prefetch() -> None:
     ex, doc = on_disk()
     ex.prefetch("q1", doc)
@@ -154,7 +166,7 @@ def test_prefetch_rejects_bad_calls_and_changes_nothing() -> None:
     ex.prefetch("q", doc)
     ex.add("a", fresh_tokens(3))
     before = ex.stats()
-    for rid in ("q", "a", ""):
+    for rid in ("a", ""):
         with pytest.raises(UsageError) as info:
             ex.cache.prefetch(rid, doc, now=ex.now)
         assert info.value.field == "request_id"
