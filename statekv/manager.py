@@ -324,10 +324,10 @@ class KVCacheManager:
         """Start reading a queued request's disk blocks into host pages before it is admitted.
 
         Takes host pages as a GPU eviction would (an empty page, else a host victim spilled or
-        dropped), never a reserved page's worth more, never another prefetch's page, and
-        never a GPU page: admission is never held up by a prefetch.  Blocks already on GPU or
-        host are left alone.  Calling it again for a request still queued starts the reads
-        that could not start before (host pages come back as spills land).  Ends with ``add_request(request_id, ...)``, which takes the
+        dropped), never another prefetch's page, and never a GPU page: admission is never held
+        up by a prefetch.  Blocks already on GPU or host are left alone.  Calling it again for
+        a request still queued starts the reads that could not start before (host pages come
+        back as spills land).  Ends with ``add_request(request_id, ...)``, which takes the
         prefetched blocks as host hits, or ``release(request_id)`` if the request leaves the
         queue; the host tier may also reclaim the pages (prefetched pages go first).
         """
