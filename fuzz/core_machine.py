@@ -92,6 +92,7 @@ def core_configs(draw: st.DrawFn) -> CacheConfig:
         priority_levels=draw(st.integers(1, 3)),
         max_batch_blocks=draw(st.sampled_from([1, 2, 16])),
         cost_aware_onboarding=draw(st.booleans()),
+        reclaim_prefetched_first=draw(st.booleans()),
     )
 
 

@@ -135,6 +135,8 @@ class StateKVConfig:
     max_ttl_seconds: float = 30 * 24 * 3600.0
     model_fingerprint: str = ""
     cost_aware_onboarding: bool = True
+    reclaim_prefetched_first: bool = True
+    """GPU victims take prefetched pages before evicting host content (CacheConfig)."""
     """Recompute a run of disk hits instead of reading it when the measured disk read rate
     and the reported prefill rate say that is faster (statekv.cost)."""
     rank: int = attrs.field(default=0, validator=_positive_int(0, 1 << 16))
@@ -226,6 +228,7 @@ class StateKVConfig:
             max_ttl_seconds=self.max_ttl_seconds,
             model_fingerprint=self.model_fingerprint,
             cost_aware_onboarding=self.cost_aware_onboarding,
+            reclaim_prefetched_first=self.reclaim_prefetched_first,
         )
 
     def rank_directory(self) -> Path | None:

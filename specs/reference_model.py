@@ -28,7 +28,8 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
   A prefetched block keeps its slot; it is a host hit for the request that is admitted, an
   onboard for one admitted while its read is in flight, and goes back to disk when every
   queued request that wanted it left, or when a GPU victim needs a host page (newest
-  prefetched first, before any host victim is evicted).  A failed prefetch drops the content.
+  prefetched first; before any host victim is evicted, or, with reclaim_prefetched_first
+  off, only when evicting host victims yielded no page).  A failed prefetch drops the content.
 * Cost-aware onboarding: with a disk read rate and a prefill time per token (moving averages
   of what was reported, the latter by power-of-two bucket of context length, nearest bucket),
   the match ends at the start of the disk run that minimises reads before it plus a prefill
@@ -273,20 +274,24 @@ class ReferenceCache:
         b.prefetchers.clear()
         self._file_on_disk(b)
 
+    def _reclaim(self) -> bool:
+        prefetched = self._candidates(PREFETCHED)
+        if not prefetched:
+            return False
+        self._give_up_prefetch(max(prefetched, key=lambda b: b.stamp))
+        self.c["prefetches_reclaimed"] += 1
+        return True
+
     def _take_host_page(self, reclaim: bool = True) -> bool:
         if self.host_free:
             self.host_free -= 1
             return True
-        if reclaim:
-            prefetched = self._candidates(PREFETCHED)
-            if prefetched:
-                self._give_up_prefetch(max(prefetched, key=lambda b: b.stamp))
-                self.c["prefetches_reclaimed"] += 1
-                return True
+        if reclaim and self.cfg.reclaim_prefetched_first and self._reclaim():
+            return True
         while True:
             candidates = self._candidates(HOST)
             if not candidates:
-                return False
+                return reclaim and self._reclaim()
             victim = min(candidates, key=lambda b: (b.priority, b.stamp))
             if self._evict_host_victim(victim):
                 return True
@@ -493,7 +498,7 @@ class ReferenceCache:
         if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
             raise UsageError("seconds", "bad")
         if (isinstance(context_tokens, bool) or not isinstance(context_tokens, int)
-                or context_tokens < num_tokens):
+                or context_tokens < 1):
             raise UsageError("context_tokens", "bad")
         per_token = float(seconds) / num_tokens
         bucket = context_tokens.bit_length() - 1

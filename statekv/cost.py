@@ -10,7 +10,8 @@ The estimates are measurements reported from outside (sans-IO: the core reads no
 * the disk's read rate, in bytes per second, from completed reads -- the reader actor reports
   each batch's bytes and the seconds it took;
 * the model's prefill time per token, by context length -- the serving loop reports each
-  prefill's new tokens, the seconds it took and the context length it ended at.  Attention
+  forward pass that prefilled: its tokens, the seconds it took and the longest context it
+  ended at (a batch's time per token is what recomputing costs a busy server).  Attention
   makes a token cost more at a longer context, so the estimate is kept per power-of-two
   bucket of context length and looked up at the request's own length.
 

@@ -237,6 +237,7 @@ class KVCacheManager:
         self._prefetch_outbox: list[PrefetchSlot] = []
         self._costs = OnboardCosts()
         self._cost_aware = config.cost_aware_onboarding
+        self._reclaim_first = config.reclaim_prefetched_first
         self._outbox: list[Command] = []
         # Disk transfers wait here until take_commands() packs them into batches.
         self._write_outbox: list[WriteSlot] = []
@@ -380,15 +381,14 @@ class KVCacheManager:
         self._costs.observe_read(nbytes, secs)
 
     def report_prefill(self, num_tokens: int, seconds: float, *, context_tokens: int) -> None:
-        """The model prefilled `num_tokens` new tokens in `seconds`, ending at a context of
-        `context_tokens`: the prefill-rate estimate at that context length."""
+        """The model computed `num_tokens` new tokens in `seconds` (one forward pass, maybe a
+        batch), the longest of its contexts ending at `context_tokens`: the prefill-rate
+        estimate at that context length."""
         ntok = check_count("num_tokens", num_tokens, low=1)
         secs = check_measurement("seconds", seconds, positive=True)
+        # A batch's tokens may outnumber its longest context (many short prompts): no check
+        # ties the two together.
         ctx = check_count("context_tokens", context_tokens, low=1)
-        if ctx < ntok:
-            raise UsageError(
-                "context_tokens", f"must be >= num_tokens ({ntok}), got {context_tokens!r}"
-            )
         self._costs.observe_prefill(ntok, secs, ctx)
 
     def cost_estimates(self) -> tuple[float | None, float | None]:
@@ -1285,30 +1285,39 @@ class KVCacheManager:
 
     def _take_host_page(self, now: float, *, reclaim_prefetched: bool) -> PageId | None:
         """A host page for a GPU victim or a prefetch: an empty one, else (for a GPU victim)
-        the newest prefetched block's, else from evicting host victims.
+        the newest prefetched block's, else from evicting host victims -- or, with
+        ``reclaim_prefetched_first`` off, the prefetched page only after the host victims
+        yielded none.
 
-        Prefetched pages go first because giving one back costs nothing (the bytes are still
-        on disk) and a prefetch is only a guess about a request that has not run yet; a
-        prefetch never takes another's.  A victim that spills keeps its page until the write
+        Prefetched pages go first by default because giving one back costs nothing (the
+        bytes are still on disk) and a prefetch is only a guess about a request that has not
+        run yet; a prefetch never takes another's.  A victim that spills keeps its page until the write
         lands; the caller then gets a reserved page, or the next victim is tried.  None when
         no page can be had now.
         """
         host = self._host
         if host.empty:
             return host.empty.pop()
-        if reclaim_prefetched:
-            newest = self._prefetched.tail
-            if newest is not None:
-                self._prefetched.remove(newest)
-                self._counters.prefetches_reclaimed += 1
-                return self._give_up_prefetch(newest, now)
+        first = reclaim_prefetched and self._reclaim_first
+        if first and self._prefetched.tail is not None:
+            return self._reclaim_prefetched(now)
         evictable = host.evictable
         while evictable.size:
             victim = evictable.pop()
             page = self._evict_host_victim(victim, now)
             if page is not None:
                 return page
+        if reclaim_prefetched and self._prefetched.tail is not None:
+            return self._reclaim_prefetched(now)
         return None
+
+    def _reclaim_prefetched(self, now: float) -> PageId:
+        """The newest prefetched block goes back to disk only; its host page is returned."""
+        newest = self._prefetched.tail
+        assert newest is not None
+        self._prefetched.remove(newest)
+        self._counters.prefetches_reclaimed += 1
+        return self._give_up_prefetch(newest, now)
 
     def _evict_host_victim(self, victim: Block, now: float) -> PageId | None:
         """Spill `victim` to disk or drop it; return the host page this frees now, if any."""

@@ -60,6 +60,7 @@ def configs(draw: st.DrawFn) -> CacheConfig:
         spill_min_reuse=draw(st.integers(1, 2)),
         protect_unexpired=draw(st.booleans()),
         cost_aware_onboarding=draw(st.booleans()),
+        reclaim_prefetched_first=draw(st.booleans()),
         drop_on_pressure=draw(st.booleans()),
         write_queue_depth=draw(st.integers(1, 3)),
         priority_levels=draw(st.integers(1, 3)),

@@ -18,7 +18,7 @@ from tests.harness import Executor, fresh_tokens, make
 
 def on_disk(**overrides: object) -> tuple[Executor, list[int]]:
     """A cache whose two full blocks of `doc` are on disk, and nothing else is cached."""
-    ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=4, **overrides)
+    ex = make(**{"gpu_blocks": 4, "host_blocks": 2, "disk_blocks": 4, **overrides})
     doc = fresh_tokens(5)  # two full blocks and one token
     ex.spill([doc])
     assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]
@@ -103,6 +103,25 @@ def test_host_pressure_reclaims_the_newest_prefetched_page_first() -> None:
     # The queued request is admitted anyway: one host hit, one onboard.
     match = ex.add("q", doc)
     assert (match.host_tokens, match.disk_tokens) == (2, 2)
+
+
+def test_with_reclaim_last_host_victims_go_before_prefetched_pages() -> None:
+    ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=4, spill_mode="retained_only",
+              reclaim_prefetched_first=False)
+    doc = fresh_tokens(5)
+    ex.spill([doc], ttl=100.0)  # retained: the spill mode writes it
+    ex.prefetch("q", doc[:3])  # one block: one host page, the other stays free
+    ex.drain()
+    other = fresh_tokens(3)
+    ex.serve("o", other)
+    ex.churn("c1")  # its GPU victim takes the free host page
+    assert ex.tiers(other) == ["ON_HOST"]
+    ex.serve("o2", fresh_tokens(3))
+    ex.churn("c2")  # the next victim evicts the host victim (dropped), not the prefetch
+    stats = ex.stats()
+    assert stats.prefetches_reclaimed == 0 and stats.gate_drops == 1
+    assert ex.tiers(doc) == ["PREFETCHED", "ON_DISK"]
+    assert ex.tiers(other) == [None]
 
 
 def test_an_admission_while_the_prefetch_is_in_flight_takes_it_over() -> None:
@@ -256,7 +275,7 @@ def test_prefetched_blocks_are_host_hits_whatever_the_disk_rate() -> None:
         (lambda c: c.report_disk_read(100, -2.0), "seconds"),
         (lambda c: c.report_prefill(0, 1.0, context_tokens=4), "num_tokens"),
         (lambda c: c.report_prefill(4, math.inf, context_tokens=4), "seconds"),
-        (lambda c: c.report_prefill(4, 1.0, context_tokens=2), "context_tokens"),
+        (lambda c: c.report_prefill(4, 1.0, context_tokens=0), "context_tokens"),
         (lambda c: c.report_prefill(4, 1.0, context_tokens=True), "context_tokens"),
     ],
 )
