@@ -1291,9 +1291,9 @@ class KVCacheManager:
 
         Prefetched pages go first by default because giving one back costs nothing (the
         bytes are still on disk) and a prefetch is only a guess about a request that has not
-        run yet; a prefetch never takes another's.  A victim that spills keeps its page until the write
-        lands; the caller then gets a reserved page, or the next victim is tried.  None when
-        no page can be had now.
+        run yet; a prefetch never takes another's.  A victim that spills keeps its page until
+        the write lands; the caller then gets a reserved page, or the next victim is tried.
+        None when no page can be had now.
         """
         host = self._host
         if host.empty:
