@@ -576,7 +576,7 @@ def test_a_release_during_prefetch_keeps_the_host_pages_until_the_reads_land() -
 
     scenario()
     error = fails_when_planted(planted.prefetch_page_freed_on_leave, scenario)
-    assert "owned by" in str(error) or "prefetch" in str(error), error
+    assert "host page" in str(error) and "PREFETCHING" in str(error), error
 
 
 def test_a_prefetch_pins_its_slots_against_displacing_spills() -> None:
