@@ -196,7 +196,8 @@ class Scheduler:
         self._parked_traced: set[RequestId] = set()
         if inline_io is not None:
             # Inline reads run inside a cache call, under the lock: report to the core directly.
-            inline_io.measured = core.report_disk_read
+            # (Looked up per call: a wrapper installed on the core later sees the reports.)
+            inline_io.measured = self._report_disk_read_locked
 
     # ------------------------------------------------------------------ the API (any thread)
 
@@ -230,6 +231,9 @@ class Scheduler:
         return self._call(lambda now: self._core.prefetch(
             request_id, token_ids, now=now, cache_salt=cache_salt, lora_id=lora_id,
         ))
+
+    def _report_disk_read_locked(self, num_bytes: int, seconds: float) -> None:
+        self._core.report_disk_read(num_bytes, seconds)
 
     def report_disk_read(self, num_bytes: int, seconds: float) -> None:
         """A reader thread's measurement of one batch (any thread; the lock is brief)."""

@@ -97,3 +97,24 @@ def test_a_measured_disk_slower_than_the_reported_prefill_is_not_read(tmp_path: 
         assert stats.onboard_tokens_skipped_as_too_slow == 12
         cache.release("again")
         cache.check_invariants()
+
+
+def test_synchronous_io_prefetches_inside_the_call(tmp_path: Path) -> None:
+    """The naive design the benchmarks compare with: the prefetch read runs inside the call,
+    and its rate is reported to the core under the same lock."""
+    prompt = list(range(13))
+    with BlockingCache(small_config(tmp_path, host=4), synchronous_io=True) as cache:
+        serve(cache, "first", prompt)
+        churn(cache, 6)
+        fetched = 0
+        for _ in range(10):
+            got = cache.prefetch("q", prompt)
+            fetched = got.started_tokens + got.shared_tokens
+            if fetched == 12:
+                break
+        assert fetched == 12
+        assert cache.statistics().cache.prefetched_blocks == 3  # landed already
+        assert cache.cost_estimates()[0] is not None
+        match = cache.add_request("q", prompt)
+        assert match.host_tokens == 12 and match.ready
+        check_pages(cache, "q", prompt, 3)
