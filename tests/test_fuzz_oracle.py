@@ -50,6 +50,13 @@ def spilling() -> Executor:
     return ex
 
 
+def _forget_prefetchers(m: KVCacheManager) -> None:
+    """The queued request forgets its blocks and they forget it: a PREFETCHED orphan."""
+    for block in m._queued[RequestId("q")]:
+        block.prefetchers.clear()
+    m._queued[RequestId("q")] = []
+
+
 def prefetching() -> Executor:
     """One queued request: a block prefetched (landed) and one whose read is in flight."""
     ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=4)
@@ -211,9 +218,7 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
      "prefetched order membership wrong"),
     ("prefetched block wanted by nobody", prefetching,
      lambda m: m._queued.pop(RequestId("q")), "prefetchers .* disagree"),
-    ("prefetched block with no queued request", prefetching,
-     lambda m: (blocks(m, BlockState.PREFETCHED)[0].prefetchers.clear(),
-                m._queued.__setitem__(RequestId("q"), [])),
+    ("prefetched block with no queued request", prefetching, _forget_prefetchers,
      "prefetched for no queued request"),
     ("prefetch read pointing at another block", prefetching,
      lambda m: setattr(blocks(m, BlockState.PREFETCHING)[0], "transfer", TransferId(999)),
