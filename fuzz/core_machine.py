@@ -355,10 +355,11 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.both(lambda: self.core.release(rid, now=self.now),
                   lambda: self.model.release(rid, now=self.now))
 
-    def _push_to_disk(self, prompt: list[int], *, land: bool) -> None:
-        """Serve `prompt`, then two GPU-sized fresh requests: its blocks go down the tiers
-        (every transfer landing in between when `land`)."""
-        self._serve(prompt, None, 0)
+    def _push_to_disk(self, prompt: list[int], *, land: bool, ttl: float | None = None) -> None:
+        """Serve `prompt` (with `ttl`: a retained-only cache spills it, and drops the fresh
+        content after it, freeing host pages), then two GPU-sized fresh requests: its blocks
+        go down the tiers (every transfer landing in between when `land`)."""
+        self._serve(prompt, ttl, 0)
         cfg = self.core.config
         for _ in range(2):
             self.next_token += 1
@@ -376,15 +377,16 @@ class CoreVsSpec(RuleBasedStateMachine):
     def prefetch_race(self, race: PrefetchRace) -> None:
         """A prompt pushed down to disk is prefetched by a queued request; then the race."""
         prompt = list(PROMPTS[(race.pick * 7 + 11) % len(PROMPTS)])
+        ttl = 30.0 if race.pick % 2 else None
         if race.kind == "displace":
             # Spills still in flight when the prefetch takes host pages: evicting a host
             # victim to make room may displace disk blocks of the same prefix.
-            self._push_to_disk(prompt, land=False)
+            self._push_to_disk(prompt, land=False, ttl=ttl)
             rid = self._prefetch(prompt)
             if rid is not None and race.pick % 2:
                 self._admit(rid, prompt)
             return
-        self._push_to_disk(prompt, land=True)
+        self._push_to_disk(prompt, land=True, ttl=ttl)
         rid = self._prefetch(prompt)
         if rid is None:
             return

@@ -426,7 +426,9 @@ class SystemMachine(RuleBasedStateMachine):
         prompt's, just before the prefetch; taking host pages for it spills more)."""
         d = self.d
         prompt = d.fresh_prompt(1 + race.pick % 3)
-        d.serve(prompt, None, 0)
+        # With a TTL (odd picks) a retained-only cache spills it and drops the fresh content
+        # after it, which leaves host pages for the prefetch.
+        d.serve(prompt, 30.0 if race.pick % 2 else None, 0)
         for _ in range(2):
             d.serve(d.fresh_prompt(None), None, 0)
             self.drain_all()
@@ -742,7 +744,10 @@ class SystemMachine(RuleBasedStateMachine):
         note("slowest serving-loop call " + (
             f"{d.watchdog.slowest * 1000:.0f} ms" if d.watchdog.slowest > 0.05
             else "under 50 ms"))
-        for name in ("spills_completed", "onboards_completed", "onboard_failures",
+        for name in ("prefetches", "prefetch_hits", "prefetches_taken_over",
+                     "prefetches_cancelled", "prefetches_reclaimed", "prefetch_failures",
+                     "onboards_skipped_as_too_slow",
+                     "spills_completed", "onboards_completed", "onboard_failures",
                      "spill_failures", "displacements", "expirations", "requests_fallen_back",
                      "host_recalls", "pressure_drops", "admission_refusals"):
             if getattr(stats, name):

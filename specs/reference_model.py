@@ -23,8 +23,9 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
   duplicate, the cached twin) with max(current stamp, now + ttl); content is retained while
   now < expiry.
 * Prefetch: a queued request's matched disk blocks are read into host pages, in prefix order,
-  each page found as for a GPU victim but never by reclaiming another prefetch (a block whose
-  page cannot be had goes back to the end of the disk order, and the prefetch stops there).
+  each page an empty one or the page evicting one host victim yields (a drop's, or a reserved
+  one for a spill), never another prefetch's; a block whose page cannot be had goes back to
+  the end of the disk order, and the prefetch stops there.
   A prefetched block keeps its slot; it is a host hit for the request that is admitted, an
   onboard for one admitted while its read is in flight, and goes back to disk when every
   queued request that wanted it left, or when a GPU victim needs a host page (newest
@@ -282,16 +283,20 @@ class ReferenceCache:
         self.c["prefetches_reclaimed"] += 1
         return True
 
-    def _take_host_page(self, reclaim: bool = True) -> bool:
+    def _take_host_page(self, for_prefetch: bool = False) -> bool:
         if self.host_free:
             self.host_free -= 1
             return True
-        if reclaim and self.cfg.reclaim_prefetched_first and self._reclaim():
+        if for_prefetch:  # one host victim at most, never a prefetched page
+            candidates = self._candidates(HOST)
+            return bool(candidates) and self._evict_host_victim(
+                min(candidates, key=lambda b: (b.priority, b.stamp)))
+        if self.cfg.reclaim_prefetched_first and self._reclaim():
             return True
         while True:
             candidates = self._candidates(HOST)
             if not candidates:
-                return reclaim and self._reclaim()
+                return self._reclaim()
             victim = min(candidates, key=lambda b: (b.priority, b.stamp))
             if self._evict_host_victim(victim):
                 return True
@@ -534,7 +539,7 @@ class ReferenceCache:
                 shared += 1
             elif b.tier == DISK:
                 self.protected = {id(b)}
-                got = self._take_host_page(reclaim=False)
+                got = self._take_host_page(for_prefetch=True)
                 self.protected = set()
                 if not got:
                     self._file_on_disk(b)

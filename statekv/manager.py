@@ -324,13 +324,14 @@ class KVCacheManager:
     ) -> PrefetchStarted:
         """Start reading a queued request's disk blocks into host pages before it is admitted.
 
-        Takes host pages as a GPU eviction would (an empty page, else a host victim spilled or
-        dropped), never another prefetch's page, and never a GPU page: admission is never held
-        up by a prefetch.  Blocks already on GPU or host are left alone.  Calling it again for
-        a request still queued starts the reads that could not start before (host pages come
-        back as spills land).  Ends with ``add_request(request_id, ...)``, which takes the
-        prefetched blocks as host hits, or ``release(request_id)`` if the request leaves the
-        queue; the host tier may also reclaim the pages (prefetched pages go first).
+        Takes an empty host page, else the page that evicting one host victim yields (a
+        dropped victim's, or a reserved page for a spilled one), never another prefetch's and
+        never a GPU page: admission is never held up by a prefetch.  Blocks already on GPU
+        or host are left alone.  Calling it again for a request still queued starts the reads
+        that could not start before (host pages come back as spills land).  Ends with
+        ``add_request(request_id, ...)``, which takes the prefetched blocks as host hits, or
+        ``release(request_id)`` if the request leaves the queue; the host tier may also
+        reclaim the pages (prefetched pages go first).
         """
         now = _check_now(now, self._now)
         rid = self._check_new_request_id(request_id)
@@ -353,7 +354,7 @@ class KVCacheManager:
                     # Out of the displacement order first: finding a host page may spill a
                     # host victim, and that spill must not displace this block.
                     self._disk.unfile(block)
-                    page = self._take_host_page(now, reclaim_prefetched=False)
+                    page = self._take_host_page(now, for_prefetch=True)
                     if page is None:
                         self._disk.file(block, now, self._next_seq())
                         unfetched = sum(1 for b in matched[i:] if b.state is _S.ON_DISK)
@@ -1269,7 +1270,7 @@ class KVCacheManager:
         c = self._counters
         c.gpu_evictions += 1
         if self._has_host:
-            host_page = self._take_host_page(now, reclaim_prefetched=True)
+            host_page = self._take_host_page(now, for_prefetch=False)
             if host_page is not None:
                 self._outbox.append(
                     CopyGpuToHost(block=victim.id, gpu_page=page, host_page=host_page)
@@ -1283,7 +1284,7 @@ class KVCacheManager:
         self._discard(victim, _E.DROPPED)
         return page
 
-    def _take_host_page(self, now: float, *, reclaim_prefetched: bool) -> PageId | None:
+    def _take_host_page(self, now: float, *, for_prefetch: bool) -> PageId | None:
         """A host page for a GPU victim or a prefetch: an empty one, else (for a GPU victim)
         the newest prefetched block's, else from evicting host victims -- or, with
         ``reclaim_prefetched_first`` off, the prefetched page only after the host victims
@@ -1291,15 +1292,19 @@ class KVCacheManager:
 
         Prefetched pages go first by default because giving one back costs nothing (the
         bytes are still on disk) and a prefetch is only a guess about a request that has not
-        run yet; a prefetch never takes another's.  A victim that spills keeps its page until
-        the write lands; the caller then gets a reserved page, or the next victim is tried.
+        run yet.  A victim that spills keeps its page until the write lands; the caller then
+        gets a reserved page, or the next victim is tried.  A prefetch never takes another's
+        page and evicts at most one host victim: a guess must not spill the whole host tier
+        looking for a page (the spill's page comes back when it lands, for the next call).
         None when no page can be had now.
         """
         host = self._host
         if host.empty:
             return host.empty.pop()
-        first = reclaim_prefetched and self._reclaim_first
-        if first and self._prefetched.tail is not None:
+        if for_prefetch:
+            evictable = host.evictable
+            return self._evict_host_victim(evictable.pop(), now) if evictable.size else None
+        if self._reclaim_first and self._prefetched.tail is not None:
             return self._reclaim_prefetched(now)
         evictable = host.evictable
         while evictable.size:
@@ -1307,7 +1312,7 @@ class KVCacheManager:
             page = self._evict_host_victim(victim, now)
             if page is not None:
                 return page
-        if reclaim_prefetched and self._prefetched.tail is not None:
+        if self._prefetched.tail is not None:
             return self._reclaim_prefetched(now)
         return None
 
