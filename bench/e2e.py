@@ -24,89 +24,36 @@ layers keep the ratio (FLOPs per KV byte is a property of one layer) and fit one
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from bench.disk_limits import raw_read_rate
-from models.chat_run import Budgets, RunResult, run_workload, ttft_summary
+from bench.serving import (
+    CONFIGS,
+    NAMES,
+    OneLineParser,
+    add_run_flags,
+    budgets_for,
+    chat_config,
+    full_reuse_capacity,
+    git_commit,
+    int_at_least,
+    pool_blocks,
+    positive_number,
+    prefill_rate,
+    pyplot,
+    run_config,
+    summarize,
+)
 from models.config import preset
-from models.model import Chunk, PagedDecoder
-from models.workloads import ChatWorkload, ChatWorkloadConfig
-
-CONFIGS = ("a", "b", "c", "d", "e")
-NAMES = {
-    "a": "no reuse",
-    "b": "GPU-only prefix cache",
-    "c": "GPU + host",
-    "d": "GPU + host + disk (statekv)",
-    "e": "GPU + host + disk, sync I/O",
-}
-
-
-def prefill_rate(model: PagedDecoder, block_size: int, chunk: int, context: int) -> float:
-    """Tokens/s of prefilling `chunk` new tokens after `context` cached ones (same run)."""
-    blocks = (context + chunk) // block_size + 1
-    pool = model.new_pool(blocks, block_size)
-    table = list(range(blocks))
-    tokens = [7] * chunk
-    model.forward(pool, [Chunk(token_ids=tokens, start=context, block_table=table)])
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    start = time.perf_counter()
-    repeats = 3
-    for _ in range(repeats):
-        model.forward(pool, [Chunk(token_ids=tokens, start=context, block_table=table)])
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return repeats * chunk / (time.perf_counter() - start)
-
-
-def chat_config(args: argparse.Namespace, vocab: int, rate: float) -> ChatWorkloadConfig:
-    return ChatWorkloadConfig(
-        num_users=args.users, num_rounds=args.rounds, system_prompt_tokens=args.system_tokens,
-        user_history_tokens=args.history_tokens, question_tokens=args.question_tokens,
-        answer_tokens=args.answer_tokens, arrival_rate=rate, vocab_size=vocab, seed=args.seed,
-    )
-
-
-def offered_tokens(config: ChatWorkloadConfig, results: tuple[Any, ...]) -> int:
-    del config
-    return sum(r.prompt_tokens for r in results)
-
-
-def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
-    results = run.results
-    prompt = sum(r.prompt_tokens for r in results)
-    output = sum(len(r.output) for r in results)
-    p50, p99 = ttft_summary(run)
-    return {
-        "ttft_p50_s": p50, "ttft_p99_s": p99,
-        "output_tok_per_s": output / run.seconds,
-        "input_tok_per_s": prompt / run.seconds,
-        "offered_input_tok_per_s": offered_input_tps,
-        "sustained_vs_offered": prompt / run.seconds / offered_input_tps,
-        "tokens_gpu": sum(r.gpu_tokens for r in results),
-        "tokens_host": sum(r.host_tokens for r in results),
-        "tokens_disk": sum(r.disk_tokens for r in results),
-        "tokens_computed": sum(r.recomputed_tokens for r in results),
-        "seconds": run.seconds,
-        "io_errors": run.cache.cache.io_errors,
-    }
+from models.model import PagedDecoder
 
 
 def plot(summaries: dict[str, dict[str, float]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     keys = [k for k in CONFIGS if k in summaries]
@@ -137,29 +84,13 @@ def plot(summaries: dict[str, dict[str, float]], path: Path) -> bool:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="70b-class")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--users", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=1024)
-    p.add_argument("--history-tokens", type=int, default=3072)
-    p.add_argument("--question-tokens", type=int, default=256)
-    p.add_argument("--answer-tokens", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--gpu-gib", type=float, default=2.0)
-    p.add_argument("--host-gib", type=float, default=2.0)
-    p.add_argument("--disk-gib", type=float, default=32.0)
-    p.add_argument("--readers", type=int, default=8)
-    p.add_argument("--writers", type=int, default=4)
-    p.add_argument("--load", type=float, default=0.7, help="fraction of capacity offered")
-    p.add_argument("--configs", default="abcde")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dir", type=Path, default=None, help="disk tier directory")
-    p.add_argument("--machine", default="h200")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--history-tokens", type=int_at_least(0), default=3072)
+    p.add_argument("--load", type=positive_number, default=0.7,
+                   help="fraction of capacity offered")
     p.add_argument("--write", action="store_true")
+    add_run_flags(p, layers=8)
     args = p.parse_args()
 
     from io_actors.embed import resolve_device
@@ -172,9 +103,8 @@ def main() -> int:
           f"{time.perf_counter() - started:.1f} s", flush=True)
     kv_token = model_config.kv_bytes_per_token()
     block_bytes = kv_token * args.block_size
-    gpu_blocks = int(args.gpu_gib * 2**30 // block_bytes)
-    host_blocks = int(args.host_gib * 2**30 // block_bytes)
-    disk_blocks = int(args.disk_gib * 2**30 // block_bytes)
+    blocks = pool_blocks(model_config, args.block_size, args.gpu_gib, args.host_gib,
+                         args.disk_gib)
 
     # Same-run calibration: the model's prefill rate and the disk's raw read rate.
     context = args.system_tokens + args.history_tokens
@@ -190,11 +120,11 @@ def main() -> int:
           f"{read_s_per_token * 1e6:.1f} us ({kv_token} bytes of KV)", flush=True)
 
     # Offered load: the compute a request needs when its history is reused.
-    new_first = args.history_tokens + args.question_tokens
-    new_later = args.question_tokens + args.answer_tokens
-    mean_new = (new_first + (args.rounds - 1) * new_later) / args.rounds
-    capacity = tps / (mean_new + 4 * args.answer_tokens)
+    vocab = model_config.vocab_size
+    capacity = full_reuse_capacity(
+        chat_config(args, vocab, 1.0, history_tokens=args.history_tokens), tps)
     rate = args.load * capacity
+    new_later = args.question_tokens + args.answer_tokens
     working_set = args.users * (context + args.rounds * new_later) * kv_token
     print(f"offered {rate:.2f} requests/s ({args.load:.0%} of {capacity:.2f}); working set "
           f"{working_set / 2**30:.1f} GiB vs GPU+host {args.gpu_gib + args.host_gib:.1f} GiB",
@@ -202,20 +132,10 @@ def main() -> int:
 
     summaries: dict[str, dict[str, float]] = {}
     for key in args.configs:
-        budgets = Budgets(
-            block_size=args.block_size, gpu_blocks=gpu_blocks,
-            host_blocks=host_blocks if key in "cde" else 0,
-            reserved_host_blocks=64 if key in "de" else 0,
-            disk_blocks=disk_blocks if key in "de" else 0,
-            writers=args.writers, readers=args.readers,
-        )
-        workload = ChatWorkload(chat_config(args, model_config.vocab_size, rate))
         started = time.perf_counter()
-        run = run_workload(
-            model, workload, budgets, device=str(device), disk_dir=disk_dir / key,
-            batch_invariant=False, salt_every_request=key == "a", synchronous_io=key == "e",
-            max_step_tokens=8192, prefill_chunk=2048, max_running=128,
-        )
+        run = run_config(model, key,
+                         chat_config(args, vocab, rate, history_tokens=args.history_tokens),
+                         budgets_for(key, args, blocks), device=str(device), disk_dir=disk_dir)
         arrivals = max(r.arrival for r in run.results) or 1.0
         offered = sum(r.prompt_tokens for r in run.results) / arrivals
         summaries[key] = summarize(run, offered)
@@ -252,8 +172,7 @@ def main() -> int:
                                                   "unit": "tok/s"}
         figures["disk_read_raw"] = {"value": round(disk.gb_per_s, 3), "unit": "GB/s"}
         figures["prefill_rate"] = {"value": round(tps, 1), "unit": "tok/s"}
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = git_commit()
         out = args.out / f"e2e-{args.machine}-{today:%Y%m%d}.json"
         out.write_text(json.dumps({
             "bench": "e2e", "machine": args.machine, "date": today.isoformat(),

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io demo e2e fuzz tp rebuild
+#   bench/on_gpu.sh tests io demo e2e fuzz tp rebuild sweep
+# sweep: the offered-load sweep of bench/sweep.py, one layer shape per call (SWEEP_MODELS,
+# default 70b-class, about 7 minutes; SWEEP_MODELS=8b-class for the second shape), histories
+# SWEEP_HISTORIES, rates SWEEP_RATES (multiples of the calibrated capacity), SWEEP_ARGS
+# appended (a flag given again there wins); the plots are drawn afterwards where matplotlib
+# is: python -m bench.sweep --plot FILE.
 set -uo pipefail
 OUT=${OUT:-/tmp/statekv-gpu-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+    --target "${SITE:=/tmp/site}" .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DISK=${DISK:-/tmp/statekv-disk}
 mkdir -p "$DISK"
@@ -34,6 +39,12 @@ for step in "$@"; do
     demo) run demo 60 python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
     e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
+    sweep) SWEEP_MODELS=${SWEEP_MODELS:-70b-class}
+        run sweep ${SWEEP_S:-560} python3 -m bench.sweep --machine h200 --dir "$DISK/sweep" \
+        --models "$SWEEP_MODELS" --tag "${SWEEP_MODELS//,/-}" \
+        --histories "${SWEEP_HISTORIES:-4096,16384}" --rates "${SWEEP_RATES:-0.25,0.5,1,2}" \
+        --layers 4 --gpu-gib 1 --host-gib 1 --pressure 1.5 --rounds 3 --block-size 64 \
+        ${SWEEP_ARGS:-} ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     fuzz) run fuzz ${FUZZ_S:-120} python3 -m fuzz --profile gpu ;;
     rebuild) run rebuild ${REBUILD_S:-300} python3 -m bench.rebuild --machine h200 \

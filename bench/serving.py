@@ -1,0 +1,252 @@
+"""What the serving benchmarks (bench/e2e.py, bench/sweep.py) share.
+
+The five cache configurations and the pool budgets each gets, the same-run calibration of the
+model's prefill rate and of the capacity it implies, the run of one configuration through
+models.chat_run, the per-run summary, the flags both take (validated at parse time, errors on
+one line), and the results file's header fields.  One owner for each, so the load sweep and the
+single-load comparison measure the same thing the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
+
+import torch
+
+from models.chat_run import Budgets, RunResult, run_workload, ttft_summary
+from models.config import ModelConfig
+from models.model import Chunk, PagedDecoder
+from models.workloads import ChatWorkloadConfig
+
+CONFIGS = ("a", "b", "c", "d", "e")
+NAMES = {
+    "a": "no reuse",
+    "b": "GPU-only prefix cache",
+    "c": "GPU + host",
+    "d": "GPU + host + disk (statekv)",
+    "e": "GPU + host + disk, sync I/O",
+}
+RESERVED_HOST_BLOCKS = 64
+"""Host pages kept free for disk reads in (d) and (e)."""
+
+
+# ---------------------------------------------------------------------- flags
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line: `prog: error: message (see prog --help)`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def config_letters(text: str) -> str:
+    """A selection of configurations such as `abcde` or `cd`: known letters, each once."""
+    unknown = sorted(set(text) - set(CONFIGS))
+    if not text or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration {''.join(unknown) or text!r} (use letters of "
+            f"{''.join(CONFIGS)})")
+    if len(set(text)) != len(text):
+        raise argparse.ArgumentTypeError(f"a configuration is named twice in {text!r}")
+    return "".join(k for k in CONFIGS if k in text)
+
+
+def add_run_flags(p: argparse.ArgumentParser, *, layers: int) -> None:
+    """The workload, pool and I/O flags of the serving benchmarks."""
+    n0, n1, pos = int_at_least(0), int_at_least(1), positive_number
+    p.add_argument("--layers", type=n1, default=layers, help="decoder layers of the shape")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--users", type=n1, default=64)
+    p.add_argument("--rounds", type=n1, default=4)
+    p.add_argument("--system-tokens", type=n0, default=1024)
+    p.add_argument("--question-tokens", type=n1, default=256)
+    p.add_argument("--answer-tokens", type=n1, default=32)
+    p.add_argument("--block-size", type=n1, default=32, help="tokens per KV block")
+    p.add_argument("--gpu-gib", type=pos, default=2.0)
+    p.add_argument("--host-gib", type=pos, default=2.0)
+    p.add_argument("--disk-gib", type=pos, default=32.0)
+    p.add_argument("--readers", type=n1, default=8)
+    p.add_argument("--writers", type=n1, default=4)
+    p.add_argument("--configs", type=config_letters, default="".join(CONFIGS))
+    p.add_argument("--seed", type=n0, default=0)
+    p.add_argument("--dir", type=Path, default=None, help="disk tier directory")
+    p.add_argument("--machine", default="h200", help="machine name in the results file")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+
+
+# ---------------------------------------------------------------------- calibration
+
+
+def prefill_rate(model: PagedDecoder, block_size: int, chunk: int, context: int) -> float:
+    """Tokens/s of prefilling `chunk` new tokens after `context` cached ones (same run)."""
+    blocks = (context + chunk) // block_size + 1
+    pool = model.new_pool(blocks, block_size)
+    table = list(range(blocks))
+    tokens = [7] * chunk
+    model.forward(pool, [Chunk(token_ids=tokens, start=context, block_table=table)])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    repeats = 3
+    for _ in range(repeats):
+        model.forward(pool, [Chunk(token_ids=tokens, start=context, block_table=table)])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return repeats * chunk / (time.perf_counter() - start)
+
+
+def chat_config(args: argparse.Namespace, vocab: int, rate: float, *,
+                history_tokens: int) -> ChatWorkloadConfig:
+    return ChatWorkloadConfig(
+        num_users=args.users, num_rounds=args.rounds, system_prompt_tokens=args.system_tokens,
+        user_history_tokens=history_tokens, question_tokens=args.question_tokens,
+        answer_tokens=args.answer_tokens, arrival_rate=rate, vocab_size=vocab, seed=args.seed,
+    )
+
+
+def full_reuse_capacity(config: ChatWorkloadConfig, prefill_tok_per_s: float) -> float:
+    """Requests/s the model could serve if every earlier prompt were reused from the cache.
+
+    A user's first round computes its history and question; a later round only the previous
+    answer and the new question.  Decoding is counted as 4 prefill tokens per output token (a
+    decode step moves a whole batch but pays the step's fixed costs).  The capacity of a
+    configuration that recomputes more is lower: that is what the sweep shows.
+    """
+    c = config
+    first = c.user_history_tokens + c.question_tokens
+    later = c.question_tokens + c.answer_tokens
+    mean_new = (first + (c.num_rounds - 1) * later) / c.num_rounds
+    return prefill_tok_per_s / (mean_new + 4 * c.answer_tokens)
+
+
+def mean_prompt_tokens(config: ChatWorkloadConfig) -> float:
+    """Mean prompt length over a conversation's rounds (round r repeats rounds 0..r-1)."""
+    c = config
+    base = c.system_prompt_tokens + c.user_history_tokens
+    rounds = range(c.num_rounds)
+    return sum(base + (r + 1) * c.question_tokens + r * c.answer_tokens
+               for r in rounds) / c.num_rounds
+
+
+# ---------------------------------------------------------------------- one run
+
+
+def pool_blocks(model_config: ModelConfig, block_size: int, gpu_gib: float, host_gib: float,
+                disk_gib: float) -> tuple[int, int, int]:
+    """(GPU, host, disk) blocks of `block_size` tokens in the given GiB."""
+    block_bytes = model_config.kv_bytes_per_token() * block_size
+    return (int(gpu_gib * 2**30 // block_bytes), int(host_gib * 2**30 // block_bytes),
+            int(disk_gib * 2**30 // block_bytes))
+
+
+def budgets_for(key: str, args: argparse.Namespace, blocks: tuple[int, int, int]) -> Budgets:
+    """Configuration `key`'s tiers: every configuration has the same GPU pool."""
+    gpu, host, disk = blocks
+    return Budgets(
+        block_size=args.block_size, gpu_blocks=gpu,
+        host_blocks=host if key in "cde" else 0,
+        reserved_host_blocks=RESERVED_HOST_BLOCKS if key in "de" else 0,
+        disk_blocks=disk if key in "de" else 0,
+        writers=args.writers, readers=args.readers,
+    )
+
+
+def run_config(model: PagedDecoder, key: str, workload: ChatWorkloadConfig, budgets: Budgets, *,
+               device: str, disk_dir: Path,
+               progress: Callable[[int, int], None] | None = None) -> RunResult:
+    """Serve `workload` under configuration `key`."""
+    from models.workloads import ChatWorkload
+
+    chat = ChatWorkload(workload)
+    return run_workload(
+        model, chat, budgets, device=device, disk_dir=disk_dir / key,
+        batch_invariant=False, salt_every_request=key == "a", synchronous_io=key == "e",
+        max_step_tokens=8192, prefill_chunk=2048, max_running=128,
+        progress=progress, total=chat.total_requests,
+    )
+
+
+def itl_p50(run: RunResult) -> float:
+    """Median over requests of each request's mean gap between output tokens (vLLM's TPOT).
+
+    The serving loop records when a request's first and last tokens came, not every token, so
+    the gaps are averaged within a request; NaN when no request produced two tokens.
+    """
+    gaps = [(r.finished - r.first_token) / (len(r.output) - 1) for r in run.results
+            if r.finished is not None and r.first_token is not None and len(r.output) > 1]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
+    results = run.results
+    prompt = sum(r.prompt_tokens for r in results)
+    output = sum(len(r.output) for r in results)
+    p50, p99 = ttft_summary(run)
+    return {
+        "ttft_p50_s": p50, "ttft_p99_s": p99, "itl_p50_s": itl_p50(run),
+        "output_tok_per_s": output / run.seconds,
+        "input_tok_per_s": prompt / run.seconds,
+        "offered_input_tok_per_s": offered_input_tps,
+        "sustained_vs_offered": prompt / run.seconds / offered_input_tps,
+        "tokens_gpu": sum(r.gpu_tokens for r in results),
+        "tokens_host": sum(r.host_tokens for r in results),
+        "tokens_disk": sum(r.disk_tokens for r in results),
+        "tokens_computed": sum(r.recomputed_tokens for r in results),
+        "requests": len(results),
+        "seconds": run.seconds,
+        "io_errors": run.cache.cache.io_errors,
+    }
+
+
+
+# ---------------------------------------------------------------------- results files
+
+
+def git_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=False).stdout.strip()
+
+
+def pyplot() -> ModuleType | None:
+    """matplotlib.pyplot on a file backend, or None where matplotlib is not installed (the
+    GPU machine: plots are drawn from the results file elsewhere)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

@@ -1,0 +1,24 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.redis_cluster import LocalRedisCluster, running_cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """One three-master cluster for the whole run; tests keep apart by key namespace."""
+    with running_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def own_redis_cluster(tmp_path: Path) -> Iterator[LocalRedisCluster]:
+    """A cluster for one test that harms it (kills a master)."""
+    with running_cluster(tmp_path / "redis-cluster") as cluster:
+        yield cluster

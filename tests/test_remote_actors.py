@@ -1,0 +1,307 @@
+"""The remote writer and reader actors on a real Redis Cluster, and two replicas sharing it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from io_actors.backends.redis_store import FetchStatus, RedisClusterStore
+from io_actors.backends.remote_faults import (
+    FaultyRemoteStore,
+    RemoteFault,
+    RemoteFaultPlan,
+    RemoteFaultRule,
+)
+from io_actors.remote_fetcher import RemoteFetcher
+from io_actors.remote_publisher import Offer, RemotePublisher
+from statekv.block import Block
+from statekv.config import CacheConfig
+from statekv.errors import ConfigError, UsageError
+from statekv.hashing import extend_chain, root_key, token_bytes
+from statekv.ids import BlockHash, BlockId
+from statekv.policies import FetchCost
+from tests.redis_cluster import LocalRedisCluster
+from tests.test_redis_store import SENTINEL, blank, block, chain
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = FetchCost(network_bytes_per_s=1e9, prefill_tokens_per_s=1e3)
+
+
+def config(**kwargs: object) -> CacheConfig:
+    return CacheConfig(block_size=16, gpu_blocks=8, model_fingerprint="model-a",
+                       **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store(redis_cluster: LocalRedisCluster) -> Iterator[RedisClusterStore]:
+    with RedisClusterStore(redis_cluster.url, config(), namespace=f"a{uuid.uuid4().hex[:12]}",
+                           timeout_s=0.25) as s:
+        yield s
+
+
+def record(i: int, key: BlockHash | None, *, reuse: int = 0,
+           expiry: float | None = None) -> Block:
+    return Block(id=BlockId(i), key=key, depth=i, reuse_count=reuse, expiry=expiry)
+
+
+def publish_all(publisher: RemotePublisher, blocks: list[Block], *, now: float = 0.0,
+                ) -> list[Offer]:
+    async def main() -> list[Offer]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher.run)
+            offers = [publisher.offer(b, block(b.id), now=now, wall_now=time.time())
+                      for b in blocks]
+            publisher.close()
+        return offers
+
+    return trio.run(main)
+
+
+# --- publishing ----------------------------------------------------------------------------
+
+
+def test_spill_mode_policy_decides_what_is_published(store: RedisClusterStore) -> None:
+    keys = chain(4)
+    blocks = [record(0, keys[0]), record(1, keys[1], reuse=3),
+              record(2, keys[2], expiry=50.0), record(3, None)]
+    for mode, extra, expected in (
+        ("all", {}, [Offer.QUEUED, Offer.QUEUED, Offer.QUEUED, Offer.UNKEYED]),
+        ("reused", {"spill_min_reuse": 2},
+         [Offer.NOT_ADMITTED, Offer.QUEUED, Offer.NOT_ADMITTED, Offer.UNKEYED]),
+        ("retained_only", {},
+         [Offer.NOT_ADMITTED, Offer.NOT_ADMITTED, Offer.QUEUED, Offer.UNKEYED]),
+    ):
+        store.forget(keys)
+        publisher = RemotePublisher(store, config(spill_mode=mode, **extra))
+        assert publish_all(publisher, blocks, now=10.0) == expected
+        assert store.present(keys) == [o is Offer.QUEUED for o in expected]
+        assert publisher.statistics().published == expected.count(Offer.QUEUED)
+
+
+def test_a_retained_block_expires_with_its_deadline(store: RedisClusterStore) -> None:
+    keys = chain(2)
+    publisher = RemotePublisher(store, config())
+    offers = publish_all(publisher, [record(0, keys[0], expiry=100.0),
+                                     record(1, keys[1], expiry=5.0)], now=10.0)
+    assert offers == [Offer.QUEUED, Offer.NOT_ADMITTED]  # a passed deadline is not shared
+    ttl_ms = store.client.pttl(store.redis_key(keys[0]))
+    assert 80_000 < ttl_ms <= 90_000
+
+
+def test_a_full_queue_sheds_or_refuses_and_never_blocks(store: RedisClusterStore) -> None:
+    keys = chain(8)
+    publisher = RemotePublisher(store, config(drop_on_pressure=True, write_queue_depth=2))
+    # run() is not draining: offers only queue; none may wait.
+    offers = [publisher.offer(record(i, k, expiry=None if i < 4 else 99.0), block(i), now=0.0,
+                              wall_now=0.0) for i, k in enumerate(keys)]
+    assert offers == [Offer.QUEUED, Offer.QUEUED, Offer.SHED, Offer.SHED,
+                      Offer.QUEUED, Offer.QUEUED, Offer.FULL, Offer.FULL]
+    stats = publisher.statistics()
+    assert stats.queued == 4 and stats.offers["shed"] == 2 and stats.offers["full"] == 2
+    queue_only = RemotePublisher(store, config(write_queue_depth=2))
+    offers = [queue_only.offer(record(i, k), block(i), now=0.0, wall_now=0.0)
+              for i, k in enumerate(keys[:5])]
+    assert offers == [Offer.QUEUED] * 4 + [Offer.FULL]
+
+
+def test_the_page_is_copied_at_offer(store: RedisClusterStore) -> None:
+    key = chain(1)[0]
+    publisher = RemotePublisher(store, config())
+    page = block(5)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            publisher.offer(record(0, key), page, now=0.0, wall_now=0.0)
+            page.fill_(0)  # the local tier reuses its page at once
+            nursery.start_soon(publisher.run)
+            publisher.close()
+
+    trio.run(main)
+    dst = blank()
+    store.fetch(key, dst)
+    assert torch.equal(dst, block(5))
+
+
+def test_failed_publishes_are_counted_not_raised(store: RedisClusterStore) -> None:
+    keys = chain(3)
+    faulty = FaultyRemoteStore(store, RemoteFaultPlan(rules=(
+        RemoteFaultRule(op="publish", fault=RemoteFault.TIMEOUT, nth=2),)))
+    publisher = RemotePublisher(faulty, config())
+    publish_all(publisher, [record(i, k) for i, k in enumerate(keys)])
+    stats = publisher.statistics()
+    assert stats.published + stats.failed == 3 and stats.queued == 0
+    assert store.present([keys[0], keys[2]]) == [True, True]
+
+
+def test_bad_publisher_arguments(store: RedisClusterStore) -> None:
+    with pytest.raises(ConfigError) as info:
+        RemotePublisher(store, config(), queue_depth=0)
+    assert info.value.field == "queue_depth"
+    with pytest.raises(UsageError) as bad:
+        RemotePublisher(store, config()).offer("block", block(0), now=0.0,  # type: ignore[arg-type]
+                                               wall_now=0.0)
+    assert bad.value.field == "block"
+    for field in ("network_bytes_per_s", "prefill_tokens_per_s", "round_trip_s"):
+        with pytest.raises(ConfigError) as info:
+            FetchCost(**{"network_bytes_per_s": 1.0, "prefill_tokens_per_s": 1.0,
+                         field: -1.0})
+        assert info.value.field == field
+
+
+# --- fetching ------------------------------------------------------------------------------
+
+
+def onboard(fetcher: RemoteFetcher, keys: list[BlockHash],
+            pages: list[torch.Tensor]) -> tuple[int, int, bool, FetchStatus | None]:
+    result = trio.run(fetcher.onboard, keys, pages)
+    return result.matched, result.served, result.fetched, result.failure
+
+
+def test_onboard_serves_the_published_prefix_byte_for_byte(store: RedisClusterStore) -> None:
+    keys = chain(6)
+    publish_all(RemotePublisher(store, config()), [record(i, k) for i, k in enumerate(keys[:4])])
+    pages = [blank() for _ in keys]
+    assert onboard(RemoteFetcher(store, config(), FAST), keys, pages) == (4, 4, True, None)
+    for i in range(4):
+        assert torch.equal(pages[i], block(i))
+    for page in pages[4:]:
+        assert int(page.eq(SENTINEL).sum()) == page.numel()
+
+
+def test_recompute_wins_when_the_network_is_slower(store: RedisClusterStore) -> None:
+    keys = chain(3)
+    publish_all(RemotePublisher(store, config()), [record(i, k) for i, k in enumerate(keys)])
+    slow = FetchCost(network_bytes_per_s=1e3, prefill_tokens_per_s=1e6)
+    before = store.statistics().fetches
+    assert onboard(RemoteFetcher(store, config(), slow), keys,
+                   [blank() for _ in keys]) == (3, 0, False, None)
+    assert store.statistics().fetches == before
+    rtt = FetchCost(network_bytes_per_s=1e9, prefill_tokens_per_s=1e3, round_trip_s=10.0)
+    assert not rtt.fetch_beats_recompute(3, 1024, 16)
+    assert FAST.fetch_beats_recompute(3, 1024, 16)
+
+
+@pytest.mark.parametrize(("fault", "status"), [
+    (RemoteFault.EVICTED, FetchStatus.MISSING),
+    (RemoteFault.CORRUPT, FetchStatus.CORRUPT),
+    (RemoteFault.TIMEOUT, FetchStatus.UNAVAILABLE),
+])
+def test_a_block_lost_between_match_and_fetch_cuts_the_prefix_cleanly(
+    store: RedisClusterStore, fault: RemoteFault, status: FetchStatus,
+) -> None:
+    keys = chain(5)
+    publish_all(RemotePublisher(store, config()), [record(i, k) for i, k in enumerate(keys)])
+    faulty = FaultyRemoteStore(store, RemoteFaultPlan(rules=(
+        RemoteFaultRule(op="fetch", fault=fault, nth=3),)))
+    pages = [blank() for _ in keys]
+    assert onboard(RemoteFetcher(faulty, config(), FAST), keys, pages) == (5, 2, True, status)
+    for i in range(2):
+        assert torch.equal(pages[i], block(i))
+    # The struck block's page was never written; later blocks may have landed but are not
+    # served (the request recomputes from block 2 on).
+    assert int(pages[2].eq(SENTINEL).sum()) == pages[2].numel()
+
+
+# --- two replicas, one cluster ---------------------------------------------------------------
+
+
+def replica(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "tests.remote_replica", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_prefix_computed_in_one_process_is_served_to_another(
+    redis_cluster: LocalRedisCluster, tmp_path: Path,
+) -> None:
+    namespace = f"r{uuid.uuid4().hex[:12]}"
+    published, onboarded = tmp_path / "a.json", tmp_path / "b.json"
+    replica("publish", redis_cluster.url, namespace, str(published))
+    a = json.loads(published.read_text())
+    assert a["offers"] == ["queued"] * 6
+    replica("onboard", redis_cluster.url, namespace, str(published), str(onboarded))
+    b = json.loads(onboarded.read_text())
+    assert b["matched"] == 6 and b["served"] == 6
+    assert b["same_bytes"] == [True] * 6
+    # The fetched prefix is the KV B would have computed: decoding the tail on it gives
+    # exactly the logits of decoding it on B's own prefill, and a single full prefill's up to
+    # float rounding (another batch shape sums in another order).
+    assert b["tail_equal"]
+    assert b["tail_vs_full_prefill"] < 1e-4
+    # Another tenant's chain of the same tokens matches nothing A published.
+    from tests.remote_replica import PROMPT, setup
+
+    _model, cfg, keys = setup()
+    other: list[BlockHash] = []
+    extend_chain(other, root_key(cfg.model_fingerprint, "tenant-2", None), token_bytes(PROMPT),
+                 cfg.block_size, len(PROMPT) // cfg.block_size)
+    with RedisClusterStore(redis_cluster.url, cfg, namespace=namespace) as s:
+        assert s.match_prefix(keys) == 6
+        assert s.match_prefix(other) == 0
+
+
+def test_the_readme_shared_tier_example_runs(redis_cluster: LocalRedisCluster,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (REPO / "README.md").read_text()
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                  if "RedisClusterStore" in b]
+    url = "redis://10.0.0.5:7000,redis://10.0.0.6:7000,redis://10.0.0.7:7000"
+    assert url in example
+    exec(compile(example.replace(url, redis_cluster.url), "README.md", "exec"),
+         {"__name__": "readme_shared_tier"})
+    assert capsys.readouterr().out.strip() == "served to B: 4 blocks"
+
+
+def test_killing_a_master_mid_run_cuts_prefixes_there_and_serving_goes_on(
+    own_redis_cluster: LocalRedisCluster,
+) -> None:
+    cluster = own_redis_cluster
+    cfg = config()
+    keys = chain(30, first=7000)
+    with RedisClusterStore(cluster.url, cfg, timeout_s=0.25) as store:
+        owner = [cluster.node_for(store.redis_key(k)).port for k in keys]
+        victim = cluster.nodes[2]
+        first_lost = owner.index(victim.port)
+        survivors = [i for i, port in enumerate(owner) if port != victim.port]
+
+        async def main() -> None:
+            publisher = RemotePublisher(store, cfg)
+            fetcher = RemoteFetcher(store, cfg, FAST)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(publisher.run)
+                for i, key in enumerate(keys):
+                    assert publisher.offer(record(i, key), block(i), now=0.0,
+                                           wall_now=0.0) is Offer.QUEUED
+                publisher.close()
+            pages = [blank() for _ in keys]
+            assert (await fetcher.onboard(keys, pages)).served == len(keys)
+
+            cluster.kill(victim)
+            for _round in range(3):  # serving goes on, round after round
+                pages = [blank() for _ in keys]
+                with trio.fail_after(60):  # a dead master costs a timeout, never a hang
+                    result = await fetcher.onboard(keys, pages)
+                # The match may stop at the dead master (EXISTS fails there) or the fetch
+                # may: either way nothing from it or after it is served.
+                assert result.served == first_lost
+                for i in range(result.served):
+                    assert torch.equal(pages[i], block(i))
+                for page in pages[first_lost:first_lost + 1]:
+                    assert int(page.eq(SENTINEL).sum()) == page.numel()
+            # Blocks on the surviving masters are still served one by one.
+            for i in survivors[:5]:
+                page = blank()
+                result = await fetcher.onboard([keys[i]], [page])
+                assert result.served == 1 and torch.equal(page, block(i))
+
+        trio.run(main)
