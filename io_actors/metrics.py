@@ -127,6 +127,22 @@ CACHE_FIELDS: Final[dict[str, tuple[str, str, dict[str, str], str]]] = {
     "disk_retained_blocks": ("disk_retained_blocks", GAUGE, {},
                              "Disk blocks whose retention TTL is running."),
     "blocks_by_state": ("blocks", GAUGE, {}, "Blocks in each lifecycle state."),
+    "hit_blocks_remote": ("prompt_blocks", COUNTER, {"tier": "remote"}, ""),
+    "fetches": ("remote_fetches", COUNTER, {}, "Block fetches from the shared tier issued."),
+    "fetches_completed": ("remote_fetches_completed", COUNTER, {},
+                          "Shared-tier fetches that landed, verified."),
+    "fetch_failures": ("remote_fetch_failures", COUNTER, {},
+                       "Shared-tier fetches that failed (never served)."),
+    "bytes_fetched": ("remote_fetched_bytes", COUNTER, {}, "Bytes fetched from the shared tier."),
+    "fetches_in_flight": ("remote_fetches_in_flight", GAUGE, {},
+                          "Shared-tier fetches in flight."),
+    "fetches_skipped_as_too_slow": ("remote_fetches_skipped_as_too_slow", COUNTER, {},
+                                    "Shared-tier hit blocks recomputed because fetching them "
+                                    "was estimated slower."),
+    "publishes_offered": ("remote_publishes_offered", COUNTER, {},
+                          "Host offloads offered to the shared tier's publisher."),
+    "publishes_not_admitted": ("remote_publishes_not_admitted", COUNTER, {},
+                               "Host offloads the spill mode kept from the shared tier."),
 }
 
 

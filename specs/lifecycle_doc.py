@@ -25,22 +25,23 @@ Checked by `KVCacheManager.check_invariants()` after every step of the fuzz suit
    changes only through an entry of the table, and any other event raises
    `IllegalTransition`.
 2. **Storage follows the state.** A block owns a GPU page exactly in ON_GPU, RELEASED,
-   ONBOARDING and ERROR; a host page exactly in ON_HOST, SPILLING, PREFETCHING and PREFETCHED
+   ONBOARDING, FETCHING and ERROR; a host page exactly in ON_HOST, SPILLING, PREFETCHING and PREFETCHED
    (and in ONBOARDING when it is a prefetch an admitted request took over); a disk slot
    exactly in SPILLING, ON_DISK, ONBOARDING, PREFETCHING and PREFETCHED; a transfer id exactly
-   in SPILLING, ONBOARDING and PREFETCHING.
+   in SPILLING, ONBOARDING, PREFETCHING and FETCHING.
 3. **Nothing is owned twice, nothing is lost.** Every GPU page, host page and disk slot is
    owned by exactly one of: a block, a free list, or a write whose block was recalled to GPU
    while it drained.
 4. **A read in flight pins its storage.** An ONBOARDING block keeps its GPU page and its disk
    slot until its read reports back, whoever releases it meanwhile; no free list and no
-   displacement order contains it.
+   displacement order contains it.  A FETCHING block keeps its GPU page the same way until
+   its fetch reports.
 5. **Holders.** A block's reference count equals the number of live requests holding it;
    ON_GPU blocks have at least one holder, RELEASED blocks none. A request's pending-read
-   count equals the number of its blocks in ONBOARDING, and it is ready exactly when that
-   count is zero.
+   count equals the number of its blocks in ONBOARDING or FETCHING, and it is ready exactly
+   when that count is zero.
 6. **Prefix index.** A block has a key exactly when the index maps that key to it. Cached
-   states (RELEASED, ON_HOST, SPILLING, ON_DISK) always have a key; FREE and ERROR never do.
+   states (RELEASED, ON_HOST, SPILLING, ON_DISK) and FETCHING always have a key; FREE and ERROR never do.
    Only full blocks are keyed; a partially filled block is private to its request.
 7. **Eviction orders.** The GPU evictable order holds exactly the RELEASED blocks, the host
    order exactly the ON_HOST blocks, the disk orders exactly the ON_DISK blocks, and the
@@ -77,8 +78,19 @@ read; a host -> GPU copy follows the landing). PREFETCH_CANCELLED returns a PREF
 to ON_DISK for free, when every queued request that wanted it left or when a GPU victim
 needs its host page; PREFETCH_FAILED drops content whose prefetch read failed.
 
+The shared tier (specs/remote_tier.md): the remote fetcher looks up the keys past a prompt's
+local match (`remote_candidates`) in the cluster and hands those found to `add_request`;
+FETCH_STARTED takes a free record and a GPU page for each block of the leading run and issues
+a fetch; other requests matching it meanwhile wait on it (FETCHING ACQUIRED); FETCH_LANDED
+serves verified bytes; FETCH_FAILED (a key missing, evicted or expired since the lookup, a
+corrupt, foreign or unauthenticated value, a master that does not answer) sends the block to
+ERROR, and every request holding it recomputes from it. Publishing is not a state: a
+`PublishBlock` follows the GPU -> host copy of an admitted offload in the command order, and
+the publisher copies the host page right there.
+
 GPU <-> host copies are stream ordered and need no completion; disk reads and writes are
-asynchronous, which is why SPILLING, ONBOARDING and PREFETCHING are states of their own.
+asynchronous, which is why SPILLING, ONBOARDING, PREFETCHING and FETCHING are states of
+their own.
 
 ## Batches
 

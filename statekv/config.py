@@ -164,6 +164,10 @@ class CacheConfig:
     """Recompute a run of disk hits instead of reading it back when the reported disk read
     rate and prefill rate say recomputing is faster (statekv.cost); until both have been
     reported, disk hits are always read."""
+    shared_tier: bool = attrs.field(default=False, validator=_check_bool)
+    """A shared tier (specs/remote_tier.md) is attached: blocks offloaded to host are offered
+    for publishing (PublishBlock) when the spill mode admits them, and add_request may match
+    past the local tiers against keys the remote fetcher found (``remote_keys``)."""
 
     @max_ttl_seconds.validator
     def _check_max_ttl(self, _attribute: attrs.Attribute[float], value: object) -> None:

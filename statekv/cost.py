@@ -1,4 +1,5 @@
-"""Whether reading a run of disk blocks back beats recomputing its tokens.
+"""Whether reading a run of disk blocks back (or fetching one from the shared tier) beats
+recomputing its tokens.
 
 A disk hit is worth reading only when the read finishes before a prefill of the same tokens
 would: on a slow disk with a fast model (a small model, short contexts) recomputing wins, and
@@ -9,6 +10,9 @@ The estimates are measurements reported from outside (sans-IO: the core reads no
 
 * the disk's read rate, in bytes per second, from completed reads -- the reader actor reports
   each batch's bytes and the seconds it took;
+* the shared tier's fetch rate, in bytes per second, from completed fetches -- the remote
+  fetcher actor reports each batch's verified bytes and the seconds it took (round trips
+  included: it is the rate a request sees);
 * the model's prefill time per token, by context length -- the serving loop reports each
   forward pass that prefilled: its tokens, the seconds it took and the longest context it
   ended at (a batch's time per token is what recomputing costs a busy server).  Attention
@@ -56,10 +60,11 @@ def check_count(field: str, value: object, *, low: int) -> int:
 class OnboardCosts:
     """Running estimates of the disk read rate and the prefill time per token."""
 
-    __slots__ = ("_prefill", "disk_bytes_per_second")
+    __slots__ = ("_prefill", "disk_bytes_per_second", "network_bytes_per_second")
 
     def __init__(self) -> None:
         self.disk_bytes_per_second: float | None = None
+        self.network_bytes_per_second: float | None = None
         self._prefill: dict[int, float] = {}
         """Seconds per prefilled token, by context-length bucket."""
 
@@ -68,6 +73,12 @@ class OnboardCosts:
         rate = num_bytes / seconds
         old = self.disk_bytes_per_second
         self.disk_bytes_per_second = rate if old is None else old + SMOOTHING * (rate - old)
+
+    def observe_fetch(self, num_bytes: float, seconds: float) -> None:
+        """One completed fetch from the shared tier (both checked by the caller)."""
+        rate = num_bytes / seconds
+        old = self.network_bytes_per_second
+        self.network_bytes_per_second = rate if old is None else old + SMOOTHING * (rate - old)
 
     def observe_prefill(self, num_tokens: int, seconds: float, context_tokens: int) -> None:
         """One prefill of `num_tokens` new tokens that took `seconds`, ending at a context of

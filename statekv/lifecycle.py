@@ -30,7 +30,16 @@ ONBOARDING  disk -> GPU read in flight                             disk slot + G
 ERROR       its read failed: never served, freed by last holder    GPU page
 PREFETCHING disk -> host read in flight for a queued request          disk slot + host page
 PREFETCHED  on disk and in a host page, kept for a queued request  disk slot + host page
+FETCHING    shared tier -> GPU fetch in flight                     GPU page
 ==========  =====================================================  ===========================
+
+The shared tier (specs/remote_tier.md) adds one state.  Its content is not the cache's: a
+request's prefix is matched past the local tiers only against keys the remote fetcher found
+in the cluster just before ``add_request``, and a record is taken for such a block only when
+its fetch starts (FREE -> FETCHING, with a GPU page).  There is no record for "known
+remotely" (every record must own a page or a slot, which is what bounds the record count),
+and no state for a publish: a publish copies its host page at offer, in command order, so the
+page is the local tiers' again as soon as the command was taken.
 
 A *prefetch* brings a queued request's disk blocks into host pages before it is admitted, so
 that its onboard is a host -> GPU copy when it runs.  Prefetched content stays on disk (the
@@ -54,6 +63,9 @@ Why each state owns what it owns (each row is a race the design rules out):
 * PREFETCHING keeps its host page and its disk slot until the read lands, even when the
   queued request that asked for it leaves: the read may still write into the page.
 * PREFETCHING and PREFETCHED are in no displacement order: a spill never takes their slot.
+* FETCHING keeps its GPU page even when its last holder releases it, as ONBOARDING does; a
+  fetch that fails (missing, evicted, expired, corrupt, unavailable) goes to ERROR and is
+  never served.
 * ON_DISK -> FREE (displacement) removes the block from the prefix tree in the same step, so
   the tree never points at a slot whose bytes were recycled.
 """
@@ -85,6 +97,7 @@ class BlockState(enum.IntEnum):
     ERROR = 7
     PREFETCHING = 8
     PREFETCHED = 9
+    FETCHING = 10
 
 
 class BlockEvent(enum.IntEnum):
@@ -108,6 +121,9 @@ class BlockEvent(enum.IntEnum):
     PREFETCH_LANDED = 115
     PREFETCH_CANCELLED = 116
     PREFETCH_FAILED = 117
+    FETCH_STARTED = 118
+    FETCH_LANDED = 119
+    FETCH_FAILED = 120
 
 
 EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
@@ -168,6 +184,17 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
         "The prefetch read failed (I/O error, short read, checksum): the bytes are never "
         "served and the content leaves the cache."
     ),
+    BlockEvent.FETCH_STARTED: (
+        "A request's prefix continues in the shared tier: a free record takes a GPU page and "
+        "a fetch of the block's value was issued into it."
+    ),
+    BlockEvent.FETCH_LANDED: (
+        "The fetch completed: the value was verified and the bytes are complete on the device."
+    ),
+    BlockEvent.FETCH_FAILED: (
+        "The fetch failed (missing, evicted or expired key, corrupt or foreign value, the "
+        "master unavailable): the bytes are never served."
+    ),
 }
 
 
@@ -201,6 +228,10 @@ TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
     (S.PREFETCHING, E.ACQUIRED): S.ONBOARDING,
     (S.PREFETCHED, E.RECALLED): S.ON_GPU,
     (S.PREFETCHED, E.PREFETCH_CANCELLED): S.ON_DISK,
+    (S.FREE, E.FETCH_STARTED): S.FETCHING,
+    (S.FETCHING, E.ACQUIRED): S.FETCHING,
+    (S.FETCHING, E.FETCH_LANDED): S.ON_GPU,
+    (S.FETCHING, E.FETCH_FAILED): S.ERROR,
 }
 """The single source of truth for the block lifecycle."""
 
@@ -209,6 +240,9 @@ del S, E
 # A read in flight ends only by landing or failing: never straight to a free list.
 _READ_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ONBOARDING, BlockState.ON_GPU,
                                           BlockState.ERROR})
+# A fetch in flight keeps its GPU page the same way: it lands or fails, never freed.
+_FETCH_IN_FLIGHT_EXITS: Final = frozenset({BlockState.FETCHING, BlockState.ON_GPU,
+                                           BlockState.ERROR})
 # A prefetch in flight keeps its host page and slot: it lands, fails, or an admitted request
 # takes it over as an onboard.
 _PREFETCH_IN_FLIGHT_EXITS: Final = frozenset({BlockState.PREFETCHED, BlockState.FREE,
@@ -218,8 +252,10 @@ _WRITE_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ON_DISK, BlockState.ON_HOS
                                            BlockState.ON_GPU})
 
 
-# A record leaves FREE for a new request's page or to adopt a slot found at open, nothing else.
-_LEAVES_FREE: Final = frozenset({BlockEvent.ALLOCATED, BlockEvent.RESTORED})
+# A record leaves FREE for a new request's page, to adopt a slot found at open, or for a
+# fetch from the shared tier, nothing else.
+_LEAVES_FREE: Final = frozenset({BlockEvent.ALLOCATED, BlockEvent.RESTORED,
+                                 BlockEvent.FETCH_STARTED})
 # Bytes are on disk only once a write landed, or when an index rebuild at open found them
 # there (in a slot whose header, checksums and fingerprint were checked; restore is FREE-only),
 # or when a prefetched copy is given up (the slot was kept all along, never rewritten).
@@ -243,6 +279,8 @@ def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
     post: state is not BlockState.FREE or event in _LEAVES_FREE
     post: event is not BlockEvent.RESTORED or state is BlockState.FREE
     post: state is not BlockState.ONBOARDING or __return__ in _READ_IN_FLIGHT_EXITS
+    post: state is not BlockState.FETCHING or __return__ in _FETCH_IN_FLIGHT_EXITS
+    post: __return__ is not BlockState.FETCHING or state in (BlockState.FREE, BlockState.FETCHING)
     post: state is not BlockState.SPILLING or __return__ in _WRITE_IN_FLIGHT_EXITS
     post: state is not BlockState.PREFETCHING or __return__ in _PREFETCH_IN_FLIGHT_EXITS
     post: __return__ is not BlockState.PREFETCHING or state is BlockState.ON_DISK

@@ -26,6 +26,14 @@ Cost-aware onboarding: the actors report disk reads (``report_disk_read``) and t
 loop reports prefills (``report_prefill``); with both estimates, ``add_request`` recomputes a
 run of disk hits instead of reading it when that is faster (``statekv.cost``).
 
+The shared tier (``CacheConfig.shared_tier``, specs/remote_tier.md): the core does no lookup
+of its own.  ``remote_candidates`` names the keys of a prompt past the local match; the remote
+fetcher actor asks the cluster which of them it holds and passes those to
+``add_request(..., remote_keys=...)``, which fetches the leading run of them into GPU pages
+(FETCHING; the request is parked as for a disk read), unless recomputing is faster (the
+fetcher reports its rate with ``report_fetch``).  Host offloads of admitted content are
+offered for publishing (``PublishBlock``).
+
 Every public method validates its arguments before it changes anything, so a call that
 raises leaves the cache exactly as it was.
 """
@@ -34,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
@@ -52,10 +60,13 @@ from statekv.messages import (
     Completion,
     CopyGpuToHost,
     CopyHostToGpu,
+    FetchBlock,
+    FetchBlocks,
     FreeSlot,
     PersistRetention,
     PrefetchSlot,
     PrefetchSlots,
+    PublishBlock,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -102,6 +113,10 @@ class PrefixMatch:
     skipped_disk_tokens: int = 0
     """Tokens on disk not read back because recomputing them is faster (cost-aware
     onboarding): the match ends where they start, and the request computes them."""
+    remote_tokens: int = 0
+    """Tokens being fetched from the shared tier; the request is parked until they land."""
+    skipped_remote_tokens: int = 0
+    """Tokens the shared tier holds that are recomputed instead (cheaper, or after a cut)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -181,7 +196,7 @@ class _Request:
     committed: int = 0
     """Blocks [0, committed) are full and were offered to the prefix index."""
     pending: int = 0
-    """Blocks of this request whose onboard read has not landed."""
+    """Blocks of this request whose onboard read or fetch has not landed."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -237,6 +252,10 @@ class KVCacheManager:
         self._prefetched = BlockList()
         self._prefetch_outbox: list[PrefetchSlot] = []
         self._costs = OnboardCosts()
+        # The shared tier: fetches in flight, waiting for take_commands() to batch them.
+        self._shared = config.shared_tier
+        self._fetches: dict[TransferId, Block] = {}
+        self._fetch_outbox: list[FetchBlock] = []
         self._cost_aware = config.cost_aware_onboarding
         self._reclaim_first = config.reclaim_prefetched_first
         self._outbox: list[Command] = []
@@ -265,22 +284,27 @@ class KVCacheManager:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_id: int | None = None,
+        remote_keys: Collection[BlockHash] = (),
     ) -> PrefixMatch:
         """Register a request and take the longest cached prefix of its prompt.
 
         Matched blocks on GPU are shared at once; host blocks are copied back; disk blocks
-        are read back asynchronously and the request is parked until they land.  Raises
-        OutOfBlocks (changing nothing) when the GPU cannot hold the blocks to onboard.
+        are read back asynchronously and the request is parked until they land.  Past the
+        local match, the leading blocks whose keys are in `remote_keys` (what the shared tier
+        was found to hold) are fetched the same way.  Raises OutOfBlocks (changing nothing)
+        when the GPU cannot hold the blocks to onboard.
         """
         now = _check_now(now, self._now)
         rid = self._check_new_request_id(request_id)
         ttl = self._check_ttl(ttl_seconds)
         self._check_priority(priority)
+        remote_set = self._check_remote_keys(remote_keys)
         req = self._new_request(rid, token_ids, cache_salt, lora_id, ttl, priority)
         matched = self._lookup_prefix(req)
-        matched, skipped = self._cost_cut(req, matched)
+        remote = self._remote_run(req, len(matched), remote_set)
+        matched, skipped, remote, skipped_remote = self._cost_cut(req, matched, remote)
         # Capacity: every matched block that is not already on GPU needs a GPU page.
-        needs_page = 0
+        needs_page = remote
         released_hits = 0
         for block in matched:
             state = block.state
@@ -295,7 +319,7 @@ class KVCacheManager:
         self._advance(now)
         self._cause = rid
         try:
-            gpu, host, disk = self._take_matched(req, matched)
+            gpu, host, disk = self._take_matched(req, matched, remote)
             if rid in self._queued:
                 self._end_prefetch(rid, now)
         finally:
@@ -304,15 +328,58 @@ class KVCacheManager:
         c = self._counters
         c.requests_added += 1
         c.onboards_skipped_as_too_slow += skipped
+        c.fetches_skipped_as_too_slow += skipped_remote
         if req.pending:
             c.requests_parked += 1
             self._parked += 1
         bs = self._block_size
         return PrefixMatch(
             request_id=rid, num_prompt_tokens=req.num_tokens,
-            matched_tokens=len(matched) * bs, gpu_tokens=gpu * bs, host_tokens=host * bs,
-            disk_tokens=disk * bs, ready=req.pending == 0, skipped_disk_tokens=skipped * bs,
+            matched_tokens=(len(matched) + remote) * bs, gpu_tokens=gpu * bs,
+            host_tokens=host * bs, disk_tokens=disk * bs, ready=req.pending == 0,
+            skipped_disk_tokens=skipped * bs, remote_tokens=remote * bs,
+            skipped_remote_tokens=skipped_remote * bs,
         )
+
+    def remote_candidates(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> tuple[BlockHash, ...]:
+        """The chained keys of the prompt's matchable blocks past its local match, in order:
+        what to look up in the shared tier before ``add_request``.  Changes nothing."""
+        if not self._shared:
+            raise UsageError("shared_tier", "the cache has no shared tier configured")
+        req = self._new_request(RequestId("?"), token_ids, cache_salt, lora_id, None, 0)
+        matched = self._lookup_prefix(req)
+        return tuple(req.keys[len(matched):])
+
+    def _check_remote_keys(self, remote_keys: object) -> frozenset[bytes]:
+        if isinstance(remote_keys, str | bytes) or not isinstance(remote_keys, Collection):
+            raise UsageError("remote_keys", "must be a collection of block keys")
+        if not remote_keys:
+            return frozenset()
+        if not self._shared:
+            raise UsageError("remote_keys", "the cache has no shared tier configured")
+        for key in remote_keys:
+            if not isinstance(key, bytes) or len(key) != DIGEST_SIZE:
+                raise UsageError("remote_keys", f"must hold BlockHash keys, got {key!r:.80}")
+        return frozenset(remote_keys)
+
+    def _remote_run(self, req: _Request, start: int, remote: frozenset[bytes]) -> int:
+        """How many blocks from `start` on the shared tier holds (per `remote`).  A key that
+        is cached locally ends the run: one key, one record."""
+        if not remote:
+            return 0
+        index = self._index
+        n = 0
+        for key in req.keys[start:]:
+            if key not in remote or key in index:
+                break
+            n += 1
+        return n
 
     def prefetch(
         self,
@@ -382,6 +449,13 @@ class KVCacheManager:
         secs = check_measurement("seconds", seconds, positive=True)
         self._costs.observe_read(nbytes, secs)
 
+    def report_fetch(self, num_bytes: int, seconds: float) -> None:
+        """The remote fetcher fetched `num_bytes` of verified values in `seconds` (one batch):
+        the shared tier's rate estimate."""
+        nbytes = check_count("num_bytes", num_bytes, low=1)
+        secs = check_measurement("seconds", seconds, positive=True)
+        self._costs.observe_fetch(nbytes, secs)
+
     def report_prefill(self, num_tokens: int, seconds: float, *, context_tokens: int) -> None:
         """The model computed `num_tokens` new tokens in `seconds` (one forward pass, maybe a
         batch), the longest of its contexts ending at `context_tokens`: the prefill-rate
@@ -433,38 +507,61 @@ class KVCacheManager:
             ttl=ttl, priority=priority,
         )
 
-    def _cost_cut(self, req: _Request, matched: list[Block]) -> tuple[list[Block], int]:
-        """Where to end the match so that the request is fastest: returns the blocks to take
-        and how many disk blocks were left to recompute.
+    def _cost_cut(
+        self, req: _Request, matched: list[Block], remote: int
+    ) -> tuple[list[Block], int, int, int]:
+        """Where to end the match so that the request is fastest: returns the local blocks to
+        take, how many disk blocks were left to recompute, the remote blocks to fetch and how
+        many remote blocks were left to recompute.
 
         Ending the match at a block means recomputing every matched token from there on (a
         request's computed tokens are a prefix), so the candidates are the starts of the runs
-        of disk blocks, each costing the reads before it plus a prefill of the rest; no cut
-        costs every read.  Ties keep the longer match (read).
+        of disk blocks and of the remote run (which follows the local blocks), each costing
+        the transfers before it plus a prefill of the rest; no cut costs every transfer.  A
+        tier whose rate was never reported costs nothing (its blocks are always taken).  Ties
+        keep the longer match.
         """
-        if not self._cost_aware or not matched:
-            return matched, 0
+        if not self._cost_aware or not (matched or remote):
+            return matched, 0, remote, 0
         costs = self._costs
-        rate = costs.disk_bytes_per_second
+        disk_rate = costs.disk_bytes_per_second
+        net_rate = costs.network_bytes_per_second if remote else None
         per_token = costs.prefill_seconds_per_token(req.num_tokens)
-        if rate is None or per_token is None:
-            return matched, 0
+        if per_token is None or (disk_rate is None and net_rate is None):
+            return matched, 0, remote, 0
         on_disk = _S.ON_DISK
-        disk_before = [0] * (len(matched) + 1)
-        for i, block in enumerate(matched):
-            disk_before[i + 1] = disk_before[i] + (block.state is on_disk)
-        total = disk_before[-1]
-        if not total:
-            return matched, 0
+        n_local = len(matched)
+        total_n = n_local + remote
+        # kind of each candidate block: 0 local (free), 1 disk read, 2 remote fetch
+        kinds = [1 if disk_rate is not None and b.state is on_disk else 0 for b in matched]
+        kinds += [2 if net_rate is not None else 0] * remote
+        total_disk = kinds.count(1)
+        total_remote = kinds.count(2)
+        if not total_disk and not total_remote:
+            return matched, 0, remote, 0
         bb, bs = self._block_bytes, self._block_size
-        best = len(matched)
-        best_cost = total * bb / rate
-        for i, block in enumerate(matched):
-            if block.state is on_disk and (i == 0 or matched[i - 1].state is not on_disk):
-                cost = disk_before[i] * bb / rate + (len(matched) - i) * bs * per_token
+
+        def transfers(disk: int, fetched: int) -> float:
+            cost = disk * bb / disk_rate if disk else 0.0  # type: ignore[operator]
+            if fetched:
+                cost += fetched * bb / net_rate  # type: ignore[operator]
+            return cost
+
+        best = total_n
+        best_cost = transfers(total_disk, total_remote)
+        disk_before = fetched_before = 0
+        previous = 0
+        for i, kind in enumerate(kinds):
+            if kind and kind != previous:
+                cost = transfers(disk_before, fetched_before) + (total_n - i) * bs * per_token
                 if cost < best_cost:
                     best, best_cost = i, cost
-        return matched[:best], total - disk_before[best]
+            disk_before += kind == 1
+            fetched_before += kind == 2
+            previous = kind
+        skipped_disk = sum(1 for b in matched[best:] if b.state is on_disk)
+        kept_remote = max(0, best - n_local)
+        return matched[:best], skipped_disk, kept_remote, remote - kept_remote
 
     def append_tokens(self, request_id: RequestId | str, token_ids: Sequence[int]) -> None:
         """Append generated tokens to a request's sequence."""
@@ -634,7 +731,7 @@ class KVCacheManager:
         """
         now = _check_now(now, self._now)
         if (self._requests or self._index or self._writes or self._reads
-                or self._prefetch_reads or self._queued
+                or self._prefetch_reads or self._queued or self._fetches
                 or len(self._disk.empty) != self.config.disk_blocks):
             raise UsageError("restore", "only a fresh cache can restore blocks from disk")
         given: object = blocks
@@ -781,7 +878,10 @@ class KVCacheManager:
             if event.transfer not in self._writes:
                 raise UsageError("transfer", f"no write {event.transfer} is in flight")
         elif isinstance(event, SlotRead | SlotReadFailed):
-            if event.transfer not in self._reads and event.transfer not in self._prefetch_reads:
+            tid = event.transfer
+            if tid not in self._reads and tid not in self._prefetch_reads and (
+                tid not in self._fetches
+            ):
                 raise UsageError("transfer", f"no read {event.transfer} is in flight")
         else:
             raise UsageError("event", f"not a completion: {event!r}")
@@ -799,6 +899,12 @@ class KVCacheManager:
                 self._read_landed(block)
             else:
                 self._read_failed(block)
+        elif event.transfer in self._fetches:
+            block = self._fetches.pop(event.transfer)
+            if isinstance(event, SlotRead):
+                self._fetch_landed(block)
+            else:
+                self._fetch_failed(block)
         else:
             block = self._prefetch_reads.pop(event.transfer)
             if isinstance(event, SlotRead):
@@ -835,6 +941,13 @@ class KVCacheManager:
             out.extend(
                 PrefetchSlots(reads=tuple(prefetches[i : i + size]))
                 for i in range(0, len(prefetches), size)
+            )
+        fetches = self._fetch_outbox
+        if fetches:
+            self._fetch_outbox = []
+            out.extend(
+                FetchBlocks(reads=tuple(fetches[i : i + size]))
+                for i in range(0, len(fetches), size)
             )
         return out
 
@@ -889,6 +1002,15 @@ class KVCacheManager:
             prefetching_requests=len(self._queued),
             onboards_skipped_as_too_slow=c.onboards_skipped_as_too_slow,
             onboard_tokens_skipped_as_too_slow=c.onboards_skipped_as_too_slow * bs,
+            hit_blocks_remote=c.hit_blocks_remote,
+            fetches=c.fetches,
+            fetches_completed=c.fetches_completed,
+            fetch_failures=c.fetch_failures,
+            bytes_fetched=c.bytes_fetched,
+            fetches_in_flight=len(self._fetches),
+            fetches_skipped_as_too_slow=c.fetches_skipped_as_too_slow,
+            publishes_offered=c.publishes_offered,
+            publishes_not_admitted=c.publishes_not_admitted,
             cached_blocks=len(self._index),
             gpu_free_pages=len(self._gpu.empty),
             gpu_evictable_blocks=self._gpu.evictable.size,
@@ -1008,15 +1130,18 @@ class KVCacheManager:
             matched.append(block)
         return matched
 
-    def _take_matched(self, req: _Request, matched: list[Block]) -> tuple[int, int, int]:
-        """Acquire matched blocks, bringing host and disk ones back to GPU.
+    def _take_matched(
+        self, req: _Request, matched: list[Block], remote: int
+    ) -> tuple[int, int, int]:
+        """Acquire matched blocks, bringing host and disk ones back to GPU, then start
+        fetching the `remote` blocks that follow them from the shared tier.
 
         Returns the hits by tier the bytes came from: (GPU, host, disk).
         """
         # First take every matched block out of the eviction orders, so that evictions
         # made below to find GPU pages can never pick one of them.
         released, on_gpu = _S.RELEASED, _S.ON_GPU
-        if all(b.state is released or b.state is on_gpu for b in matched):
+        if not remote and all(b.state is released or b.state is on_gpu for b in matched):
             return self._take_gpu_hits(req, matched), 0, 0
         gpu_evictable = self._gpu.evictable
         for block in matched:
@@ -1042,6 +1167,12 @@ class KVCacheManager:
                 req.pending += 1
                 disk_hits += 1
                 retained_hits += is_live(block.expiry, self._now)
+            elif state is _S.FETCHING:
+                # Another request's fetch of this content is in flight: wait for it too.
+                self._move(block, _E.ACQUIRED)
+                block.waiters.append(req.id)
+                req.pending += 1
+                self._counters.hit_blocks_remote += 1
             elif state is _S.ON_HOST or state is _S.SPILLING or state is _S.PREFETCHED:
                 self._recall(block)
                 host_hits += 1
@@ -1060,9 +1191,11 @@ class KVCacheManager:
             page = block.gpu_page
             assert page is not None
             req.pages.append(page)
+        for _ in range(remote):
+            self._start_fetch(req, len(req.blocks))
         bs = self._block_size
-        req.num_computed = len(matched) * bs
-        req.committed = len(matched)
+        req.num_computed = (len(matched) + remote) * bs
+        req.committed = len(matched) + remote
         c = self._counters
         c.hit_blocks_gpu += gpu_hits
         c.hit_blocks_host += host_hits
@@ -1174,6 +1307,38 @@ class KVCacheManager:
         self._disk.file(block, now, self._next_seq())
         return page
 
+    def _start_fetch(self, req: _Request, position: int) -> None:
+        """Fetch `req`'s block at `position` (a key the shared tier holds, cached nowhere
+        here) into a fresh record and GPU page; `req` is parked until it lands.
+
+        The record is indexed at once, as an ONBOARDING block is: a request matching the same
+        content meanwhile waits for this fetch instead of issuing a second one.
+        """
+        page = self._take_gpu_page(self._now)  # first: an eviction may free a record
+        block = self._free_records.pop()
+        key = req.keys[position]
+        parent = req.keys[position - 1] if position else req.root
+        block.key = key
+        block.parent_key = parent
+        block.depth = position
+        block.reuse_count = 1
+        block.gpu_page = page
+        self._index[key] = block
+        self._children[parent] = self._children.get(parent, 0) + 1
+        tid = self._new_transfer()
+        self._fetch_outbox.append(FetchBlock(transfer=tid, block=block.id, key=key, gpu_page=page))
+        self._fetches[tid] = block
+        block.transfer = tid
+        self._move(block, _E.FETCH_STARTED)
+        block.waiters.append(req.id)
+        block.ref_count = 1
+        req.pending += 1
+        req.blocks.append(block)
+        req.pages.append(page)
+        c = self._counters
+        c.fetches += 1
+        c.hit_blocks_remote += 1
+
     def _start_read(self, req: _Request, block: Block) -> None:
         """Read a disk block back into a GPU page; `req` is parked until it lands."""
         page = self._take_gpu_page(self._now)
@@ -1212,9 +1377,10 @@ class KVCacheManager:
                     cached.append(block)
                 else:
                     self._discard(block, _E.DISCARDED)
-            elif state is _S.ONBOARDING or state is _S.ERROR:
-                # ONBOARDING keeps its GPU page until the read lands (then RELEASED); an
-                # ERROR block is discarded by the failure handler once nobody holds it.
+            elif state is _S.ONBOARDING or state is _S.FETCHING or state is _S.ERROR:
+                # ONBOARDING and FETCHING keep their GPU page until the transfer lands (then
+                # RELEASED); an ERROR block is discarded by the failure handler once nobody
+                # holds it.
                 pass
             else:
                 raise InvariantViolation(f"request {rid!r} held {block!r}")
@@ -1285,10 +1451,31 @@ class KVCacheManager:
                 self._move(victim, _E.OFFLOADED)
                 self._host.evictable.push(victim)
                 c.host_offloads += 1
+                if self._shared:
+                    self._offer_publish(victim, host_page, now)
                 return page
             c.offloads_skipped += 1
         self._discard(victim, _E.DROPPED)
         return page
+
+    def _offer_publish(self, block: Block, host_page: PageId, now: float) -> None:
+        """Offer a block just copied into `host_page` to the shared tier, when the spill mode
+        admits it (the same gate as a spill: one policy decides what leaves the GPU tier's
+        reach).  Placed right after its copy in the outbox: the publisher copies the page at
+        that point of the command order, before a later command may reuse it."""
+        key, parent = block.key, block.parent_key
+        if key is None or parent is None:
+            return  # private content is never shared
+        if not self._policies.spill.admits(block, now):
+            self._counters.publishes_not_admitted += 1
+            return
+        # A deadline that passed makes the content best-effort: published without expiry.
+        expiry = block.expiry if is_live(block.expiry, now) else None
+        self._outbox.append(PublishBlock(
+            block=block.id, key=key, host_page=host_page, parent=parent, depth=block.depth,
+            reuse_count=block.reuse_count, expiry=expiry,
+        ))
+        self._counters.publishes_offered += 1
 
     def _take_host_page(self, now: float, *, for_prefetch: bool) -> PageId | None:
         """A host page for a GPU victim or a prefetch: an empty one, else (for a GPU victim)
@@ -1494,6 +1681,38 @@ class KVCacheManager:
             self._move(block, _E.RELEASED)
             self._gpu.evictable.push(block)
 
+    def _fetch_landed(self, block: Block) -> None:
+        c = self._counters
+        c.fetches_completed += 1
+        c.bytes_fetched += self._block_bytes
+        block.transfer = None
+        self._move(block, _E.FETCH_LANDED)
+        self._wake_waiters(block)
+        if block.ref_count == 0:
+            self._move(block, _E.RELEASED)
+            self._gpu.evictable.push(block)
+
+    def _fetch_failed(self, block: Block) -> None:
+        """Never serve the bytes: every waiting request recomputes from this block."""
+        self._counters.fetch_failures += 1
+        block.transfer = None
+        self._move(block, _E.FETCH_FAILED)
+        self._unindex(block)
+        for rid in list(block.waiters):
+            req = self._requests[rid]
+            self._rewind(req, req.blocks.index(block))
+        if block.ref_count == 0:
+            self._discard(block, _E.DISCARDED)
+
+    def _wake_waiters(self, block: Block) -> None:
+        requests = self._requests
+        for rid in block.waiters:
+            req = requests[rid]
+            req.pending -= 1
+            if req.pending == 0:
+                self._parked -= 1
+        block.waiters.clear()
+
     def _read_failed(self, block: Block) -> None:
         """Never publish the bytes: every waiting request falls back to recompute."""
         c = self._counters
@@ -1567,6 +1786,9 @@ class KVCacheManager:
         for tid, block in self._prefetch_reads.items():
             if block.transfer != tid or block.state is not _S.PREFETCHING:
                 raise InvariantViolation(f"prefetch {tid} points at {block!r}")
+        for tid, block in self._fetches.items():
+            if block.transfer != tid or block.state is not _S.FETCHING:
+                raise InvariantViolation(f"fetch {tid} points at {block!r}")
         wanted: dict[int, list[RequestId]] = {}
         for rid, listed in self._queued.items():
             if rid in self._requests:
@@ -1586,7 +1808,7 @@ class KVCacheManager:
                 held[block.id] = held.get(block.id, 0) + 1
                 if req.pages[i] != block.gpu_page:
                     raise InvariantViolation(f"request {req.id!r}: page {i} is stale")
-                if block.state is _S.ONBOARDING:
+                if block.state is _S.ONBOARDING or block.state is _S.FETCHING:
                     pending += 1
                     waiting.setdefault(block.id, []).append(req.id)
                 elif block.state is not _S.ON_GPU:
@@ -1627,7 +1849,7 @@ class KVCacheManager:
                 raise InvariantViolation(f"{block!r}: wanted by a prefetch in state {st.name}")
             if st is _S.PREFETCHED and not block.prefetchers:
                 raise InvariantViolation(f"{block!r}: prefetched for no queued request")
-            expect_gpu = st in (_S.ON_GPU, _S.RELEASED, _S.ONBOARDING, _S.ERROR)
+            expect_gpu = st in (_S.ON_GPU, _S.RELEASED, _S.ONBOARDING, _S.ERROR, _S.FETCHING)
             # An ONBOARDING block may own a host page: a prefetch taken over (the page lands
             # the read; the pool accounting below checks that it is not owned twice).
             expect_host = st in (_S.ON_HOST, _S.SPILLING, _S.PREFETCHING, _S.PREFETCHED) or (
@@ -1635,7 +1857,7 @@ class KVCacheManager:
             )
             expect_slot = st in (_S.SPILLING, _S.ON_DISK, _S.ONBOARDING, _S.PREFETCHING,
                                  _S.PREFETCHED)
-            expect_transfer = st in (_S.SPILLING, _S.ONBOARDING, _S.PREFETCHING)
+            expect_transfer = st in (_S.SPILLING, _S.ONBOARDING, _S.PREFETCHING, _S.FETCHING)
             for what, value, expected in (
                 ("gpu_page", block.gpu_page, expect_gpu),
                 ("host_page", block.host_page, expect_host),
@@ -1666,7 +1888,7 @@ class KVCacheManager:
             if id(block) in unmarked and is_live(block.expiry, now):
                 raise InvariantViolation(f"{block!r}: live TTL filed as best-effort")
             if st in (_S.RELEASED, _S.ON_HOST, _S.SPILLING, _S.ON_DISK, _S.PREFETCHING,
-                      _S.PREFETCHED) and block.key is None:
+                      _S.PREFETCHED, _S.FETCHING) and block.key is None:
                 raise InvariantViolation(f"{block!r}: cached without a key")
             if st in (_S.FREE, _S.ERROR) and block.key is not None:
                 raise InvariantViolation(f"{block!r}: indexed in state {st.name}")

@@ -25,10 +25,19 @@ Ordering contract for whoever executes commands (the actors, or a test harness):
    source of a ``CopyHostToGpu``), and reports ``SlotRead`` only once its bytes are complete
    in the host page.  It reports with the same completions as a ``ReadSlot``.
 
+8. A ``PublishBlock`` reads its host page at its place in the command order, after every
+   earlier copy has completed on the device, and copies it before any later command runs:
+   the page belongs to the local tiers again as soon as the command was taken.  It reports
+   nothing (a publish that fails or is shed is the shared tier's loss only).
+9. A ``FetchBlock`` (shared tier -> GPU) writes its GPU page only after every earlier command
+   has completed on the device, never with bytes that were not verified, and reports
+   ``SlotRead`` (landed) or ``SlotReadFailed`` (missing, evicted, corrupt, unavailable), in
+   a ``BatchFinished`` for its ``FetchBlocks``, like a ``ReadSlot``.
+
 Batches.  Disk transfers travel in batches: the core emits ``WriteSlots`` (a round of
-spills), ``ReadSlots`` (a run of disk hits) and ``PrefetchSlots`` (a queued request's disk
-blocks), each holding up to ``CacheConfig.max_batch_blocks`` per-block records, after every
-copy and ``FreeSlot`` of the same ``take_commands()`` (a transfer may only wait for more of the
+spills), ``ReadSlots`` (a run of disk hits), ``PrefetchSlots`` (a queued request's disk
+blocks) and ``FetchBlocks`` (a run of shared-tier hits), each holding up to
+``CacheConfig.max_batch_blocks`` per-block records, after every copy and ``FreeSlot`` of the same ``take_commands()`` (a transfer may only wait for more of the
 copy stream than it must, never for less, so moving it behind later copies keeps rules 3, 4
 and 6).  An actor executes a batch as one vector I/O and reports one ``BatchFinished`` holding
 one outcome per record, in the batch's order: a batch that partly fails reports the blocks
@@ -114,6 +123,34 @@ class PrefetchSlot:
 
 
 @attrs.frozen(kw_only=True)
+class FetchBlock:
+    """Fetch one block's value from the shared tier into a GPU page; report SlotRead."""
+
+    transfer: TransferId
+    block: BlockId
+    key: BlockHash
+    gpu_page: PageId
+
+
+@attrs.frozen(kw_only=True)
+class PublishBlock:
+    """Offer one block, whose bytes are in a host page, for publishing to the shared tier.
+
+    The spill-mode policy already admitted it; the publisher may still shed it under
+    pressure.  No completion.
+    """
+
+    block: BlockId
+    key: BlockHash
+    host_page: PageId
+    parent: BlockHash
+    depth: int
+    reuse_count: int
+    expiry: float | None
+    """The block's retention deadline on the core's clock (None: best-effort)."""
+
+
+@attrs.frozen(kw_only=True)
 class FreeSlot:
     """The slot's content left the cache; its bytes must never be served again."""
 
@@ -172,12 +209,25 @@ class PrefetchSlots:
         return self.reads[0].transfer
 
 
+@attrs.frozen(kw_only=True)
+class FetchBlocks:
+    """Fetch a run of blocks from the shared tier; report one BatchFinished (of SlotRead /
+    SlotReadFailed outcomes)."""
+
+    reads: tuple[FetchBlock, ...]
+
+    @property
+    def transfer(self) -> TransferId:
+        """The batch's name: its first transfer (a batch is never empty)."""
+        return self.reads[0].transfer
+
+
 Command = (CopyGpuToHost | CopyHostToGpu | WriteSlots | ReadSlots | PrefetchSlots | FreeSlot
-           | PersistRetention)
+           | PersistRetention | FetchBlocks | PublishBlock)
 """What the core emits (``take_commands``)."""
 
 BlockCommand = (CopyGpuToHost | CopyHostToGpu | WriteSlot | ReadSlot | PrefetchSlot | FreeSlot
-                | PersistRetention)
+                | PersistRetention | FetchBlock | PublishBlock)
 """One block's part of a command: batches opened up (``per_block``)."""
 
 # --- completions ----------------------------------------------------------------------------
@@ -238,7 +288,7 @@ def per_block(commands: Iterable[Command | BlockCommand]) -> Iterator[BlockComma
     for cmd in commands:
         if isinstance(cmd, WriteSlots):
             yield from cmd.writes
-        elif isinstance(cmd, ReadSlots | PrefetchSlots):
+        elif isinstance(cmd, ReadSlots | PrefetchSlots | FetchBlocks):
             yield from cmd.reads
         else:
             yield cmd

@@ -49,6 +49,14 @@ class Counters:
     prefetches_cancelled: int = 0
     prefetches_reclaimed: int = 0
     onboards_skipped_as_too_slow: int = 0
+    hit_blocks_remote: int = 0
+    fetches: int = 0
+    fetches_completed: int = 0
+    fetch_failures: int = 0
+    bytes_fetched: int = 0
+    fetches_skipped_as_too_slow: int = 0
+    publishes_offered: int = 0
+    publishes_not_admitted: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -164,3 +172,21 @@ class CacheStatistics:
     """Disk blocks whose TTL is running (the deadline set)."""
     blocks_by_state: tuple[tuple[str, int], ...]
     """(state name, count) for every lifecycle state."""
+
+    # The shared tier (zero without one).
+    hit_blocks_remote: int = 0
+    """Matched blocks served from the shared tier (fetched, or waiting on another request's
+    fetch)."""
+    fetches: int = 0
+    """Block fetches from the shared tier issued."""
+    fetches_completed: int = 0
+    fetch_failures: int = 0
+    """Fetches that failed (missing, evicted, corrupt, unavailable): never served."""
+    bytes_fetched: int = 0
+    fetches_in_flight: int = 0
+    fetches_skipped_as_too_slow: int = 0
+    """Blocks the shared tier held that were recomputed because that was estimated faster."""
+    publishes_offered: int = 0
+    """Host offloads offered to the publisher (PublishBlock)."""
+    publishes_not_admitted: int = 0
+    """Host offloads the spill mode kept from the shared tier."""

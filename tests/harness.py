@@ -25,10 +25,13 @@ from statekv.messages import (
     BlockCommand,
     CopyGpuToHost,
     CopyHostToGpu,
+    FetchBlock,
+    FetchBlocks,
     FreeSlot,
     PersistRetention,
     PrefetchSlot,
     PrefetchSlots,
+    PublishBlock,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -87,9 +90,12 @@ class Executor:
         self.writes: dict[TransferId, WriteSlot] = {}
         self.reads: dict[TransferId, ReadSlot] = {}
         self.prefetches: dict[TransferId, PrefetchSlot] = {}
+        self.fetches: dict[TransferId, FetchBlock] = {}
+        self.published: list[PublishBlock] = []
+        """Every PublishBlock taken, in order."""
         self.log: list[BlockCommand] = []
         """Every command taken, batches opened into their per-block records."""
-        self.batches: list[WriteSlots | ReadSlots | PrefetchSlots] = []
+        self.batches: list[WriteSlots | ReadSlots | PrefetchSlots | FetchBlocks] = []
         """Every batch taken, in order."""
         self.slot_content: dict[SlotId, BlockHash] = {}
         """What each slot holds on the emulated disk (set when a write lands)."""
@@ -112,7 +118,7 @@ class Executor:
         taken = self.cache.take_commands()
         seen_batch = False
         for taken_cmd in taken:
-            if isinstance(taken_cmd, WriteSlots | ReadSlots | PrefetchSlots):
+            if isinstance(taken_cmd, WriteSlots | ReadSlots | PrefetchSlots | FetchBlocks):
                 items = (taken_cmd.writes if isinstance(taken_cmd, WriteSlots)
                          else taken_cmd.reads)
                 assert 1 <= len(items) <= self.cache.config.max_batch_blocks, taken_cmd
@@ -157,6 +163,10 @@ class Executor:
                 self.freed.append(cmd.slot)
             elif isinstance(cmd, PersistRetention):
                 self.retention.append(cmd)
+            elif isinstance(cmd, FetchBlock):
+                self.fetches[cmd.transfer] = cmd
+            elif isinstance(cmd, PublishBlock):
+                self.published.append(cmd)
             else:
                 assert isinstance(cmd, CopyGpuToHost | CopyHostToGpu)
         self.log.extend(cmds)
@@ -203,15 +213,30 @@ class Executor:
         self.cache.check_invariants()
         return cmd
 
+    def land_fetch(self, tid: TransferId | None = None, *, ok: bool = True) -> FetchBlock:
+        """Complete one shared-tier fetch (the oldest when `tid` is None)."""
+        if tid is None:
+            tid = next(iter(self.fetches))
+        cmd = self.fetches.pop(tid)
+        if ok:
+            self.cache.handle(SlotRead(transfer=tid), now=self.now)
+        else:
+            self.cache.handle(SlotReadFailed(transfer=tid, cause="missing"), now=self.now)
+        self.pump()
+        self.cache.check_invariants()
+        return cmd
+
     def drain(self) -> None:
         """Land every transfer in flight (writes first, oldest first)."""
-        while self.writes or self.reads or self.prefetches:
+        while self.writes or self.reads or self.prefetches or self.fetches:
             if self.writes:
                 self.land_write()
             elif self.reads:
                 self.land_read()
-            else:
+            elif self.prefetches:
                 self.land_prefetch()
+            else:
+                self.land_fetch()
 
     def tick(self, dt: float) -> None:
         """Advance the clock by `dt` and tell the cache."""
@@ -231,10 +256,11 @@ class Executor:
         priority: int = 0,
         salt: str | None = None,
         lora: int | None = None,
+        remote: Sequence[BlockHash] = (),
     ) -> PrefixMatch:
         match = self.cache.add_request(
             rid, tokens, now=self.now, ttl_seconds=ttl, priority=priority, cache_salt=salt,
-            lora_id=lora,
+            lora_id=lora, remote_keys=remote,
         )
         self.pump()
         self.cache.check_invariants()
@@ -275,6 +301,8 @@ class Executor:
         while not self.cache.is_ready(rid):
             if self.reads:
                 self.land_read()
+            elif self.fetches:
+                self.land_fetch()
             else:
                 self.land_prefetch()  # a prefetch the request took over as its onboard
         self.compute(rid)

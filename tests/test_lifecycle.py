@@ -115,8 +115,15 @@ def test_only_dropping_discarding_or_a_failed_prefetch_frees_a_block() -> None:
             assert event in (E.DROPPED, E.DISCARDED, E.PREFETCH_FAILED), (state, event)
 
 
-def test_a_free_record_can_only_be_allocated_or_restored() -> None:
-    assert allowed_events(S.FREE) == {E.ALLOCATED, E.RESTORED}
+def test_a_free_record_can_only_be_allocated_restored_or_fetched_into() -> None:
+    assert allowed_events(S.FREE) == {E.ALLOCATED, E.RESTORED, E.FETCH_STARTED}
+
+
+def test_a_fetch_in_flight_keeps_its_gpu_page_until_it_reports() -> None:
+    exits = {TRANSITIONS[(S.FETCHING, e)] for e in allowed_events(S.FETCHING)}
+    assert exits == {S.FETCHING, S.ON_GPU, S.ERROR}
+    assert TRANSITIONS[(S.FETCHING, E.FETCH_FAILED)] is S.ERROR  # never served
+    assert [s for (s, _e), t in TRANSITIONS.items() if t is S.FETCHING and s is not t] == [S.FREE]
 
 
 
@@ -266,6 +273,18 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
     ex.prefetch("q5", h)
     ex.land_prefetch(ok=False)          # PREFETCHING PREFETCH_FAILED
     assert ex.tiers(h) == [None]
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced(shared_tier=True)
+    g = fresh_tokens(2 * ex.bs + 1)
+    keys = ex.cache.remote_candidates(g)
+    ex.add("f1", g, remote=keys)        # FREE FETCH_STARTED
+    ex.add("f2", g, remote=keys)        # FETCHING ACQUIRED
+    ex.release("f1")                    # release during the fetch: the page stays owned
+    ex.land_fetch()                     # FETCHING FETCH_LANDED
+    ex.land_fetch(ok=False)             # FETCHING FETCH_FAILED (f2 recomputes block 1)
+    assert ex.cache.request_status("f2").num_computed_tokens == ex.bs
+    ex.release("f2")
     seen |= set(_seen(trace))
 
     ex, trace = _traced(disk_blocks=0)

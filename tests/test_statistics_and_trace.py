@@ -227,6 +227,38 @@ def onboard_too_slow() -> tuple[Executor, Trigger]:
     return ex, lambda: ex.add("b", [*doc, 1])
 
 
+def remote_hit() -> tuple[Executor, Trigger]:
+    """A shared-tier cache; the trigger adds a request whose one full block the shared tier
+    holds."""
+    ex = _cache(shared_tier=True)
+    doc = _doc()
+    keys = ex.cache.remote_candidates(doc)
+    return ex, lambda: ex.add("r", doc, remote=keys)
+
+
+def fetch_lands(ok: bool) -> Setup:
+    def setup() -> tuple[Executor, Trigger]:
+        ex, trigger = remote_hit()
+        trigger()
+        return ex, lambda: ex.land_fetch(ok=ok)
+    return setup
+
+
+def fetch_too_slow() -> tuple[Executor, Trigger]:
+    ex, trigger = remote_hit()
+    ex.cache.report_fetch(BLOCK_BYTES, 10.0)
+    ex.cache.report_prefill(2, 0.001, context_tokens=3)
+    return ex, trigger
+
+
+def publish(**overrides: Any) -> Setup:
+    def setup() -> tuple[Executor, Trigger]:
+        ex = _cache(shared_tier=True, **overrides)
+        ex.serve("a", _doc())
+        return ex, lambda: ex.churn("c")
+    return setup
+
+
 CASES: list[tuple[str, Setup, int]] = [
     ("requests_added", add_request, 1),
     ("requests_released", release_request, 1),
@@ -287,6 +319,17 @@ CASES: list[tuple[str, Setup, int]] = [
     ("prefetches_taken_over", prefetch_taken_over, 1),
     ("onboards_skipped_as_too_slow", onboard_too_slow, 1),
     ("onboard_tokens_skipped_as_too_slow", onboard_too_slow, BS),
+    ("hit_blocks_remote", remote_hit, 1),
+    ("fetches", remote_hit, 1),
+    ("fetches_in_flight", remote_hit, 1),
+    ("parked_requests", remote_hit, 1),
+    ("fetches_completed", fetch_lands(True), 1),
+    ("bytes_fetched", fetch_lands(True), BLOCK_BYTES),
+    ("fetch_failures", fetch_lands(False), 1),
+    ("requests_fallen_back", fetch_lands(False), 1),
+    ("fetches_skipped_as_too_slow", fetch_too_slow, 1),
+    ("publishes_offered", publish(), 1),
+    ("publishes_not_admitted", publish(spill_mode=SpillMode.RETAINED_ONLY), 1),
 ]
 
 
