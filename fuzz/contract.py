@@ -36,10 +36,13 @@ from statekv.messages import (
     Completion,
     CopyGpuToHost,
     CopyHostToGpu,
+    FetchBlock,
+    FetchBlocks,
     FreeSlot,
     PersistRetention,
     PrefetchSlot,
     PrefetchSlots,
+    PublishBlock,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -74,14 +77,16 @@ class CommandContract:
         self.prefetches: dict[TransferId, PrefetchSlot] = {}
         self.prefetch_pages: dict[PageId, TransferId] = {}
         """Host pages that a prefetch read in flight is filling."""
+        self.fetches: dict[TransferId, FetchBlock] = {}
+        """Shared-tier fetches in flight (their GPU pages are in `read_pages` too)."""
         self.failed_writes = 0
         self.failed_reads = 0
 
     def commands(self, commands: Iterable[Command]) -> None:
         seen_batch = False
         for batch in commands:
-            if isinstance(batch, WriteSlots | ReadSlots | PrefetchSlots):
-                items: tuple[WriteSlot | ReadSlot | PrefetchSlot, ...] = (
+            if isinstance(batch, WriteSlots | ReadSlots | PrefetchSlots | FetchBlocks):
+                items: tuple[WriteSlot | ReadSlot | PrefetchSlot | FetchBlock, ...] = (
                     batch.writes if isinstance(batch, WriteSlots) else batch.reads
                 )
                 limit = self.max_batch_blocks
@@ -125,6 +130,16 @@ class CommandContract:
                 )
             self.read_pages[cmd.gpu_page] = cmd.transfer
             self.reads[cmd.transfer] = cmd
+        elif isinstance(cmd, FetchBlock):
+            if cmd.gpu_page in self.read_pages:
+                raise ContractViolation(
+                    f"{cmd} targets GPU page {cmd.gpu_page}, which transfer "
+                    f"{self.read_pages[cmd.gpu_page]} is still filling"
+                )
+            self.read_pages[cmd.gpu_page] = cmd.transfer
+            self.fetches[cmd.transfer] = cmd
+        elif isinstance(cmd, PublishBlock):
+            self._host_page_idle(cmd.host_page, cmd)
         elif isinstance(cmd, PersistRetention):
             moving = self.busy.get(cmd.slot)
             transfer = (self.writes.get(moving) or self.reads.get(moving)
@@ -195,6 +210,11 @@ class CommandContract:
             del self.prefetch_pages[prefetch.host_page]
             if isinstance(completion, SlotReadFailed):
                 self.failed_reads += 1
+        elif isinstance(completion, SlotRead | SlotReadFailed) and tid in self.fetches:
+            fetch = self.fetches.pop(tid)
+            del self.read_pages[fetch.gpu_page]
+            if isinstance(completion, SlotReadFailed):
+                self.failed_reads += 1
         elif isinstance(completion, SlotRead | SlotReadFailed):
             read = self.reads.pop(tid, None)
             if read is None:
@@ -207,7 +227,7 @@ class CommandContract:
             raise ContractViolation(f"unknown completion {completion!r}")
 
     def quiet(self) -> bool:
-        return not self.writes and not self.reads and not self.prefetches
+        return not self.writes and not self.reads and not self.prefetches and not self.fetches
 
 
 def _short(key: BlockHash | None) -> str:

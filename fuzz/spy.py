@@ -30,6 +30,7 @@ from statekv.manager import KVCacheManager, PrefetchStarted, PrefixMatch
 from statekv.messages import (
     Command,
     Completion,
+    FetchBlocks,
     PrefetchSlots,
     ReadSlots,
     SlotRead,
@@ -114,6 +115,8 @@ def command_kinds(commands: list[Command]) -> list[CommandKind]:
             kinds.append(("ReadSlots", tuple(r.key for r in c.reads)))
         elif isinstance(c, PrefetchSlots):
             kinds.append(("PrefetchSlots", tuple(r.key for r in c.reads)))
+        elif isinstance(c, FetchBlocks):
+            kinds.append(("FetchBlocks", tuple(r.key for r in c.reads)))
         else:
             kinds.append((type(c).__name__, None))
     return kinds

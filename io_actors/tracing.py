@@ -51,9 +51,11 @@ from statekv.messages import (
     Completion,
     CopyGpuToHost,
     CopyHostToGpu,
+    FetchBlock,
     FreeSlot,
     PersistRetention,
     PrefetchSlot,
+    PublishBlock,
     ReadSlot,
     SlotReadFailed,
     SlotWriteFailed,
@@ -386,6 +388,13 @@ def _decode_message(seq: int, time: float, msg: BlockCommand | TransferOutcome) 
     if isinstance(msg, PersistRetention):
         return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="writer",
                            event=name, slot=msg.slot, detail=f"deadline {msg.expiry:.3f}")
+    if isinstance(msg, FetchBlock):
+        return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="fetcher",
+                           event=name, block=msg.block, transfer=msg.transfer,
+                           detail=f"gpu page {msg.gpu_page}")
+    if isinstance(msg, PublishBlock):
+        return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="publisher",
+                           event=name, block=msg.block, detail=f"host page {msg.host_page}")
     writes = isinstance(msg, SlotWritten | SlotWriteFailed)
     cause = msg.cause if isinstance(msg, SlotWriteFailed | SlotReadFailed) else None
     # Block and slot come from the transfer's command (see annotate).

@@ -25,10 +25,10 @@ Checked by `KVCacheManager.check_invariants()` after every step of the fuzz suit
    changes only through an entry of the table, and any other event raises
    `IllegalTransition`.
 2. **Storage follows the state.** A block owns a GPU page exactly in ON_GPU, RELEASED,
-   ONBOARDING, FETCHING and ERROR; a host page exactly in ON_HOST, SPILLING, PREFETCHING and PREFETCHED
-   (and in ONBOARDING when it is a prefetch an admitted request took over); a disk slot
-   exactly in SPILLING, ON_DISK, ONBOARDING, PREFETCHING and PREFETCHED; a transfer id exactly
-   in SPILLING, ONBOARDING, PREFETCHING and FETCHING.
+   ONBOARDING, FETCHING and ERROR; a host page exactly in ON_HOST, SPILLING, PREFETCHING and
+   PREFETCHED (and in ONBOARDING when it is a prefetch an admitted request took over); a disk
+   slot exactly in SPILLING, ON_DISK, ONBOARDING, PREFETCHING and PREFETCHED; a transfer id
+   exactly in SPILLING, ONBOARDING, PREFETCHING and FETCHING.
 3. **Nothing is owned twice, nothing is lost.** Every GPU page, host page and disk slot is
    owned by exactly one of: a block, a free list, or a write whose block was recalled to GPU
    while it drained.
@@ -41,7 +41,8 @@ Checked by `KVCacheManager.check_invariants()` after every step of the fuzz suit
    count equals the number of its blocks in ONBOARDING or FETCHING, and it is ready exactly
    when that count is zero.
 6. **Prefix index.** A block has a key exactly when the index maps that key to it. Cached
-   states (RELEASED, ON_HOST, SPILLING, ON_DISK) and FETCHING always have a key; FREE and ERROR never do.
+   states (RELEASED, ON_HOST, SPILLING, ON_DISK) and FETCHING always have a key; FREE and
+   ERROR never do.
    Only full blocks are keyed; a partially filled block is private to its request.
 7. **Eviction orders.** The GPU evictable order holds exactly the RELEASED blocks, the host
    order exactly the ON_HOST blocks, the disk orders exactly the ON_DISK blocks, and the

@@ -36,6 +36,12 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
   of what was reported, the latter by power-of-two bucket of context length, nearest bucket),
   the match ends at the start of the disk run that minimises reads before it plus a prefill
   of every matched token after it, if that beats reading every disk hit.
+* The shared tier (``shared_tier``): past the local match, the leading blocks whose keys the
+  caller says the shared tier holds (a key cached locally ends the run) are fetched, each
+  into a new block with a GPU page, parked like a disk read; a failed fetch is dropped and
+  every request holding it recomputes from it.  The cost cut counts the remote run as one
+  more run of paid blocks (at the fetch rate).  A GPU victim offloaded to host is offered
+  for publishing (right after its copy) when the spill mode admits it.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from statekv.stats import CacheStatistics
 
 GPU, HOST, SPILLING, DISK, READING = "gpu", "host", "spilling", "disk", "reading"
 PREFETCHING, PREFETCHED = "prefetching", "prefetched"
+FETCHING = "fetching"
 SMOOTHING = 0.25
 
 TIER_OF_STATE = {
@@ -67,6 +74,7 @@ TIER_OF_STATE = {
     BlockState.ONBOARDING: READING,
     BlockState.PREFETCHING: PREFETCHING,
     BlockState.PREFETCHED: PREFETCHED,
+    BlockState.FETCHING: FETCHING,
 }
 """The model's tier of each state a cached block of the real core can be in."""
 
@@ -81,7 +89,8 @@ def in_batches(
     FreeSlots in order, then the writes, then the reads, each packed into batches of at most
     `max_batch_blocks`, named by kind and their keys in order; only disk transfers keep keys."""
     others: list[CommandKind] = []
-    disk: dict[str, list[BlockHash]] = {"WriteSlot": [], "ReadSlot": [], "PrefetchSlot": []}
+    disk: dict[str, list[BlockHash]] = {"WriteSlot": [], "ReadSlot": [], "PrefetchSlot": [],
+                                        "FetchBlock": []}
     for kind, key in commands:
         if kind in disk:
             assert key is not None
@@ -151,6 +160,8 @@ class MatchResult:
     disk_tokens: int
     ready: bool
     skipped_disk_tokens: int = 0
+    remote_tokens: int = 0
+    skipped_remote_tokens: int = 0
 
 
 class ReferenceCache:
@@ -169,6 +180,8 @@ class ReferenceCache:
         self.writes: dict[int, MBlock | None] = {}
         self.reads: dict[int, MBlock] = {}
         self.prefetch_reads: dict[int, MBlock] = {}
+        self.fetches: dict[int, MBlock] = {}
+        self.net_rate: float | None = None
         self.queued: dict[str, list[MBlock]] = {}
         self.disk_rate: float | None = None
         self.prefill: dict[int, float] = {}
@@ -191,6 +204,9 @@ class ReferenceCache:
                 "prefetches", "prefetches_completed", "prefetch_failures", "prefetch_hits",
                 "prefetches_taken_over", "prefetches_cancelled", "prefetches_reclaimed",
                 "onboards_skipped_as_too_slow",
+                "hit_blocks_remote", "fetches", "fetches_completed", "fetch_failures",
+                "bytes_fetched", "fetches_skipped_as_too_slow", "publishes_offered",
+                "publishes_not_admitted",
             )
         }
 
@@ -257,6 +273,12 @@ class ReferenceCache:
                 victim.tier = HOST
                 victim.stamp = self._stamp()
                 self.c["host_offloads"] += 1
+                if self.cfg.shared_tier:
+                    if self._spill_mode_admits(victim):
+                        self.commands.append(("PublishBlock", victim.key))
+                        self.c["publishes_offered"] += 1
+                    else:
+                        self.c["publishes_not_admitted"] += 1
                 return
             self.c["offloads_skipped"] += 1
         self._drop(victim)
@@ -312,16 +334,19 @@ class ReferenceCache:
             return min(retained, key=lambda b: b.retained_key or (0.0, 0, 0))
         return None
 
+    def _spill_mode_admits(self, v: MBlock) -> bool:
+        cfg = self.cfg
+        if cfg.spill_mode is SpillMode.ALL:
+            return True
+        if cfg.spill_mode is SpillMode.RETAINED_ONLY:
+            return is_live(v.expiry, self.now)
+        return v.reuse >= cfg.spill_min_reuse
+
     def _evict_host_victim(self, v: MBlock) -> bool:
         now = self.now
         if self.cfg.disk_blocks:
             cfg = self.cfg
-            if cfg.spill_mode is SpillMode.ALL:
-                admitted = True
-            elif cfg.spill_mode is SpillMode.RETAINED_ONLY:
-                admitted = is_live(v.expiry, now)
-            else:
-                admitted = v.reuse >= cfg.spill_min_reuse
+            admitted = self._spill_mode_admits(v)
             live_ok = not cfg.protect_unexpired
             if not admitted:
                 refusal: str | None = "gate_drops"
@@ -364,10 +389,14 @@ class ReferenceCache:
     def add_request(
         self, rid: str, tokens: Sequence[int], *, now: float, ttl_seconds: float | None = None,
         priority: int = 0, cache_salt: str | None = None, lora_id: int | None = None,
+        remote_keys: Iterable[BlockHash] = (),
     ) -> MatchResult:
         self._check_now(now)
         if rid in self.requests:
             raise UsageError("request_id", "exists")
+        remote_set = set(remote_keys)
+        if remote_set and not self.cfg.shared_tier:
+            raise UsageError("remote_keys", "no shared tier")
         if not tokens:
             raise UsageError("token_ids", "empty")
         if len(tokens) > self.cfg.gpu_blocks * self.bs:
@@ -376,11 +405,18 @@ class ReferenceCache:
         req = MRequest(rid, list(tokens), root_key(self.cfg.model_fingerprint, cache_salt,
                                                    lora_id), ttl, priority)
         matched = self._match(req)
-        skipped = 0
+        remote = []
+        for i in range(len(matched), (len(tokens) - 1) // self.bs):
+            key = req.key(i, self.bs)
+            if key not in remote_set or key in self.entries:
+                break
+            remote.append(key)
+        skipped = skipped_remote = 0
         if self.cfg.cost_aware_onboarding:
-            matched, skipped = self._cost_cut(matched, len(tokens))
-        needs = sum(1 for b in matched if b.tier in (HOST, SPILLING, DISK, PREFETCHING,
-                                                          PREFETCHED))
+            matched, skipped, remote, skipped_remote = self._cost_cut(matched, remote,
+                                                                      len(tokens))
+        needs = len(remote) + sum(1 for b in matched if b.tier in (
+            HOST, SPILLING, DISK, PREFETCHING, PREFETCHED))
         released = sum(1 for b in matched if b.tier == GPU and b.holders == 0)
         if needs > self.gpu_obtainable() - released:
             raise OutOfBlocks(rid, needs, self.gpu_obtainable() - released)
@@ -396,6 +432,10 @@ class ReferenceCache:
                 req.pending += 1
                 hits[DISK] += 1
                 self.c["hit_blocks_disk_retained"] += is_live(b.expiry, now)
+            elif b.tier == FETCHING:
+                b.waiters.append(rid)
+                req.pending += 1
+                self.c["hit_blocks_remote"] += 1
             elif b.tier == PREFETCHING:
                 self.c["hit_blocks_disk_retained"] += is_live(b.expiry, now)
                 self._take_gpu_page()
@@ -442,22 +482,45 @@ class ReferenceCache:
                 hits[DISK] += 1
             b.holders += 1
             req.blocks.append(b)
+        for key in remote:
+            self._take_gpu_page()
+            b = MBlock(key=key, depth=len(req.blocks), tier=FETCHING, holders=1, reuse=1,
+                       waiters=[rid])
+            self.entries[key] = b
+            self.next_transfer += 1
+            self.fetches[self.next_transfer] = b
+            self.commands.append(("FetchBlock", key))
+            req.pending += 1
+            req.blocks.append(b)
+            self.c["fetches"] += 1
+            self.c["hit_blocks_remote"] += 1
         self.protected = set()
         if rid in self.queued:
             self._end_prefetch(rid)
-        req.num_computed = len(matched) * self.bs
-        req.committed = len(matched)
+        req.num_computed = len(req.blocks) * self.bs
+        req.committed = len(req.blocks)
         self.requests[rid] = req
         self.c["requests_added"] += 1
         self.c["onboards_skipped_as_too_slow"] += skipped
+        self.c["fetches_skipped_as_too_slow"] += skipped_remote
         if req.pending:
             self.c["requests_parked"] += 1
         self.c["hit_blocks_gpu"] += hits[GPU]
         self.c["hit_blocks_host"] += hits[HOST]
         self.c["hit_blocks_disk"] += hits[DISK]
         bs = self.bs
-        return MatchResult(len(matched) * bs, hits[GPU] * bs, hits[HOST] * bs,
-                           hits[DISK] * bs, req.pending == 0, skipped * bs)
+        return MatchResult(len(req.blocks) * bs, hits[GPU] * bs, hits[HOST] * bs,
+                           hits[DISK] * bs, req.pending == 0, skipped * bs,
+                           len(remote) * bs, skipped_remote * bs)
+
+    def remote_candidates(self, tokens: Sequence[int], *, cache_salt: str | None = None,
+                          lora_id: int | None = None) -> tuple[BlockHash, ...]:
+        if not self.cfg.shared_tier:
+            raise UsageError("shared_tier", "no shared tier")
+        req = MRequest("?", list(tokens), root_key(self.cfg.model_fingerprint, cache_salt,
+                                                   lora_id), None, 0)
+        n = len(self._match(req))
+        return tuple(req.key(i, self.bs) for i in range(n, (len(tokens) - 1) // self.bs))
 
     def _match(self, req: MRequest) -> list[MBlock]:
         matched: list[MBlock] = []
@@ -474,20 +537,38 @@ class ReferenceCache:
         want = max(context, 1).bit_length() - 1
         return self.prefill[min(self.prefill, key=lambda b: (abs(b - want), b))]
 
-    def _cost_cut(self, matched: list[MBlock], context: int) -> tuple[list[MBlock], int]:
-        """Every candidate end of the match, by full enumeration."""
+    def _cost_cut(
+        self, matched: list[MBlock], remote: list[BlockHash], context: int
+    ) -> tuple[list[MBlock], int, list[BlockHash], int]:
+        """Every candidate end of the match (the start of each run of disk hits, and of the
+        remote run), by full enumeration; a tier with no rate reported costs nothing."""
         rate, per_token = self.disk_rate, self._prefill_per_token(context)
-        on_disk = [b.tier == DISK for b in matched]
-        if rate is None or per_token is None or not any(on_disk):
-            return matched, 0
-        bb = self.cfg.block_bytes
-        best, best_cost = len(matched), sum(on_disk) * bb / rate
-        for i in range(len(matched)):
-            if on_disk[i] and (i == 0 or not on_disk[i - 1]):
-                cost = sum(on_disk[:i]) * bb / rate + (len(matched) - i) * self.bs * per_token
+        net = self.net_rate if remote else None
+        on_disk = [rate is not None and b.tier == DISK for b in matched]
+        fetched = [net is not None] * len(remote)
+        paid = on_disk + fetched
+        if per_token is None or not any(paid):
+            return matched, 0, remote, 0
+        bb, n, local = self.cfg.block_bytes, len(paid), len(matched)
+
+        def transfers(upto: int) -> float:
+            disk, nets = sum(on_disk[:upto]), sum(fetched[: max(0, upto - local)])
+            cost = disk * bb / rate if disk else 0.0  # type: ignore[operator]
+            if nets:
+                cost += nets * bb / net  # type: ignore[operator]
+            return cost
+
+        best, best_cost = n, transfers(n)
+        for i in range(n):
+            starts_disk = i < local and on_disk[i] and (i == 0 or not on_disk[i - 1])
+            starts_remote = i == local and fetched[0] if remote else False
+            if starts_disk or starts_remote:
+                cost = transfers(i) + (n - i) * self.bs * per_token
                 if cost < best_cost:
                     best, best_cost = i, cost
-        return matched[:best], sum(on_disk[best:])
+        kept = max(0, best - local)
+        return (matched[:best], sum(1 for b in matched[best:] if b.tier == DISK),
+                remote[:kept], len(remote) - kept)
 
     def report_disk_read(self, num_bytes: int, seconds: float) -> None:
         if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 1:
@@ -497,6 +578,15 @@ class ReferenceCache:
         rate = num_bytes / float(seconds)
         old = self.disk_rate
         self.disk_rate = rate if old is None else old + SMOOTHING * (rate - old)
+
+    def report_fetch(self, num_bytes: int, seconds: float) -> None:
+        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 1:
+            raise UsageError("num_bytes", "bad")
+        if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
+            raise UsageError("seconds", "bad")
+        rate = num_bytes / float(seconds)
+        old = self.net_rate
+        self.net_rate = rate if old is None else old + SMOOTHING * (rate - old)
 
     def report_prefill(self, num_tokens: int, seconds: float, *, context_tokens: int) -> None:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
@@ -633,7 +723,7 @@ class ReferenceCache:
                 target.expiry = expiry
                 if target.tier == DISK:
                     target.retained_key = (expiry, -target.depth, self._stamp())
-                if target.tier in (DISK, SPILLING, READING):
+                if target.tier in (DISK, SPILLING, READING, PREFETCHING, PREFETCHED):
                     # Its slot header holds an earlier deadline: the new one is journaled.
                     self.commands.append(("PersistRetention", target.key))
         self._let_go(req, req.blocks)
@@ -671,7 +761,7 @@ class ReferenceCache:
         content whose deadline still runs by (deadline, deeper first, written first)."""
         self._check_now(now)
         if (self.requests or self.entries or self.writes or self.reads or self.prefetch_reads
-                or self.queued):
+                or self.queued or self.fetches):
             raise UsageError("restore", "only a fresh cache")
         self._advance(now)
         expired = [e for e in blocks if not is_live(e.expiry, now)]
@@ -731,6 +821,10 @@ class ReferenceCache:
             self._advance(now)
             self._prefetch_done(self.prefetch_reads.pop(tid), ok)
             return
+        if tid in self.fetches:
+            self._advance(now)
+            self._fetch_done(self.fetches.pop(tid), ok)
+            return
         if tid not in self.reads:
             raise UsageError("transfer", "unknown")
         self._advance(now)
@@ -753,6 +847,24 @@ class ReferenceCache:
                 b.stamp = self._stamp()
             return
         self.c["onboard_failures"] += 1
+        self._fail(b)
+
+    def _fetch_done(self, b: MBlock, ok: bool) -> None:
+        if ok:
+            self.c["fetches_completed"] += 1
+            self.c["bytes_fetched"] += self.cfg.block_bytes
+            b.tier = GPU
+            for rid in b.waiters:
+                self.requests[rid].pending -= 1
+            b.waiters.clear()
+            if b.holders == 0:
+                b.stamp = self._stamp()
+            return
+        self.c["fetch_failures"] += 1
+        self._fail(b)
+
+    def _fail(self, b: MBlock) -> None:
+        """A read or fetch failed: the content is never served; its holders recompute."""
         b.failed = True
         self._drop(b)
         b.key = None
@@ -807,7 +919,8 @@ class ReferenceCache:
                 by_state[{HOST: BlockState.ON_HOST, SPILLING: BlockState.SPILLING,
                           DISK: BlockState.ON_DISK, READING: BlockState.ONBOARDING,
                           PREFETCHING: BlockState.PREFETCHING,
-                          PREFETCHED: BlockState.PREFETCHED}[b.tier]] += 1
+                          PREFETCHED: BlockState.PREFETCHED,
+                          FETCHING: BlockState.FETCHING}[b.tier]] += 1
         by_state[BlockState.ON_GPU] += len(self.private)
         cfg = self.cfg
         total = cfg.gpu_blocks + cfg.host_blocks + cfg.reserved_host_blocks + cfg.disk_blocks
@@ -872,4 +985,13 @@ class ReferenceCache:
             disk_retained_blocks=sum(1 for b in self.entries.values()
                                      if b.tier == DISK and b.retained_key is not None),
             blocks_by_state=tuple((s.name, by_state[s]) for s in BlockState),
+            hit_blocks_remote=c["hit_blocks_remote"],
+            fetches=c["fetches"],
+            fetches_completed=c["fetches_completed"],
+            fetch_failures=c["fetch_failures"],
+            bytes_fetched=c["bytes_fetched"],
+            fetches_in_flight=len(self.fetches),
+            fetches_skipped_as_too_slow=c["fetches_skipped_as_too_slow"],
+            publishes_offered=c["publishes_offered"],
+            publishes_not_admitted=c["publishes_not_admitted"],
         )

@@ -310,7 +310,9 @@ class KVCacheManager:
             state = block.state
             if state is _S.RELEASED:
                 released_hits += 1
-            elif state is not _S.ON_GPU and state is not _S.ONBOARDING:
+            elif state is not _S.ON_GPU and state is not _S.ONBOARDING and (
+                state is not _S.FETCHING
+            ):
                 needs_page += 1
         obtainable = self._gpu.obtainable() - released_hits
         if needs_page > obtainable:

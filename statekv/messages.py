@@ -34,15 +34,15 @@ Ordering contract for whoever executes commands (the actors, or a test harness):
    ``SlotRead`` (landed) or ``SlotReadFailed`` (missing, evicted, corrupt, unavailable), in
    a ``BatchFinished`` for its ``FetchBlocks``, like a ``ReadSlot``.
 
-Batches.  Disk transfers travel in batches: the core emits ``WriteSlots`` (a round of
-spills), ``ReadSlots`` (a run of disk hits), ``PrefetchSlots`` (a queued request's disk
-blocks) and ``FetchBlocks`` (a run of shared-tier hits), each holding up to
-``CacheConfig.max_batch_blocks`` per-block records, after every copy and ``FreeSlot`` of the same ``take_commands()`` (a transfer may only wait for more of the
-copy stream than it must, never for less, so moving it behind later copies keeps rules 3, 4
-and 6).  An actor executes a batch as one vector I/O and reports one ``BatchFinished`` holding
-one outcome per record, in the batch's order: a batch that partly fails reports the blocks
-that landed as landed and the rest as failed, and the core applies each outcome exactly as it
-would a lone completion.  A
+Batches. Disk transfers travel in batches: the core emits ``WriteSlots`` (a round of spills),
+``ReadSlots`` (a run of disk hits), ``PrefetchSlots`` (a queued request's disk blocks) and
+``FetchBlocks`` (a run of shared-tier hits), each holding up to
+``CacheConfig.max_batch_blocks`` per-block records, after every copy and ``FreeSlot`` of the
+same ``take_commands()`` (a transfer may only wait for more of the copy stream than it must,
+never for less, so moving it behind later copies keeps rules 3, 4 and 6). An actor executes a
+batch as one vector I/O and reports one ``BatchFinished`` holding one outcome per record, in
+the batch's order: a batch that partly fails reports the blocks that landed as landed and the
+rest as failed, and the core applies each outcome exactly as it would a lone completion.  A
 batch is data, never a hidden state: each block's state in the lifecycle table means what it
 means for a lone transfer.
 """

@@ -13,7 +13,7 @@ the story it tells.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from itertools import count
 from typing import Any
 
@@ -256,7 +256,7 @@ class Executor:
         priority: int = 0,
         salt: str | None = None,
         lora: int | None = None,
-        remote: Sequence[BlockHash] = (),
+        remote: Collection[BlockHash] = (),
     ) -> PrefixMatch:
         match = self.cache.add_request(
             rid, tokens, now=self.now, ttl_seconds=ttl, priority=priority, cache_salt=salt,

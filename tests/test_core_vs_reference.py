@@ -28,7 +28,9 @@ from statekv.ids import SlotId, TransferId
 from statekv.lifecycle import BlockState
 from statekv.manager import RestoredBlock
 from statekv.messages import (
+    FetchBlock,
     PrefetchSlot,
+    PublishBlock,
     ReadSlot,
     SlotRead,
     SlotReadFailed,
@@ -64,6 +66,7 @@ def configs(draw: st.DrawFn) -> CacheConfig:
         drop_on_pressure=draw(st.booleans()),
         write_queue_depth=draw(st.integers(1, 3)),
         priority_levels=draw(st.integers(1, 3)),
+        shared_tier=draw(st.booleans()),
     )
 
 
@@ -88,6 +91,9 @@ class CoreMatchesReference(RuleBasedStateMachine):
         self.next_token = 0
         self.served: list[list[int]] = []
         self.queued: list[tuple[str, list[int]]] = []
+        self.cluster: set[bytes] = set()
+        """Keys the emulated shared tier holds: what was published, by this cache or
+        another replica."""
 
     @initialize(config=configs())
     def build(self, config: CacheConfig) -> None:
@@ -123,9 +129,12 @@ class CoreMatchesReference(RuleBasedStateMachine):
             if isinstance(c, WriteSlot):
                 self.writes.append(c.transfer)
                 self.issued[c.transfer] = c
-            elif isinstance(c, ReadSlot | PrefetchSlot):
-                # Prefetch reads complete the same way (the model tells them apart).
+            elif isinstance(c, ReadSlot | PrefetchSlot | FetchBlock):
+                # Prefetch reads and fetches complete the same way (the model tells them
+                # apart).
                 self.reads.append(c.transfer)
+            elif isinstance(c, PublishBlock):
+                self.cluster.add(c.key)
 
     # -------------------------------------------------------------- rules
 
@@ -136,31 +145,62 @@ class CoreMatchesReference(RuleBasedStateMachine):
         salt=st.sampled_from([None, None, "tenant-b"]),
     )
     def add_request(
-        self, prompt: list[int], ttl: float | None, priority: int, salt: str | None
+        self, prompt: list[int], ttl: float | None, priority: int, salt: str | None,
+        remote: bool = False,
     ) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
         priority = min(priority, self.real.config.priority_levels - 1)
+        keys: tuple[bytes, ...] = ()
+        if remote and self.config.shared_tier:
+            # The remote fetcher's lookup: the candidates the cluster holds.
+            try:
+                candidates = self.real.remote_candidates(prompt, cache_salt=salt)
+            except UsageError:
+                candidates = ()
+            else:
+                assert candidates == self.model.remote_candidates(prompt, cache_salt=salt)
+            keys = tuple(k for k in candidates if k in self.cluster)
         try:
             match = self.real.add_request(
-                rid, prompt, now=self.now, ttl_seconds=ttl, priority=priority, cache_salt=salt
+                rid, prompt, now=self.now, ttl_seconds=ttl, priority=priority, cache_salt=salt,
+                remote_keys=keys,
             )
         except (OutOfBlocks, UsageError) as exc:
             try:
                 self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
-                                       priority=priority, cache_salt=salt)
+                                       priority=priority, cache_salt=salt, remote_keys=keys)
             except type(exc):
                 return
             raise AssertionError(f"real raised {exc!r}, the model did not") from None
         expected = self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
-                                          priority=priority, cache_salt=salt)
+                                          priority=priority, cache_salt=salt, remote_keys=keys)
         got = (match.matched_tokens, match.gpu_tokens, match.host_tokens, match.disk_tokens,
-               match.ready, match.skipped_disk_tokens)
+               match.ready, match.skipped_disk_tokens, match.remote_tokens,
+               match.skipped_remote_tokens)
         assert got == (expected.matched_tokens, expected.gpu_tokens, expected.host_tokens,
-                       expected.disk_tokens, expected.ready, expected.skipped_disk_tokens)
+                       expected.disk_tokens, expected.ready, expected.skipped_disk_tokens,
+                       expected.remote_tokens, expected.skipped_remote_tokens)
         self.collect_commands()
         self.live.append(rid)
         self.queued = [q for q in self.queued if q[0] != rid]
+
+    @precondition(lambda self: self.config.shared_tier)
+    @rule(prompt=prompts, salt=st.sampled_from([None, "tenant-b"]), keep=st.booleans(),
+          forget=st.integers(0, 1000))
+    def add_from_shared_tier(self, prompt: list[int], salt: str | None, keep: bool,
+                             forget: int) -> None:
+        """Another replica published the prompt's blocks (the cluster may have lost one
+        since); this cache is asked for the prompt, matching past its local tiers."""
+        keys = block_keys(prompt, self.config.block_size, salt=salt)
+        self.cluster.update(keys)
+        if keys and forget < 300:
+            self.cluster.discard(keys[forget % len(keys)])
+        before = set(self.live)
+        self.add_request(prompt, None, 0, salt, remote=True)
+        added = [rid for rid in self.live if rid not in before]
+        if added and not keep:
+            self.release(self.live.index(added[0]))  # release during the fetch
 
     @rule(prompt=prompts, revisit=st.booleans(), pick=st.integers(0, 1000))
     def prefetch(self, prompt: list[int], revisit: bool, pick: int) -> None:
@@ -238,6 +278,8 @@ class CoreMatchesReference(RuleBasedStateMachine):
         seconds = nbytes / (mib_per_s * 2**20)
         self.both(lambda: self.real.report_disk_read(nbytes, seconds),
                   lambda: self.model.report_disk_read(nbytes, seconds))
+        self.both(lambda: self.real.report_fetch(nbytes, seconds / 2),
+                  lambda: self.model.report_fetch(nbytes, seconds / 2))
         tokens = max(1, context // 2)
         self.both(
             lambda: self.real.report_prefill(tokens, tokens * us_per_token * 1e-6,
@@ -254,7 +296,7 @@ class CoreMatchesReference(RuleBasedStateMachine):
     def serve_whole_request(self, prompt: list[int], ttl: float | None, priority: int) -> None:
         """Add, compute and release one request in a single step (fills the cache fast)."""
         before = set(self.live)
-        self.add_request(prompt, ttl, priority, None)
+        self.add_request(prompt, ttl, priority, None, remote=True)
         added = [rid for rid in self.live if rid not in before]
         if not added:
             return
@@ -393,7 +435,9 @@ class CoreMatchesReference(RuleBasedStateMachine):
                          "offloads_skipped", "disk_busy_refusals", "hit_blocks_gpu",
                          "prefetches", "prefetch_hits", "prefetches_taken_over",
                          "prefetches_cancelled", "prefetches_reclaimed", "prefetch_failures",
-                         "onboards_skipped_as_too_slow"):
+                         "onboards_skipped_as_too_slow", "fetches", "fetch_failures",
+                         "fetches_skipped_as_too_slow", "publishes_offered",
+                         "hit_blocks_remote"):
                 if getattr(stats, name):
                     event(f"reached {name}")
 
