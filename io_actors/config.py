@@ -16,6 +16,7 @@ from typing import Any, Final
 
 import attrs
 
+from io_actors.backends.redis_store import MAX_TIMEOUT_S, parse_cluster_url
 from statekv.config import CacheConfig, KVLayout, SpillMode
 from statekv.errors import ConfigError
 
@@ -142,6 +143,47 @@ class StateKVConfig:
     rank: int = attrs.field(default=0, validator=_positive_int(0, 1 << 16))
     namespace: str = attrs.field(default="target")
     """Separates caches that must never share slot files (a draft model's from the target's)."""
+    remote_url: str | None = attrs.field(default=None)
+    """The shared tier (specs/remote_tier.md): a Redis Cluster's startup nodes,
+    ``redis://host:port[,redis://host:port...]``; None (the default) for no shared tier.
+    Every replica pointed at one cluster shares blocks (same model fingerprint, layout, block
+    size, salt and LoRA).  Values are signed with ``disk_mac_key`` when one is set: every
+    replica then needs the same key."""
+    remote_namespace: str = attrs.field(default="statekv")
+    """Prefix of every key in the cluster: deployments sharing a cluster keep theirs apart."""
+    remote_timeout_s: float = attrs.field(default=1.0)
+    """Bound on every network wait of the shared tier (a dead master costs at most two)."""
+    remote_queue_depth: int | None = attrs.field(default=None)
+    """Publishes waiting before best-effort ones are shed (with drop_on_pressure); twice this
+    refuses every publish.  None: write_queue_depth.  What is published is the spill mode's
+    choice."""
+
+    @remote_url.validator
+    def _check_remote_url(self, _attribute: attrs.Attribute[str | None], value: object) -> None:
+        if value is not None:
+            parse_cluster_url(value, field="remote_url")
+
+    @remote_namespace.validator
+    def _check_remote_namespace(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if (not isinstance(value, str) or not value or len(value) > 64
+                or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in value)):
+            raise ConfigError("remote_namespace", "must be 1-64 ASCII letters, digits, '-', "
+                              f"'_' or '.', got {value!r}")
+
+    @remote_timeout_s.validator
+    def _check_remote_timeout(self, _attribute: attrs.Attribute[float], value: object) -> None:
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S):
+            raise ConfigError("remote_timeout_s",
+                              f"must be seconds in (0, {MAX_TIMEOUT_S}], got {value!r}")
+
+    @remote_queue_depth.validator
+    def _check_remote_queue_depth(self, _attribute: attrs.Attribute[int | None],
+                                  value: object) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= 1 << 20):
+            raise ConfigError("remote_queue_depth",
+                              f"must be None or an integer in [1, {1 << 20}], got {value!r}")
 
     @persist.validator
     def _check_persist(self, _attribute: attrs.Attribute[bool], value: object) -> None:
@@ -229,6 +271,7 @@ class StateKVConfig:
             model_fingerprint=self.model_fingerprint,
             cost_aware_onboarding=self.cost_aware_onboarding,
             reclaim_prefetched_first=self.reclaim_prefetched_first,
+            shared_tier=self.remote_url is not None,
         )
 
     def rank_directory(self) -> Path | None:

@@ -37,12 +37,22 @@ import trio
 
 from io_actors.backends import open_slot_store, public_config_error
 from io_actors.backends.posix import Recovery
+from io_actors.backends.redis_store import RedisClusterStore
 from io_actors.config import StateKVConfig
 from io_actors.gate import CompletionGate, OpenGate
 from io_actors.interfaces import SlotStore
 from io_actors.memory import KVPools, TorchCopyEngine
 from io_actors.reader_pool import ReaderPool
-from io_actors.scheduler import CloseReport, InlineIO, Scheduler, SystemStatistics, WallClock
+from io_actors.remote_fetcher import RemoteFetcher
+from io_actors.remote_publisher import RemotePublisher
+from io_actors.scheduler import (
+    CloseReport,
+    InlineIO,
+    RemoteTier,
+    Scheduler,
+    SystemStatistics,
+    WallClock,
+)
 from io_actors.tracing import TraceRecorder
 from io_actors.writer_pool import WriterPool
 from statekv.config import CacheConfig
@@ -279,12 +289,22 @@ async def open_cache(
             )
         except ConfigError as exc:
             raise public_config_error(exc) from None
+    shared: RedisClusterStore | None = None
     try:
+        remote = None
+        if config.remote_url is not None:
+            shared = open_shared_store(config, core_config)
+            remote = RemoteTier(
+                publisher=RemotePublisher(shared, core_config,
+                                          queue_depth=config.remote_queue_depth),
+                fetcher=RemoteFetcher(shared, core_config),
+                host_page=pools.host_page, gpu_page=pools.gpu_page,
+            )
         inline = InlineIO(store, pools, device) if synchronous_io and store is not None else None
         core = KVCacheManager(core_config, trace=trace)
         recovery = restore_from_disk(core, store, clock())
         scheduler = Scheduler(core, copies, store, clock=clock, inline_io=inline,
-                              recorder=recorder)
+                              recorder=recorder, remote=remote)
         scheduler.recovery = recovery
         gate = gate or OpenGate()
         writer = reader = None
@@ -315,8 +335,25 @@ async def open_cache(
                         drain=cache.drain_on_close and ok
                     )
     finally:
+        if shared is not None:
+            shared.close()
         if store is not None and owns_store:
             store.close()
+
+
+def open_shared_store(config: StateKVConfig, core_config: CacheConfig) -> RedisClusterStore:
+    """Connect to the configured cluster; ConfigError naming the StateKVConfig field."""
+    assert config.remote_url is not None
+    try:
+        return RedisClusterStore(config.remote_url, core_config,
+                                 namespace=config.remote_namespace,
+                                 mac_key=config.disk_mac_key,
+                                 timeout_s=config.remote_timeout_s)
+    except ConfigError as exc:
+        field = {"url": "remote_url", "namespace": "remote_namespace",
+                 "mac_key": "disk_mac_key", "timeout_s": "remote_timeout_s"}.get(exc.field,
+                                                                                exc.field)
+        raise ConfigError(field, str(exc).split(": ", 1)[-1]) from None
 
 
 class BlockingCache(CacheAPI):

@@ -1,25 +1,28 @@
-"""The remote reader actor: onboards a prefix from the shared tier into host pages.
+"""The remote reader actor: looks prefixes up in the shared tier and fetches blocks from it.
 
-One :meth:`RemoteFetcher.onboard` call, for the blocks of a request that the local tiers
-missed:
+Inside a cache (io_actors.scheduler), for each request the local tiers did not fully serve:
 
-1. match: how many leading blocks the cluster holds now (one pipelined EXISTS per block);
-2. cost: fetch only when :class:`statekv.policies.FetchCost` says moving their bytes beats
-   recomputing their tokens;
-3. fetch: one ``fetch_many`` (a pipeline per master) on a worker thread, every value
-   verified before a byte reaches its page.
+1. lookup (:meth:`RemoteFetcher.lookup`): how many leading blocks of the keys the core named
+   (``KVCacheManager.remote_candidates``) the cluster holds now (one pipelined EXISTS per
+   block).  Those keys go to ``add_request(remote_keys=...)``; the core decides whether to
+   fetch them (its cost estimates, which this actor feeds with each batch's rate).
+2. fetch (:meth:`RemoteFetcher.fetch`): a ``FetchBlocks`` batch on a worker thread, one
+   ``fetch_many`` (a pipeline per master) into staging buffers, every value verified before
+   a byte reaches its page; then, after the copy-stream fence taken at dispatch, the
+   verified blocks are copied into their GPU pages.  One ``SlotRead`` or ``SlotReadFailed``
+   per block: a block that was looked up but is gone at fetch time (evicted by Redis,
+   expired, its master dead) fails cleanly, and the core never serves it.
 
-What is served is the leading run of blocks that landed: a prefix is only useful whole, so
-the blocks after the first failure are not served either, and the request recomputes from
-there.  A block that was matched but is gone at fetch time (evicted by Redis, expired, its
-master dead) is such a failure: a clean miss.  The destination pages are the caller's for
-the whole call, and a failed block's page is never written (the store verifies first).
+:meth:`RemoteFetcher.onboard` does both for a caller that owns its pages outright (no core,
+no cost decision): it serves the leading run of blocks that landed, since a prefix is only
+useful whole.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -31,10 +34,11 @@ from io_actors.backends.redis_store import (
     RemoteIO,
     SharedStore,
 )
+from io_actors.interfaces import Fence
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
-from statekv.ids import BlockHash
-from statekv.policies import FetchCost
+from statekv.ids import BlockHash, PageId
+from statekv.messages import BatchFinished, FetchBlock, SlotRead, SlotReadFailed, TransferOutcome
 
 
 @attrs.frozen(kw_only=True)
@@ -46,23 +50,78 @@ class Onboarded:
     served: int
     """Leading blocks fetched and verified into their pages (<= matched)."""
     fetched: bool
-    """Whether a fetch was issued (False: nothing matched, or recompute was cheaper)."""
+    """Whether a fetch was issued (False: nothing matched)."""
     failure: FetchStatus | None = None
     """Why the block after the served ones failed, when one did."""
 
 
-class RemoteFetcher:
-    """Prefix onboarding from a shared store, with the fetch-or-recompute decision."""
+@attrs.frozen(kw_only=True)
+class Fetched:
+    """One FetchBlocks batch done: the completion for the core, and what it measured."""
 
-    def __init__(self, store: SharedStore, config: CacheConfig, cost: FetchCost) -> None:
+    completion: BatchFinished
+    landed_bytes: int
+    seconds: float
+
+
+class RemoteFetcher:
+    """Lookups and verified fetches from a shared store."""
+
+    def __init__(self, store: SharedStore, config: CacheConfig) -> None:
         if not isinstance(config, CacheConfig):
             raise ConfigError("config", f"must be a CacheConfig, got {config!r}")
-        if not isinstance(cost, FetchCost):
-            raise ConfigError("cost", f"must be a FetchCost, got {cost!r}")
         self._store = store
         self._config = config
-        self._cost = cost
         self._counts: Counter[str] = Counter()
+
+    def lookup(self, keys: Sequence[BlockHash]) -> tuple[BlockHash, ...]:
+        """The leading keys the cluster holds now (blocking: one pipelined round trip, at
+        most the store's timeout per master).  A hint: a key may be gone by fetch time."""
+        self._counts["lookups"] += 1
+        if not keys:
+            return ()
+        found = self._store.match_prefix(list(keys))
+        self._counts["lookup_blocks_found"] += found
+        return tuple(keys[:found])
+
+    def fetch(
+        self,
+        reads: Sequence[FetchBlock],
+        page: Callable[[PageId], torch.Tensor],
+        fence: Fence | None,
+    ) -> Fetched:
+        """Fetch a batch into its pages (blocking; a worker thread).  Every value is verified
+        into a staging buffer first; the verified ones are copied into their pages after
+        `fence` (the pages may have just been emptied by an eviction's copy)."""
+        if not reads:
+            raise UsageError("reads", "a fetch batch needs at least one block")
+        pages = [page(cmd.gpu_page) for cmd in reads]
+        staging = [torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in pages]
+        started = time.perf_counter()
+        results = self._store.fetch_many(
+            [RemoteIO(cmd.key, buf) for cmd, buf in zip(reads, staging, strict=True)]
+        )
+        seconds = time.perf_counter() - started
+        if fence is not None:
+            fence.wait()
+        outcomes: list[TransferOutcome] = []
+        landed = 0
+        for cmd, dst, buf, failure in zip(reads, pages, staging, results, strict=True):
+            if failure is None:
+                dst.copy_(buf)
+                landed += buf.numel() * buf.element_size()
+                outcomes.append(SlotRead(transfer=cmd.transfer))
+                self._counts["blocks_fetched"] += 1
+            else:
+                status = (failure.status if isinstance(failure, RemoteFetchFailed)
+                          else FetchStatus.UNAVAILABLE)
+                self._counts[f"failed_{status.value}"] += 1
+                outcomes.append(SlotReadFailed(transfer=cmd.transfer, cause=str(failure)))
+        if pages and pages[0].device.type == "cuda":
+            # Reported landed only once the bytes are on the device.
+            torch.cuda.current_stream(pages[0].device).synchronize()
+        return Fetched(completion=BatchFinished(outcomes=tuple(outcomes)), landed_bytes=landed,
+                       seconds=seconds)
 
     async def onboard(self, keys: Sequence[BlockHash], pages: Sequence[torch.Tensor],
                       ) -> Onboarded:
@@ -72,14 +131,10 @@ class RemoteFetcher:
         self._counts["onboards"] += 1
         if not keys:
             return Onboarded(matched=0, served=0, fetched=False)
-        matched = await trio.to_thread.run_sync(self._store.match_prefix, list(keys))
+        matched = len(await trio.to_thread.run_sync(self.lookup, list(keys)))
         if matched == 0:
             self._counts["misses"] += 1
             return Onboarded(matched=0, served=0, fetched=False)
-        if not self._cost.fetch_beats_recompute(matched, self._config.block_bytes,
-                                                self._config.block_size):
-            self._counts["recompute_cheaper"] += 1
-            return Onboarded(matched=matched, served=0, fetched=False)
         items = [RemoteIO(k, p) for k, p in zip(keys[:matched], pages[:matched], strict=True)]
         outcomes = await trio.to_thread.run_sync(self._store.fetch_many, items)
         served = 0

@@ -1,13 +1,14 @@
 """The remote writer actor: publishes blocks to the shared tier without blocking serving.
 
 * :meth:`RemotePublisher.offer` is synchronous and never waits: it decides, copies the host
-  page and queues, or refuses with a typed :class:`Offer` (counted).  The serving loop calls
-  it with the block record a host eviction or a commit hands it.
-* What to publish is the cache's spill-mode policy (statekv.policies.SpillPolicy built from
-  the same CacheConfig): every block, retained content only, or content reused at least
-  ``spill_min_reuse`` times.  The same config's pressure policy sheds best-effort content
-  while ``write_queue_depth`` publishes wait (``drop_on_pressure``); anything past twice
-  that depth is refused, retained content too: a publish never blocks the loop.
+  page and queues, or refuses with a typed :class:`Offer` (counted).  The scheduler calls it
+  for each ``PublishBlock`` the core emits, at its place in the command order.
+* What to publish is decided by the core, with the cache's spill-mode policy (every block,
+  retained content only, or content reused at least ``spill_min_reuse`` times): a
+  ``PublishBlock`` is an admitted block.  Here the config's pressure policy sheds
+  best-effort content while ``write_queue_depth`` publishes wait (``drop_on_pressure``);
+  anything past twice that depth is refused, retained content too: a publish never blocks
+  the loop.
 * A retained block's time to live (its deadline minus now) becomes the Redis key's expiry;
   a block whose deadline has passed is not published.
 * :meth:`RemotePublisher.run` drains the queue in batches of ``max_batch_blocks`` through
@@ -21,10 +22,12 @@ it as soon as the loop goes on; the copy is one block of memcpy on the serving t
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
-import math
+import threading
 from collections import Counter
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -32,10 +35,10 @@ import trio
 
 from io_actors.backends.redis_store import RemoteIO, SharedStore
 from io_actors.slot_format import SlotMeta
-from statekv.block import Block
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import BlockHash
+from statekv.messages import PublishBlock
 from statekv.policies import Policies
 
 log = logging.getLogger(__name__)
@@ -45,14 +48,10 @@ class Offer(enum.Enum):
     """What :meth:`RemotePublisher.offer` did with a block."""
 
     QUEUED = "queued"
-    NOT_ADMITTED = "not_admitted"
-    """The spill-mode policy does not publish this content (or its deadline passed)."""
     SHED = "shed"
     """Best-effort content shed because the queue is under pressure (drop_on_pressure)."""
     FULL = "full"
     """The queue is at its hard bound: refused rather than block the serving loop."""
-    UNKEYED = "unkeyed"
-    """A private block (no chained key) is never shared."""
 
 
 @attrs.frozen
@@ -89,47 +88,58 @@ class RemotePublisher:
         self._depth = depth
         self._bound = 2 * depth
         self._batch = config.max_batch_blocks
-        self._send, self._receive = trio.open_memory_channel[_Job](math.inf)
+        # Offers come from the serving thread (inside a cache call), the drain runs on the
+        # trio thread: a deque and a lock between them, and a wake-up through the trio token.
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._lock = threading.Lock()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._wakeup = trio.Event()
+        self._closed = False
         self._waiting = 0
         self._offers: Counter[Offer] = Counter()
         self._published = 0
         self._failed = 0
         self._sequence = 0
 
-    def offer(self, block: Block, page: torch.Tensor, now: float, wall_now: float) -> Offer:
-        """Queue `block` (its bytes are `page`, one host page) for publishing, or say why not.
+    def offer(self, block: PublishBlock, page: torch.Tensor | Callable[[], torch.Tensor],
+              now: float, wall_now: float) -> Offer:
+        """Queue `block` (its bytes are `page`, one host page, or what calling `page`
+        returns: called only when the block is queued) for publishing, or say why not.
 
-        `now` is the cache's clock (the one `block.expiry` is on); `wall_now` is wall-clock
-        seconds for the header's `written_at`.  Never blocks.
+        Any thread.  `now` is the cache's clock (the one `block.expiry` is on); `wall_now` is
+        wall-clock seconds for the header's `written_at`.  Never blocks on the network.
         """
-        if not isinstance(block, Block):
-            raise UsageError("block", f"must be a Block record, got {block!r:.80}")
-        outcome = self._decide(block, now)
-        self._offers[outcome] += 1
-        if outcome is not Offer.QUEUED:
-            return outcome
-        assert block.key is not None  # _decide refused unkeyed blocks
-        ttl = None if block.expiry is None else block.expiry - now
-        self._sequence += 1
-        meta = SlotMeta(
-            parent=block.parent_key if block.parent_key is not None else bytes(32),
-            depth=block.depth, reuse_count=min(block.reuse_count, _U32),
-            expiry=None, written_at=wall_now, sequence=self._sequence,
-        )
-        # The shared tier's deadline is Redis's key expiry; the header's expiry (the local
-        # clock of one process) would mean nothing to another replica.
-        self._send.send_nowait(_Job(bytes(block.key), page.clone(), meta, ttl))
-        self._waiting += 1
+        if not isinstance(block, PublishBlock):
+            raise UsageError("block", f"must be a PublishBlock, got {block!r:.80}")
+        # A deadline that passed by now leaves best-effort content: no expiry.
+        ttl = block.expiry - now if block.expiry is not None and block.expiry > now else None
+        with self._lock:
+            if self._closed:
+                raise UsageError("publisher", "the publisher is closed")
+            outcome = self._decide(ttl is not None)
+            self._offers[outcome] += 1
+            if outcome is not Offer.QUEUED:
+                return outcome
+            self._sequence += 1
+            meta = SlotMeta(
+                parent=block.parent, depth=block.depth,
+                reuse_count=min(block.reuse_count, _U32),
+                expiry=None, written_at=wall_now, sequence=self._sequence,
+            )
+            data = page() if callable(page) else page
+            # The shared tier's deadline is Redis's key expiry; the header's expiry (the
+            # local clock of one process) would mean nothing to another replica.
+            self._queue.append(_Job(bytes(block.key), data.clone(), meta, ttl))
+            self._waiting += 1
+        self._wake()
         return outcome
 
-    def _decide(self, block: Block, now: float) -> Offer:
-        if block.key is None:
-            return Offer.UNKEYED
-        retained = block.expiry is not None
-        if retained and block.expiry is not None and block.expiry <= now:
-            return Offer.NOT_ADMITTED
-        if not self._policies.spill.admits(block, now):
-            return Offer.NOT_ADMITTED
+    def _wake(self) -> None:
+        token = self._token
+        if token is not None:
+            token.run_sync_soon(self._wakeup.set)
+
+    def _decide(self, retained: bool) -> Offer:
         if self._policies.pressure.sheds(retained, self._waiting):
             return Offer.SHED
         if self._waiting >= self._bound:
@@ -138,30 +148,47 @@ class RemotePublisher:
 
     async def run(self) -> None:
         """Drain the queue until :meth:`close`; run it in the actor's nursery."""
-        async with self._receive:
-            async for first in self._receive:
-                jobs = [first]
-                while len(jobs) < self._batch:
-                    try:
-                        jobs.append(self._receive.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
+        self._token = trio.lowlevel.current_trio_token()
+        while True:
+            with self._lock:
+                jobs = [self._queue.popleft()
+                        for _ in range(min(self._batch, len(self._queue)))]
+                closed = self._closed
+                if not jobs and not closed:
+                    self._wakeup = trio.Event()
+                    wakeup = self._wakeup
+            if jobs:
                 await self._publish(jobs)
+                continue
+            if closed:
+                return
+            await wakeup.wait()
 
     async def _publish(self, jobs: list[_Job]) -> None:
         items = [RemoteIO(BlockHash(j.key), j.payload, j.meta, j.ttl_s) for j in jobs]
         outcomes = await trio.to_thread.run_sync(self._store.publish_many, items)
-        self._waiting -= len(jobs)
-        for job, failure in zip(jobs, outcomes, strict=True):
-            if failure is None:
-                self._published += 1
-            else:
-                self._failed += 1
-                log.warning("publish of block %s failed: %s", job.key.hex()[:16], failure)
+        with self._lock:
+            self._waiting -= len(jobs)
+            for job, failure in zip(jobs, outcomes, strict=True):
+                if failure is None:
+                    self._published += 1
+                else:
+                    self._failed += 1
+                    log.warning("publish of block %s failed: %s", job.key.hex()[:16], failure)
 
     def close(self) -> None:
         """No more offers; :meth:`run` returns once the queue is drained."""
-        self._send.close()
+        with self._lock:
+            self._closed = True
+        self._wake()
+
+    def discard_queued(self) -> int:
+        """Drop the publishes not started (closing without draining); returns how many."""
+        with self._lock:
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._waiting -= dropped
+        return dropped
 
     def statistics(self) -> PublisherStatistics:
         return PublisherStatistics(

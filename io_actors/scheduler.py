@@ -11,6 +11,12 @@ Who runs what:
 * On the trio thread, the scheduler's tasks move handed-over disk work into the pools: reads
   straight into the reader pool's queue, writes through a feeder task that waits while the
   writer pool's bounded queue is full -- that wait is the backpressure on spills.
+* The shared tier (when configured): ``add_request`` first asks the remote fetcher which of
+  the keys past the local match the cluster holds (one round trip, outside the lock) and
+  hands those to the core; ``FetchBlocks`` run as trio tasks on worker threads and report
+  like disk reads; ``PublishBlock`` is offered to the remote publisher at its place in the
+  command order (the host page is copied there, after the copy stream's fence when a block
+  is queued; the publisher's queue never blocks).
 * Completions from the pools come back to the scheduler's completion task, which applies
   them to the core under the same lock.  A request whose onboard reads have not landed stays
   parked (`is_ready` is false, O(1)) until the last one is applied.
@@ -34,16 +40,18 @@ import torch
 import trio
 
 from io_actors.backends.posix import Recovery, SlotStoreStatistics
-from io_actors.interfaces import CopyEngine, RetentionStore, SlotStore
+from io_actors.interfaces import CopyEngine, Fence, RetentionStore, SlotStore
 from io_actors.memory import KVPools
 from io_actors.reader_pool import ReaderPool, ReadJob, SlotReader
+from io_actors.remote_fetcher import RemoteFetcher
+from io_actors.remote_publisher import RemotePublisher
 from io_actors.retention_journal import RetentionRecord
 from io_actors.tracing import TraceRecorder
 from io_actors.worker_threads import PoolStatistics
 from io_actors.writer_pool import SlotWriter, WriteJob, WriterPool
 from statekv.config import CacheConfig
 from statekv.errors import InvariantViolation, TransferFailed, UsageError
-from statekv.ids import PageId, RequestId, SlotId, TransferId
+from statekv.ids import BlockHash, PageId, RequestId, SlotId, TransferId
 from statekv.manager import (
     CachedBlock,
     KVCacheManager,
@@ -52,13 +60,17 @@ from statekv.manager import (
     RequestStatus,
 )
 from statekv.messages import (
+    BatchFinished,
     Completion,
     CopyGpuToHost,
     CopyHostToGpu,
+    FetchBlocks,
     FreeSlot,
     PersistRetention,
     PrefetchSlots,
+    PublishBlock,
     ReadSlots,
+    SlotReadFailed,
     WriteSlots,
     is_read,
     outcomes,
@@ -103,6 +115,16 @@ class SystemStatistics:
     retention_backlog: int = 0
     """Lengthened deadlines taken from the core (PersistRetention) whose journal append has
     not returned yet."""
+
+
+@attrs.frozen(kw_only=True)
+class RemoteTier:
+    """The shared tier's actors and the pages they read and fill."""
+
+    publisher: RemotePublisher
+    fetcher: RemoteFetcher
+    host_page: Callable[[PageId], torch.Tensor]
+    gpu_page: Callable[[PageId], torch.Tensor]
 
 
 @attrs.frozen(kw_only=True)
@@ -170,8 +192,16 @@ class Scheduler:
         clock: Callable[[], float] | None = None,
         inline_io: InlineIO | None = None,
         recorder: TraceRecorder | None = None,
+        remote: RemoteTier | None = None,
     ) -> None:
         self._core = core
+        self._remote = remote
+        self._fetch_handover: collections.deque[tuple[FetchBlocks, Fence | None]] = (
+            collections.deque()
+        )
+        self._fetches_busy = 0
+        """FetchBlocks handed over whose completion was not sent yet."""
+        self._nursery: trio.Nursery | None = None
         self._inline = inline_io
         self._copies = copies
         self._store = store
@@ -226,9 +256,17 @@ class Scheduler:
         cache_salt: str | None = None,
         lora_id: int | None = None,
     ) -> PrefixMatch:
+        remote_keys: tuple[BlockHash, ...] = ()
+        if self._remote is not None:
+            with self._lock:
+                candidates = self._core.remote_candidates(token_ids, cache_salt=cache_salt,
+                                                          lora_id=lora_id)
+            # The lookup is a network round trip: never under the lock.  The core checks
+            # the keys again against what it caches by then.
+            remote_keys = self._remote.fetcher.lookup(candidates)
         return self._call(lambda now: self._core.add_request(
             request_id, token_ids, now=now, ttl_seconds=ttl_seconds, priority=priority,
-            cache_salt=cache_salt, lora_id=lora_id,
+            cache_salt=cache_salt, lora_id=lora_id, remote_keys=remote_keys,
         ))
 
     def prefetch(
@@ -463,6 +501,15 @@ class Scheduler:
                 self._slots_discarded += 1
             elif isinstance(cmd, PersistRetention):
                 retention.append(RetentionRecord(slot=cmd.slot, key=cmd.key, expiry=cmd.expiry))
+            elif isinstance(cmd, PublishBlock):
+                if fence is None:
+                    fence = copies.fence()
+                self._offer_publish_locked(cmd, fence)
+            elif isinstance(cmd, FetchBlocks):
+                if fence is None:
+                    fence = copies.fence()
+                self._fetch_handover.append((cmd, fence))
+                self._fetches_busy += 1
         if run:
             copies.copy_pages(run, to_gpu=run_to_gpu)
         if copied:
@@ -486,10 +533,47 @@ class Scheduler:
                     self._trace_parks_locked(None)
             self._dispatch_locked()
             return
-        if ((self._handover or self._retention) and not self._wake_pending
-                and self._token is not None):
+        if ((self._handover or self._retention or self._fetch_handover)
+                and not self._wake_pending and self._token is not None):
             self._wake_pending = True
             self._token.run_sync_soon(self._pump)
+
+    def _offer_publish_locked(self, cmd: PublishBlock, fence: Fence) -> None:
+        remote = self._remote
+        if remote is None:
+            raise InvariantViolation("the core published with no shared tier attached")
+
+        def page() -> torch.Tensor:
+            # The page was filled by a copy just enqueued: wait for it (only for a block
+            # the publisher queues), then the publisher copies it before this call returns.
+            fence.wait()
+            return remote.host_page(cmd.host_page)
+
+        remote.publisher.offer(cmd, page, now=self._clock(), wall_now=time.time())
+
+    async def _run_fetch(self, cmd: FetchBlocks, fence: Fence | None) -> None:
+        """Trio task: one FetchBlocks on a worker thread; its completion goes to the core."""
+        remote = self._remote
+        assert remote is not None
+        try:
+            try:
+                fetched = await trio.to_thread.run_sync(
+                    remote.fetcher.fetch, cmd.reads, remote.gpu_page, fence
+                )
+            except Exception as exc:
+                log.warning("fetch batch %s failed: %s", cmd.transfer, exc)
+                completion: Completion = BatchFinished(outcomes=tuple(
+                    SlotReadFailed(transfer=r.transfer, cause=f"{type(exc).__name__}: {exc}")
+                    for r in cmd.reads
+                ))
+            else:
+                completion = fetched.completion
+                if fetched.landed_bytes and fetched.seconds > 0:
+                    with self._lock:
+                        self._core.report_fetch(fetched.landed_bytes, fetched.seconds)
+            await self.report_completion(completion)
+        finally:
+            self._fetches_busy -= 1
 
     def _pump(self) -> None:
         """Trio thread: move handed-over disk work into the pools."""
@@ -497,8 +581,14 @@ class Scheduler:
             self._wake_pending = False
             jobs = list(self._handover)
             self._handover.clear()
+            fetches = list(self._fetch_handover)
+            self._fetch_handover.clear()
             if self._retention:
                 self._retention_wakeup.set()
+        if fetches:
+            assert self._nursery is not None
+            for cmd, fence in fetches:
+                self._nursery.start_soon(self._run_fetch, cmd, fence)
         for job in jobs:
             if isinstance(job, WriteJob):
                 self._spill_backlog.append(job)
@@ -567,7 +657,10 @@ class Scheduler:
         async for completion in self._completions_recv:
             with self._lock:
                 for outcome in outcomes(completion):
-                    self._slots_in_flight.discard(self._slot_of_transfer.pop(outcome.transfer))
+                    # A fetch has no slot.
+                    slot = self._slot_of_transfer.pop(outcome.transfer, None)
+                    if slot is not None:
+                        self._slots_in_flight.discard(slot)
                 if self._recorder is not None:
                     self._recorder.completion(self._clock(), completion)
                 self._core.handle(completion, now=self._clock())
@@ -593,7 +686,10 @@ class Scheduler:
         self._writer, self._reader = writer, reader
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._apply_completions)
+            if self._remote is not None:
+                nursery.start_soon(self._remote.publisher.run)
             if writer is not None:
                 await nursery.start(writer.run)
                 nursery.start_soon(self._feed_spills)
@@ -640,8 +736,17 @@ class Scheduler:
                 len(job.command.reads) for job in self._reader.close_queue(drop_queued=True)
             )
         # Jobs already in a thread cannot be abandoned (the thread owns the buffers): wait.
-        while (self._writer and self._writer.busy) or (self._reader and self._reader.busy):
+        # A fetch in flight is bounded by the store's timeout, so this never hangs.
+        while ((self._writer and self._writer.busy) or (self._reader and self._reader.busy)
+               or self._fetches_busy):
             await trio.sleep(0.001)
+        if self._remote is not None:
+            publisher = self._remote.publisher
+            if not drain:
+                shed = publisher.discard_queued()
+                if shed:
+                    log.warning("closed with %d publishes to the shared tier dropped", shed)
+            publisher.close()
         self._all_closed.set()
         if writes_dropped or reads_dropped:
             log.warning("closed with %d spills and %d onboards dropped", writes_dropped,

@@ -3,7 +3,9 @@
 * A :class:`SpillPolicy` decides whether a host-tier victim is worth writing to disk.
 * A :class:`PressurePolicy` decides whether a spill is shed while the write path is busy.
 * A :class:`DiskAdmission` decides whether a spill may displace unexpired retained content.
-* A :class:`FetchCost` decides whether a fetch from the shared tier beats recompute.
+
+Whether a fetch from the shared tier beats recompute is a running estimate, not a policy:
+``statekv.cost``, with the disk's.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import attrs
 
 from statekv.arith import is_live
 from statekv.block import Block
-from statekv.config import CacheConfig, SpillMode, is_finite_number
-from statekv.errors import ConfigError
+from statekv.config import CacheConfig, SpillMode
 
 
 class SpillPolicy(Protocol):
@@ -120,32 +121,3 @@ class Policies:
             ProtectUnexpired() if config.protect_unexpired else DisplaceInExpiryOrder()
         )
         return cls(spill=spill, pressure=pressure, admission=admission)
-
-
-@attrs.frozen(kw_only=True)
-class FetchCost:
-    """Whether fetching blocks from the shared tier beats recomputing them (prefill).
-
-    Fetching n blocks costs one round trip plus their bytes at the network rate;
-    recomputing them costs their tokens at the prefill rate.  Rates are measured by the
-    deployment (bench.remote measures the fetch rate); the core only compares.
-    """
-
-    network_bytes_per_s: float
-    prefill_tokens_per_s: float
-    round_trip_s: float = 0.0
-
-    def __attrs_post_init__(self) -> None:
-        for field in ("network_bytes_per_s", "prefill_tokens_per_s"):
-            value = getattr(self, field)
-            if not is_finite_number(value) or value <= 0:
-                raise ConfigError(field, f"must be a finite number > 0, got {value!r}")
-        if not is_finite_number(self.round_trip_s) or self.round_trip_s < 0:
-            raise ConfigError("round_trip_s",
-                              f"must be a finite number >= 0, got {self.round_trip_s!r}")
-
-    def fetch_beats_recompute(self, blocks: int, block_bytes: int, block_tokens: int) -> bool:
-        if blocks <= 0:
-            return False
-        fetch_s = self.round_trip_s + blocks * block_bytes / self.network_bytes_per_s
-        return fetch_s < blocks * block_tokens / self.prefill_tokens_per_s

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 from fuzz.spy import command_kinds
 from specs.reference_model import ReferenceCache, in_batches, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
-from statekv.ids import SlotId, TransferId
+from statekv.ids import BlockHash, SlotId, TransferId
 from statekv.lifecycle import BlockState
 from statekv.manager import RestoredBlock
 from statekv.messages import (
@@ -91,7 +91,7 @@ class CoreMatchesReference(RuleBasedStateMachine):
         self.next_token = 0
         self.served: list[list[int]] = []
         self.queued: list[tuple[str, list[int]]] = []
-        self.cluster: set[bytes] = set()
+        self.cluster: set[BlockHash] = set()
         """Keys the emulated shared tier holds: what was published, by this cache or
         another replica."""
 
@@ -151,7 +151,7 @@ class CoreMatchesReference(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         priority = min(priority, self.real.config.priority_levels - 1)
-        keys: tuple[bytes, ...] = ()
+        keys: tuple[BlockHash, ...] = ()
         if remote and self.config.shared_tier:
             # The remote fetcher's lookup: the candidates the cluster holds.
             try:

@@ -24,17 +24,15 @@ from io_actors.backends.remote_faults import (
 )
 from io_actors.remote_fetcher import RemoteFetcher
 from io_actors.remote_publisher import Offer, RemotePublisher
-from statekv.block import Block
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.hashing import extend_chain, root_key, token_bytes
-from statekv.ids import BlockHash, BlockId
-from statekv.policies import FetchCost
+from statekv.ids import BlockHash, BlockId, PageId, TransferId
+from statekv.messages import FetchBlock, PublishBlock, SlotRead, SlotReadFailed
 from tests.redis_cluster import LocalRedisCluster
 from tests.test_redis_store import SENTINEL, blank, block, chain
 
 REPO = Path(__file__).resolve().parent.parent
-FAST = FetchCost(network_bytes_per_s=1e9, prefill_tokens_per_s=1e3)
 
 
 def config(**kwargs: object) -> CacheConfig:
@@ -49,17 +47,18 @@ def store(redis_cluster: LocalRedisCluster) -> Iterator[RedisClusterStore]:
         yield s
 
 
-def record(i: int, key: BlockHash | None, *, reuse: int = 0,
-           expiry: float | None = None) -> Block:
-    return Block(id=BlockId(i), key=key, depth=i, reuse_count=reuse, expiry=expiry)
+def record(i: int, key: BlockHash, *, reuse: int = 0,
+           expiry: float | None = None) -> PublishBlock:
+    return PublishBlock(block=BlockId(i), key=key, host_page=PageId(0), parent=BlockHash(bytes(32)),
+                        depth=i, reuse_count=reuse, expiry=expiry)
 
 
-def publish_all(publisher: RemotePublisher, blocks: list[Block], *, now: float = 0.0,
+def publish_all(publisher: RemotePublisher, blocks: list[PublishBlock], *, now: float = 0.0,
                 ) -> list[Offer]:
     async def main() -> list[Offer]:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(publisher.run)
-            offers = [publisher.offer(b, block(b.id), now=now, wall_now=time.time())
+            offers = [publisher.offer(b, block(b.block), now=now, wall_now=time.time())
                       for b in blocks]
             publisher.close()
         return offers
@@ -70,32 +69,16 @@ def publish_all(publisher: RemotePublisher, blocks: list[Block], *, now: float =
 # --- publishing ----------------------------------------------------------------------------
 
 
-def test_spill_mode_policy_decides_what_is_published(store: RedisClusterStore) -> None:
-    keys = chain(4)
-    blocks = [record(0, keys[0]), record(1, keys[1], reuse=3),
-              record(2, keys[2], expiry=50.0), record(3, None)]
-    for mode, extra, expected in (
-        ("all", {}, [Offer.QUEUED, Offer.QUEUED, Offer.QUEUED, Offer.UNKEYED]),
-        ("reused", {"spill_min_reuse": 2},
-         [Offer.NOT_ADMITTED, Offer.QUEUED, Offer.NOT_ADMITTED, Offer.UNKEYED]),
-        ("retained_only", {},
-         [Offer.NOT_ADMITTED, Offer.NOT_ADMITTED, Offer.QUEUED, Offer.UNKEYED]),
-    ):
-        store.forget(keys)
-        publisher = RemotePublisher(store, config(spill_mode=mode, **extra))
-        assert publish_all(publisher, blocks, now=10.0) == expected
-        assert store.present(keys) == [o is Offer.QUEUED for o in expected]
-        assert publisher.statistics().published == expected.count(Offer.QUEUED)
-
-
 def test_a_retained_block_expires_with_its_deadline(store: RedisClusterStore) -> None:
     keys = chain(2)
     publisher = RemotePublisher(store, config())
     offers = publish_all(publisher, [record(0, keys[0], expiry=100.0),
                                      record(1, keys[1], expiry=5.0)], now=10.0)
-    assert offers == [Offer.QUEUED, Offer.NOT_ADMITTED]  # a passed deadline is not shared
+    assert offers == [Offer.QUEUED, Offer.QUEUED]
     ttl_ms = store.client.pttl(store.redis_key(keys[0]))
     assert 80_000 < ttl_ms <= 90_000
+    # A deadline that passed leaves best-effort content: shared without an expiry.
+    assert store.client.pttl(store.redis_key(keys[1])) == -1
 
 
 def test_a_full_queue_sheds_or_refuses_and_never_blocks(store: RedisClusterStore) -> None:
@@ -151,11 +134,6 @@ def test_bad_publisher_arguments(store: RedisClusterStore) -> None:
         RemotePublisher(store, config()).offer("block", block(0), now=0.0,  # type: ignore[arg-type]
                                                wall_now=0.0)
     assert bad.value.field == "block"
-    for field in ("network_bytes_per_s", "prefill_tokens_per_s", "round_trip_s"):
-        with pytest.raises(ConfigError) as info:
-            FetchCost(**{"network_bytes_per_s": 1.0, "prefill_tokens_per_s": 1.0,
-                         field: -1.0})
-        assert info.value.field == field
 
 
 # --- fetching ------------------------------------------------------------------------------
@@ -171,24 +149,32 @@ def test_onboard_serves_the_published_prefix_byte_for_byte(store: RedisClusterSt
     keys = chain(6)
     publish_all(RemotePublisher(store, config()), [record(i, k) for i, k in enumerate(keys[:4])])
     pages = [blank() for _ in keys]
-    assert onboard(RemoteFetcher(store, config(), FAST), keys, pages) == (4, 4, True, None)
+    assert onboard(RemoteFetcher(store, config()), keys, pages) == (4, 4, True, None)
     for i in range(4):
         assert torch.equal(pages[i], block(i))
     for page in pages[4:]:
         assert int(page.eq(SENTINEL).sum()) == page.numel()
 
 
-def test_recompute_wins_when_the_network_is_slower(store: RedisClusterStore) -> None:
-    keys = chain(3)
-    publish_all(RemotePublisher(store, config()), [record(i, k) for i, k in enumerate(keys)])
-    slow = FetchCost(network_bytes_per_s=1e3, prefill_tokens_per_s=1e6)
-    before = store.statistics().fetches
-    assert onboard(RemoteFetcher(store, config(), slow), keys,
-                   [blank() for _ in keys]) == (3, 0, False, None)
-    assert store.statistics().fetches == before
-    rtt = FetchCost(network_bytes_per_s=1e9, prefill_tokens_per_s=1e3, round_trip_s=10.0)
-    assert not rtt.fetch_beats_recompute(3, 1024, 16)
-    assert FAST.fetch_beats_recompute(3, 1024, 16)
+def test_a_fetch_batch_reports_each_block_and_never_writes_a_failed_page(
+    store: RedisClusterStore,
+) -> None:
+    keys = chain(4)
+    publish_all(RemotePublisher(store, config()), [record(i, k) for i, k in enumerate(keys[:3])])
+    faulty = FaultyRemoteStore(store, RemoteFaultPlan(rules=(
+        RemoteFaultRule(op="fetch", fault=RemoteFault.CORRUPT, nth=2),)))
+    pages = {PageId(10 + i): blank() for i in range(4)}
+    reads = [FetchBlock(transfer=TransferId(i + 1), block=BlockId(i), key=k,
+                        gpu_page=PageId(10 + i)) for i, k in enumerate(keys)]
+    fetched = RemoteFetcher(faulty, config()).fetch(reads, pages.__getitem__, None)
+    got = [type(o) for o in fetched.completion.outcomes]
+    assert got == [SlotRead, SlotReadFailed, SlotRead, SlotReadFailed]  # corrupt, missing
+    assert fetched.landed_bytes == 2 * config().block_bytes and fetched.seconds > 0
+    for i in (0, 2):
+        assert torch.equal(pages[PageId(10 + i)], block(i))
+    for i in (1, 3):
+        assert int(pages[PageId(10 + i)].eq(SENTINEL).sum()) == pages[PageId(10 + i)].numel()
+    assert RemoteFetcher(store, config()).lookup(keys) == tuple(keys[:3])
 
 
 @pytest.mark.parametrize(("fault", "status"), [
@@ -204,7 +190,7 @@ def test_a_block_lost_between_match_and_fetch_cuts_the_prefix_cleanly(
     faulty = FaultyRemoteStore(store, RemoteFaultPlan(rules=(
         RemoteFaultRule(op="fetch", fault=fault, nth=3),)))
     pages = [blank() for _ in keys]
-    assert onboard(RemoteFetcher(faulty, config(), FAST), keys, pages) == (5, 2, True, status)
+    assert onboard(RemoteFetcher(faulty, config()), keys, pages) == (5, 2, True, status)
     for i in range(2):
         assert torch.equal(pages[i], block(i))
     # The struck block's page was never written; later blocks may have landed but are not
@@ -250,6 +236,23 @@ def test_a_prefix_computed_in_one_process_is_served_to_another(
         assert s.match_prefix(other) == 0
 
 
+def test_two_caches_share_a_prefix_through_add_request_byte_for_byte(
+    redis_cluster: LocalRedisCluster, tmp_path: Path,
+) -> None:
+    namespace = f"c{uuid.uuid4().hex[:12]}"
+    published, served = tmp_path / "a.json", tmp_path / "b.json"
+    replica("cache-publish", redis_cluster.url, namespace, str(published))
+    a = json.loads(published.read_text())
+    assert a["offered"] == 6  # six full blocks evicted to host, each offered once
+    replica("cache-serve", redis_cluster.url, namespace, str(published), str(served))
+    b = json.loads(served.read_text())
+    assert b["remote_tokens"] == 6 * 16 and b["ready"]
+    assert b["served"] == 6 and b["same_bytes"] == [True] * 6
+    assert b["fetches_completed"] == 6 and b["fetch_failures"] == 0
+    assert b["tail_equal"]
+    assert b["other_tenant_remote_tokens"] == 0
+
+
 def test_the_readme_shared_tier_example_runs(redis_cluster: LocalRedisCluster,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     readme = (REPO / "README.md").read_text()
@@ -276,7 +279,7 @@ def test_killing_a_master_mid_run_cuts_prefixes_there_and_serving_goes_on(
 
         async def main() -> None:
             publisher = RemotePublisher(store, cfg)
-            fetcher = RemoteFetcher(store, cfg, FAST)
+            fetcher = RemoteFetcher(store, cfg)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(publisher.run)
                 for i, key in enumerate(keys):
