@@ -87,7 +87,7 @@ def test_spill_mode_is_accepted_by_name_or_member(mode: SpillMode) -> None:
     assert _cfg(spill_mode=mode).spill_mode is mode
 
 
-@pytest.mark.parametrize("field", ["protect_unexpired", "drop_on_pressure"])
+@pytest.mark.parametrize("field", ["protect_unexpired", "drop_on_pressure", "shared_tier"])
 @pytest.mark.parametrize("value", [0, 1, "yes", None, 1.0])
 def test_flag_that_is_not_a_bool_raises_config_error_naming_it(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:

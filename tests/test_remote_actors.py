@@ -308,3 +308,72 @@ def test_killing_a_master_mid_run_cuts_prefixes_there_and_serving_goes_on(
                 assert result.served == 1 and torch.equal(page, block(i))
 
         trio.run(main)
+
+
+def test_a_master_killed_under_two_caches_serves_no_wrong_bytes_and_never_hangs(
+    own_redis_cluster: LocalRedisCluster,
+) -> None:
+    """Two whole caches on one cluster; a master dies after A published: B's add_request
+    serves the prefix up to the first block that lived there, byte for byte, recomputes the
+    rest, and serving goes on round after round."""
+    from io_actors.config import StateKVConfig
+    from io_actors.embed import BlockingCache
+    from models.model import Chunk
+    from tests.remote_replica import BLOCK_SIZE, digest, setup
+
+    cluster = own_redis_cluster
+    model, cfg, _keys = setup()
+    prompt = [(5 * i + 1) % 89 for i in range(24 * BLOCK_SIZE + 3)]
+    keys: list[BlockHash] = []
+    extend_chain(keys, root_key(cfg.model_fingerprint, None, None), token_bytes(prompt),
+                 BLOCK_SIZE, 24)
+
+    def cache() -> BlockingCache:
+        return BlockingCache(StateKVConfig(
+            layout=cfg.layout, block_size=BLOCK_SIZE, gpu=30, host=40, device="cpu",
+            model_fingerprint=cfg.model_fingerprint, remote_url=cluster.url,
+            remote_timeout_s=0.25,
+        ))
+
+    with cache() as a:
+        a.add_request("a", prompt)
+        a.allocate_nowait("a", len(prompt))
+        table = list(a.block_table("a"))
+        model.forward(a.kv_pool, [Chunk(token_ids=prompt, start=0, block_table=table)])
+        a.commit("a", len(prompt))
+        digests = [digest(a.kv_pool, table[i]) for i in range(24)]
+        a.release("a")
+        a.add_request("churn", [7] * (30 * BLOCK_SIZE))
+        a.allocate_nowait("churn", 30 * BLOCK_SIZE)  # A's blocks go to host: published
+        a.release("churn")
+    with RedisClusterStore(cluster.url, cfg, timeout_s=0.25) as store:
+        assert store.match_prefix(keys) == 24
+        owner = [cluster.node_for(store.redis_key(k)).port for k in keys]
+    victim = cluster.nodes[2]
+    first_lost = owner.index(victim.port)
+    cluster.kill(victim)
+    with cache() as b:
+        for rnd in range(3):
+            rid = f"b{rnd}"
+            started = time.monotonic()
+            b.add_request(rid, prompt)
+            assert b.wait_ready(rid, timeout=60)
+            assert time.monotonic() - started < 30  # a dead master costs timeouts, no hang
+            served = b.request_status(rid).num_computed_tokens // BLOCK_SIZE
+            # The first round's prefix stops at the dead master's first block; B computed
+            # the rest, so later rounds are B's own GPU hits.
+            assert served == (first_lost if rnd == 0 else 24)
+            table = list(b.block_table(rid))
+            assert [digest(b.kv_pool, table[i]) for i in range(served)] == digests[:served]
+            b.allocate_nowait(rid, len(prompt))  # serving goes on: it computes the rest
+            table = list(b.block_table(rid))
+            model.forward(b.kv_pool, [Chunk(token_ids=prompt[served * BLOCK_SIZE:],
+                                            start=served * BLOCK_SIZE, block_table=table)])
+            b.commit(rid, len(prompt))
+            # What B computed itself (another chunking than A's: equal up to rounding only)
+            # is what its later rounds must serve.
+            digests = [digest(b.kv_pool, table[i]) for i in range(24)]
+            b.release(rid)
+            b.check_invariants()
+        stats = b.statistics().cache
+        assert stats.fetches_completed == first_lost

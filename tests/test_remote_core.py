@@ -192,3 +192,54 @@ def test_fetching_is_skipped_when_recomputing_is_faster() -> None:
     match = ex.add("b", doc, remote=keys)
     assert match.remote_tokens == 2 * ex.bs
     assert all(isinstance(f, FetchBlock) for f in ex.fetches.values())
+
+
+# ---------------------------------------------------------------------- the user's config
+
+
+def _layout() -> object:
+    from statekv import KVLayout
+    return KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("remote_url", ""),
+    ("remote_url", "http://h:1"),
+    ("remote_url", "redis://h"),
+    ("remote_url", "redis://h:7000/3"),
+    ("remote_url", 7000),
+    ("remote_namespace", ""),
+    ("remote_namespace", "a b"),
+    ("remote_timeout_s", 0),
+    ("remote_timeout_s", float("nan")),
+    ("remote_timeout_s", True),
+    ("remote_queue_depth", 0),
+    ("remote_queue_depth", 1.5),
+])
+def test_bad_remote_options_are_refused_naming_the_field(field: str, value: object) -> None:
+    from io_actors.config import StateKVConfig
+    from statekv import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        StateKVConfig(layout=_layout(), gpu=4, **{field: value})  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_the_shared_tier_is_off_by_default_and_on_with_a_url() -> None:
+    from io_actors.config import StateKVConfig
+
+    assert not StateKVConfig(layout=_layout(), gpu=4).core_config().shared_tier  # type: ignore[arg-type]
+    on = StateKVConfig(layout=_layout(), gpu=4, remote_url="redis://127.0.0.1:1")  # type: ignore[arg-type]
+    assert on.core_config().shared_tier
+
+
+def test_an_unreachable_cluster_is_a_config_error_naming_remote_url() -> None:
+    from io_actors.config import StateKVConfig
+    from io_actors.embed import BlockingCache
+    from statekv import ConfigError
+
+    cfg = StateKVConfig(layout=_layout(), gpu=4, device="cpu",  # type: ignore[arg-type]
+                        remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2)
+    with pytest.raises(ConfigError) as info:
+        BlockingCache(cfg)
+    assert info.value.field == "remote_url"
