@@ -23,6 +23,13 @@ land, loses its pages to a GPU eviction, or prefetches while spills in flight di
 very blocks it wants.  The cost rule reports disk and prefill rates so that admissions also
 run the cost-aware cut.
 
+Fetch races (the shared tier, issue 15): another replica published a prompt (the cluster may
+lose a block of it before the fetch); a request matches past the local tiers and fetches it;
+then its request is released while the fetch is in flight, the fetch fails (missing, evicted
+between lookup and fetch, corrupt: the core sees one failure kind), or a second request
+joins the fetch in flight before it lands or fails.  Blocks this cache offloads to host are
+published to the emulated cluster, so later requests fetch them back.
+
 This is the fast machine (thousands of steps per second): it explores the decision logic,
 the system machine (:mod:`fuzz.system_machine`) the actors and the bytes.
 """
@@ -40,12 +47,14 @@ from fuzz.contract import CommandContract
 from fuzz.spy import command_kinds
 from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.tracefile import new_sink
-from specs.reference_model import ReferenceCache, in_batches, observed
+from specs.reference_model import ReferenceCache, block_keys, in_batches, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
-from statekv.ids import TransferId
+from statekv.ids import BlockHash, TransferId
 from statekv.messages import (
     Completion,
+    FetchBlock,
     PrefetchSlot,
+    PublishBlock,
     ReadSlot,
     SlotRead,
     SlotReadFailed,
@@ -93,6 +102,7 @@ def core_configs(draw: st.DrawFn) -> CacheConfig:
         max_batch_blocks=draw(st.sampled_from([1, 2, 16])),
         cost_aware_onboarding=draw(st.booleans()),
         reclaim_prefetched_first=draw(st.booleans()),
+        shared_tier=draw(st.booleans()),
     )
 
 
@@ -214,6 +224,25 @@ class CostReport:
     context_tokens: int
 
 
+@attrs.frozen
+class FetchRace:
+    """A prompt another replica published is fetched from the shared tier; then the race."""
+
+    kind: str
+    """"land" (the fetches land), "release" (the request is released while its fetches are
+    in flight, then they land or fail), "fail" (the first fetch fails: its request
+    recomputes from there), "evicted" (the cluster lost a block between lookup and fetch:
+    that fetch fails, the others land), "joined" (a second request matches the blocks in
+    flight, then the first fetch fails)."""
+    pick: int
+
+
+fetch_races = st.sampled_from(
+    [FetchRace(kind, pick) for pick in range(4)
+     for kind in ("land", "release", "fail", "evicted", "joined")]
+)
+
+
 cost_reports = st.sampled_from([
     CostReport(rate, per_token, context)
     for rate in (1e2, 1e4, 1e9) for per_token in (1e-6, 1e-3) for context in (4, 16)
@@ -238,6 +267,10 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.next_token = 0
         self.served: list[list[int]] = []
         self.queued: list[tuple[str, list[int]]] = []
+        self.cluster: set[BlockHash] = set()
+        """Keys the emulated shared tier holds (this cache's publishes and other replicas')."""
+        self.fetches: dict[TransferId, BlockHash] = {}
+        """Fetches issued, by transfer (they also wait in `reads`, and report like reads)."""
 
     @property
     def core(self) -> KVCacheManager:
@@ -282,6 +315,11 @@ class CoreVsSpec(RuleBasedStateMachine):
             elif isinstance(c, ReadSlot | PrefetchSlot):
                 # A prefetch reports like a read; the model tells the two apart by id.
                 self.reads.append(c.transfer)
+            elif isinstance(c, FetchBlock):
+                self.reads.append(c.transfer)
+                self.fetches[c.transfer] = c.key
+            elif isinstance(c, PublishBlock):
+                self.cluster.add(c.key)
 
     def complete(self, tid: TransferId, completion: Completion, ok: bool) -> None:
         self.contract.completion(completion)
@@ -301,6 +339,18 @@ class CoreVsSpec(RuleBasedStateMachine):
     def add_request(self, spec: RequestSpec) -> None:
         self._add(list(spec.prompt), spec.ttl, spec.priority, spec.salt)
 
+    def _remote_keys(self, prompt: list[int], salt: str | None) -> tuple[BlockHash, ...]:
+        """What the remote fetcher's lookup would find: the candidates past the local match
+        that the emulated cluster holds (both sides must name the same candidates)."""
+        if not self.core.config.shared_tier:
+            return ()
+        try:
+            candidates = self.core.remote_candidates(prompt, cache_salt=salt)
+        except UsageError:
+            return ()
+        assert candidates == self.model.remote_candidates(prompt, cache_salt=salt)
+        return tuple(k for k in candidates if k in self.cluster)
+
     def _add(
         self, prompt: list[int], ttl: float | None, priority: int, salt: str | None,
         rid: str | None = None,
@@ -310,23 +360,27 @@ class CoreVsSpec(RuleBasedStateMachine):
             self.next_id += 1
         priority = min(priority, self.core.config.priority_levels - 1)
         Counts.operations += 1
+        keys = self._remote_keys(prompt, salt)
         try:
             match = self.core.add_request(
-                rid, prompt, now=self.now, ttl_seconds=ttl, priority=priority, cache_salt=salt
+                rid, prompt, now=self.now, ttl_seconds=ttl, priority=priority, cache_salt=salt,
+                remote_keys=keys,
             )
         except (OutOfBlocks, UsageError) as exc:
             try:
                 self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
-                                       priority=priority, cache_salt=salt)
+                                       priority=priority, cache_salt=salt, remote_keys=keys)
             except type(exc):
                 return None
             raise AssertionError(f"real raised {exc!r}, the model did not") from None
         expected = self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
-                                          priority=priority, cache_salt=salt)
+                                          priority=priority, cache_salt=salt, remote_keys=keys)
         got = (match.matched_tokens, match.gpu_tokens, match.host_tokens, match.disk_tokens,
-               match.ready, match.skipped_disk_tokens)
+               match.ready, match.skipped_disk_tokens, match.remote_tokens,
+               match.skipped_remote_tokens)
         assert got == (expected.matched_tokens, expected.gpu_tokens, expected.host_tokens,
-                       expected.disk_tokens, expected.ready, expected.skipped_disk_tokens)
+                       expected.disk_tokens, expected.ready, expected.skipped_disk_tokens,
+                       expected.remote_tokens, expected.skipped_remote_tokens)
         self.collect_commands()
         self.live.append(rid)
         return rid
@@ -403,6 +457,46 @@ class CoreVsSpec(RuleBasedStateMachine):
                              for i in range(cfg.gpu_blocks * cfg.block_size - 1)], None, 0)
             self._admit(rid, prompt)
 
+    @precondition(lambda self: self.core.config.shared_tier)
+    @fuzz_rule(race=fetch_races)
+    def fetch_race(self, race: FetchRace) -> None:
+        """Another replica published a prompt; a request here fetches it; then the race."""
+        prompt = list(PROMPTS[(race.pick * 5 + 7) % len(PROMPTS)])
+        salt = SALTS[race.pick % len(SALTS)]
+        keys = block_keys(prompt, self.core.config.block_size, salt=salt)
+        self.cluster.update(keys)
+        before = set(self.fetches)
+        rid = self._add(prompt, None, 0, salt)
+        mine = [t for t in self.fetches if t not in before and t in self.reads]
+        if rid is None or not mine:
+            return
+        if race.kind == "evicted":
+            # The cluster lost the block after the lookup: its fetch fails, the rest land.
+            lost = mine[race.pick % len(mine)]
+            self.cluster.discard(self.fetches[lost])
+            for tid in mine:
+                self._report_read(tid, tid != lost)
+            return
+        if race.kind == "release":
+            self._release(rid)
+            for i, tid in enumerate(mine):
+                self._report_read(tid, (i + race.pick) % 2 == 0)
+            return
+        if race.kind == "joined":
+            self._add(prompt, None, 0, salt)
+        ok = race.kind == "land"
+        for i, tid in enumerate(mine):
+            self._report_read(tid, ok or i > 0)
+
+    def _report_read(self, tid: TransferId, ok: bool) -> None:
+        """The read or fetch `tid` (still pending) lands or fails."""
+        if tid not in self.reads:
+            return
+        self.reads.remove(tid)
+        completion = (SlotRead(transfer=tid) if ok
+                      else SlotReadFailed(transfer=tid, cause="missing"))
+        self.complete(tid, completion, ok)
+
     @precondition(lambda self: self.queued)
     @fuzz_rule(pick=st.integers(0, 7))
     def queued_request_moves(self, pick: int) -> None:
@@ -420,6 +514,10 @@ class CoreVsSpec(RuleBasedStateMachine):
         seconds = nbytes / report.disk_bytes_per_second
         self.both(lambda: self.core.report_disk_read(nbytes, seconds),
                   lambda: self.model.report_disk_read(nbytes, seconds))
+        # The network is as fast as the disk here, and ten times faster.
+        fetched = seconds / (1 + 9 * (report.context_tokens > 4))
+        self.both(lambda: self.core.report_fetch(nbytes, fetched),
+                  lambda: self.model.report_fetch(nbytes, fetched))
         tokens = report.context_tokens // 2
         spent = tokens * report.prefill_seconds_per_token
         self.both(lambda: self.core.report_prefill(tokens, spent,
@@ -600,6 +698,7 @@ class CoreVsSpec(RuleBasedStateMachine):
                      "offloads_skipped", "disk_busy_refusals", "prefetches",
                      "prefetch_hits", "prefetches_taken_over", "prefetches_cancelled",
                      "prefetches_reclaimed", "prefetch_failures",
-                     "onboards_skipped_as_too_slow"):
+                     "onboards_skipped_as_too_slow", "fetches", "fetch_failures",
+                     "hit_blocks_remote", "fetches_skipped_as_too_slow", "publishes_offered"):
             if getattr(stats, name):
                 note(f"reached {name}")

@@ -180,6 +180,19 @@ def failed_read_published() -> AbstractContextManager[None]:
     return _wrapped(SlotReader, "execute", make)
 
 
+def failed_fetch_published() -> AbstractContextManager[None]:
+    """Shared tier (issue 15): a fetch that failed (the key evicted between lookup and fetch,
+    a corrupt value, a dead master) is applied as landed: its block is served and cached, so
+    the request computes on whatever its page holds."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def _fetch_failed(self: KVCacheManager, block: Block) -> None:
+            self._fetch_landed(block)
+        return _fetch_failed
+
+    return _wrapped(KVCacheManager, "_fetch_failed", make)
+
+
 def scheduler_waits_for_writes() -> AbstractContextManager[None]:
     """Seed: loadFromFile waited for the slot's pending writes on the scheduler, so onboarding
     a just-spilled block parked the whole engine behind the write queue.  Here a new request
@@ -344,6 +357,7 @@ PLANTED = {
                 1000),
         Planted("prefetch-page-freed-on-leave-system", prefetch_page_freed_on_leave,
                 SystemMachine, 1000),
+        Planted("failed-fetch-published", failed_fetch_published, CoreVsSpec, 1000),
     )
 }
 

@@ -105,6 +105,17 @@ def in_batches(
     return others
 
 
+def block_keys(tokens: Sequence[int], block_size: int, *,
+               salt: str | None = None, fingerprint: str = "") -> list[BlockHash]:
+    """The chained keys of the full blocks of `tokens`."""
+    key = root_key(fingerprint, salt, None)
+    keys = []
+    for i in range(len(tokens) // block_size):
+        key = chain_key(key, token_bytes(tokens[i * block_size:(i + 1) * block_size]))
+        keys.append(key)
+    return keys
+
+
 def observed(blocks: Iterable[CachedBlock]) -> dict[BlockHash, tuple[str, int, int, float | None]]:
     """The real core's `cached_blocks()` in the form of :meth:`ReferenceCache.cached`."""
     return {b.key: (TIER_OF_STATE[b.state], b.ref_count, b.reuse_count, b.expiry)

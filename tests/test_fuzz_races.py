@@ -20,12 +20,12 @@ import attrs
 import pytest
 
 from fuzz import planted
-from fuzz.core_machine import DOCUMENTS, ChurnSpec, RequestSpec
+from fuzz.core_machine import DOCUMENTS, ChurnSpec, CoreVsSpec, FetchRace, RequestSpec
 from fuzz.driver import SystemSpec
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from fuzz.system_machine import SystemMachine
 from io_actors.backends.faults import Fault, Op
-from statekv.config import SpillMode
+from statekv.config import CacheConfig, SpillMode
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.stats import CacheStatistics
 
@@ -612,3 +612,53 @@ def test_a_prefetch_that_loses_its_host_page_goes_back_to_disk() -> None:
         run("drain")
         stats = run.stats()
         assert stats.prefetch_hits + stats.onboards_completed == 2
+
+
+# ------------------------------------------------------------------ the shared tier (issue 15)
+
+
+SHARED = CacheConfig(block_size=2, gpu_blocks=8, host_blocks=2, disk_blocks=2,
+                     shared_tier=True)
+
+
+def core_run(race: FetchRace) -> CacheStatistics:
+    """The core machine, by hand: one fetch race, every invariant checked after it."""
+    m = CoreVsSpec()
+    m.build(SHARED)
+    m.fetch_race(race)
+    m.agrees_with_the_spec()
+    m._drain()
+    m.agrees_with_the_spec()
+    return m.core.statistics()
+
+
+def test_a_failed_fetch_is_never_served_and_the_request_recomputes_from_it() -> None:
+    def scenario() -> None:
+        stats = core_run(FetchRace("fail", 1))
+        assert stats.fetches >= 2 and stats.fetch_failures == 1
+        assert stats.requests_fallen_back == 1
+
+    scenario()
+    error = fails_when_planted(planted.failed_fetch_published, scenario)
+    assert isinstance(error, AssertionError)
+
+
+def test_a_block_evicted_between_lookup_and_fetch_is_a_clean_miss() -> None:
+    def scenario() -> None:
+        stats = core_run(FetchRace("evicted", 0))
+        assert stats.fetch_failures == 1 and stats.fetches_completed == stats.fetches - 1
+
+    scenario()
+    fails_when_planted(planted.failed_fetch_published, scenario)
+
+
+def test_a_release_during_a_fetch_keeps_the_pages_until_the_fetches_report() -> None:
+    stats = core_run(FetchRace("release", 1))
+    assert stats.fetches >= 2 and stats.fetch_failures >= 1 and stats.requests_released == 1
+    assert stats.fetches_in_flight == 0
+
+
+def test_a_request_joining_a_fetch_in_flight_falls_back_with_it() -> None:
+    stats = core_run(FetchRace("joined", 1))
+    assert stats.hit_blocks_remote > stats.fetches  # the second request waited on them
+    assert stats.requests_fallen_back == 2
