@@ -68,6 +68,7 @@ def run_workload(
     max_running: int = 64,
     prefetch_ahead: int = 0,
     cost_aware_onboarding: bool = True,
+    reclaim_prefetched_first: bool = True,
     trace: TraceSink | None = None,
     progress: Callable[[int, int], None] | None = None,
     total: int | None = None,
@@ -77,7 +78,8 @@ def run_workload(
     `salt_every_request` gives each request its own cache salt: nothing is ever reused, the
     no-cache baseline the identity check compares with.  `prefetch_ahead` queued requests
     prefetch their disk blocks while they wait; `cost_aware_onboarding` lets the cache
-    recompute disk hits that are slower to read than to prefill.
+    recompute disk hits that are slower to read than to prefill;
+    `reclaim_prefetched_first` is StateKVConfig's (which pages host pressure takes first).
     """
     if disk_dir is not None:
         disk_dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +96,7 @@ def run_workload(
             protect_unexpired=budgets.protect_unexpired,
             model_fingerprint=model.config.fingerprint(),
             cost_aware_onboarding=cost_aware_onboarding,
+            reclaim_prefetched_first=reclaim_prefetched_first,
         )
         done: list[RequestResult] = []
         with BlockingCache(config, trace=trace, synchronous_io=synchronous_io) as cache:
