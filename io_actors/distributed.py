@@ -599,6 +599,14 @@ class TensorParallelCache:
         summary: tuple[object, ...] = ()
         try:
             config = self._rank_config(config, group)
+            if config.remote_url is not None and group.world_size > 1:
+                # Each rank would look its own shard's keys up and fetch on its own: the
+                # ranks would match different prefixes.  Until lookups and fetch outcomes
+                # are agreed across ranks, the shared tier is single-rank only.
+                raise ConfigError(
+                    "remote_url", f"the shared tier is not supported with {group.world_size} "
+                    "tensor-parallel ranks yet"
+                )
             core = config.core_config()
             summary = (
                 config.namespace,

@@ -30,21 +30,22 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 import trio
 
+if TYPE_CHECKING:  # needs the optional redis-py: imported where a shared tier is opened
+    from io_actors.backends.redis_store import RedisClusterStore
+
 from io_actors.backends import open_slot_store, public_config_error
 from io_actors.backends.posix import Recovery
-from io_actors.backends.redis_store import RedisClusterStore
 from io_actors.config import StateKVConfig
 from io_actors.gate import CompletionGate, OpenGate
 from io_actors.interfaces import SlotStore
 from io_actors.memory import KVPools, TorchCopyEngine
 from io_actors.reader_pool import ReaderPool
-from io_actors.remote_fetcher import RemoteFetcher
-from io_actors.remote_publisher import RemotePublisher
 from io_actors.scheduler import (
     CloseReport,
     InlineIO,
@@ -293,6 +294,9 @@ async def open_cache(
     try:
         remote = None
         if config.remote_url is not None:
+            from io_actors.remote_fetcher import RemoteFetcher
+            from io_actors.remote_publisher import RemotePublisher
+
             shared = open_shared_store(config, core_config)
             remote = RemoteTier(
                 publisher=RemotePublisher(shared, core_config,
@@ -344,6 +348,11 @@ async def open_cache(
 def open_shared_store(config: StateKVConfig, core_config: CacheConfig) -> RedisClusterStore:
     """Connect to the configured cluster; ConfigError naming the StateKVConfig field."""
     assert config.remote_url is not None
+    try:
+        from io_actors.backends.redis_store import RedisClusterStore
+    except ImportError as exc:
+        raise ConfigError("remote_url", "the shared tier needs redis-py: pip install "
+                          f"'statekv[redis]' ({exc})") from None
     try:
         return RedisClusterStore(config.remote_url, core_config,
                                  namespace=config.remote_namespace,

@@ -20,6 +20,7 @@ useful whole.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -73,15 +74,21 @@ class RemoteFetcher:
         self._store = store
         self._config = config
         self._counts: Counter[str] = Counter()
+        # Lookups run on the serving thread, fetches on worker threads.
+        self._lock = threading.Lock()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
 
     def lookup(self, keys: Sequence[BlockHash]) -> tuple[BlockHash, ...]:
         """The leading keys the cluster holds now (blocking: one pipelined round trip, at
         most the store's timeout per master).  A hint: a key may be gone by fetch time."""
-        self._counts["lookups"] += 1
+        self._count("lookups")
         if not keys:
             return ()
         found = self._store.match_prefix(list(keys))
-        self._counts["lookup_blocks_found"] += found
+        self._count("lookup_blocks_found", found)
         return tuple(keys[:found])
 
     def fetch(
@@ -111,11 +118,11 @@ class RemoteFetcher:
                 dst.copy_(buf)
                 landed += buf.numel() * buf.element_size()
                 outcomes.append(SlotRead(transfer=cmd.transfer))
-                self._counts["blocks_fetched"] += 1
+                self._count("blocks_fetched")
             else:
                 status = (failure.status if isinstance(failure, RemoteFetchFailed)
                           else FetchStatus.UNAVAILABLE)
-                self._counts[f"failed_{status.value}"] += 1
+                self._count(f"failed_{status.value}")
                 outcomes.append(SlotReadFailed(transfer=cmd.transfer, cause=str(failure)))
         if pages and pages[0].device.type == "cuda":
             # Reported landed only once the bytes are on the device.
@@ -128,12 +135,12 @@ class RemoteFetcher:
         """Fill ``pages[i]`` with block ``keys[i]`` for the leading blocks the tier serves."""
         if len(keys) != len(pages):
             raise UsageError("pages", f"one page per key: {len(keys)} keys, {len(pages)} pages")
-        self._counts["onboards"] += 1
+        self._count("onboards")
         if not keys:
             return Onboarded(matched=0, served=0, fetched=False)
         matched = len(await trio.to_thread.run_sync(self.lookup, list(keys)))
         if matched == 0:
-            self._counts["misses"] += 1
+            self._count("misses")
             return Onboarded(matched=0, served=0, fetched=False)
         items = [RemoteIO(k, p) for k, p in zip(keys[:matched], pages[:matched], strict=True)]
         outcomes = await trio.to_thread.run_sync(self._store.fetch_many, items)
@@ -145,10 +152,11 @@ class RemoteFetcher:
                            else FetchStatus.UNAVAILABLE)
                 break
             served += 1
-        self._counts["blocks_served"] += served
+        self._count("blocks_served", served)
         if failure is not None:
-            self._counts[f"cut_by_{failure.value}"] += 1
+            self._count(f"cut_by_{failure.value}")
         return Onboarded(matched=matched, served=served, fetched=True, failure=failure)
 
     def statistics(self) -> dict[str, int]:
-        return dict(self._counts)
+        with self._lock:
+            return dict(self._counts)

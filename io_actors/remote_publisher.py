@@ -191,6 +191,10 @@ class RemotePublisher:
         return dropped
 
     def statistics(self) -> PublisherStatistics:
+        with self._lock:
+            return self._statistics_locked()
+
+    def _statistics_locked(self) -> PublisherStatistics:
         return PublisherStatistics(
             offers={o.value: self._offers[o] for o in Offer}, published=self._published,
             failed=self._failed, queued=self._waiting,

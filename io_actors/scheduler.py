@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 import torch
@@ -43,8 +43,6 @@ from io_actors.backends.posix import Recovery, SlotStoreStatistics
 from io_actors.interfaces import CopyEngine, Fence, RetentionStore, SlotStore
 from io_actors.memory import KVPools
 from io_actors.reader_pool import ReaderPool, ReadJob, SlotReader
-from io_actors.remote_fetcher import RemoteFetcher
-from io_actors.remote_publisher import RemotePublisher
 from io_actors.retention_journal import RetentionRecord
 from io_actors.tracing import TraceRecorder
 from io_actors.worker_threads import PoolStatistics
@@ -76,6 +74,10 @@ from statekv.messages import (
     outcomes,
 )
 from statekv.stats import CacheStatistics
+
+if TYPE_CHECKING:  # the shared tier's actors need the optional redis-py: imported on use
+    from io_actors.remote_fetcher import RemoteFetcher
+    from io_actors.remote_publisher import PublisherStatistics, RemotePublisher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,6 +117,11 @@ class SystemStatistics:
     retention_backlog: int = 0
     """Lengthened deadlines taken from the core (PersistRetention) whose journal append has
     not returned yet."""
+    publisher: PublisherStatistics | None = None
+    """The shared tier's publisher: offers by outcome, published, failed, queued (None
+    without a shared tier)."""
+    fetcher: dict[str, int] | None = None
+    """The shared tier's fetcher: lookups, blocks found, fetched, failed by status."""
 
 
 @attrs.frozen(kw_only=True)
@@ -259,6 +266,8 @@ class Scheduler:
         remote_keys: tuple[BlockHash, ...] = ()
         if self._remote is not None:
             with self._lock:
+                if self._closed:
+                    raise UsageError("cache", "the cache is closed")
                 candidates = self._core.remote_candidates(token_ids, cache_salt=cache_salt,
                                                           lora_id=lora_id)
             # The lookup is a network round trip: never under the lock.  The core checks
@@ -341,6 +350,8 @@ class Scheduler:
             recovery=self.recovery,
             store=self._store_statistics(),
             retention_backlog=self._retention_backlog(),
+            publisher=self._remote.publisher.statistics() if self._remote else None,
+            fetcher=self._remote.fetcher.statistics() if self._remote else None,
         )
 
     def _retention_backlog(self) -> int:

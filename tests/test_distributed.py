@@ -119,6 +119,9 @@ def _phase_refusals(out: _Out, rank: int, world: int, tmp: Path) -> None:
         found["rank"] = _refusal(lambda: TensorParallelCache(
             _small_config(world, tmp, rank=world + 5 if rank == 0 else 0, namespace="rank"),
             group))
+        found["remote_url"] = _refusal(lambda: TensorParallelCache(attrs.evolve(
+            _small_config(world, tmp, namespace="remote"), remote_url="redis://127.0.0.1:1"),
+            group))
         # Refused caches left nothing behind: the same directories open now.
         with TensorParallelCache(_small_config(world, tmp, namespace="mismatch"), group) as tp:
             tp.sync()
@@ -305,7 +308,7 @@ def test_every_rank_refuses_an_unsupported_layout_or_a_mismatched_config(job: Jo
     for rank, rec in enumerate(job.records):
         found = rec["refusals"]
         for field in ("pipeline_parallel", "attention_dp", "tensor_parallel", "disk_blocks",
-                      "rank"):
+                      "rank", "remote_url"):
             refusal = found[field]
             assert refusal is not None, f"rank {rank} accepted a bad {field}"
             assert refusal[0] == field, f"rank {rank}: {refusal}"

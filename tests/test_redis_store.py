@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from io_actors.backends.cluster_url import parse_cluster_url
 from io_actors.backends.redis_store import (
     FetchStatus,
     RedisClusterStore,
     RemoteFetchFailed,
     RemoteIO,
-    parse_cluster_url,
 )
 from io_actors.backends.remote_faults import (
     FaultyRemoteStore,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import enum
 import math
 import threading
-import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
@@ -50,6 +49,11 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
+from io_actors.backends.cluster_url import (
+    MAX_TIMEOUT_S,
+    ClusterAddress,
+    parse_cluster_url,
+)
 from io_actors.backends.posix import check_block_tensor, host_view
 from io_actors.slot_format import (
     HEADER_SIZE,
@@ -70,9 +74,7 @@ from statekv.ids import BlockHash, SlotId
 
 REMOTE_SLOT: Final = SlotId(0)
 """The slot number every remote value's header carries (a Redis key names the value)."""
-SCHEMES: Final = ("redis",)
 DEFAULT_NAMESPACE: Final = "statekv"
-MAX_TIMEOUT_S: Final = 60.0
 
 
 class FetchStatus(enum.Enum):
@@ -142,49 +144,6 @@ class RemoteStatistics:
     """FetchStatus value -> count (hits included)."""
     lookups: int
     """Keys asked about by :meth:`RedisClusterStore.present`."""
-
-
-@attrs.frozen(kw_only=True)
-class ClusterAddress:
-    host: str
-    port: int
-
-
-def parse_cluster_url(url: object, *, field: str = "url") -> tuple[ClusterAddress, ...]:
-    """The startup nodes of a cluster URL: ``redis://host:port`` or several, comma-separated.
-
-    raises: ConfigError(field) for anything else (a database number, a password in the
-    clear, a path, a port out of range...).  One reachable node is enough for the client to
-    learn the whole cluster; listing every master lets a replica start while one is down.
-    """
-    if not isinstance(url, str) or not url.strip():
-        raise ConfigError(field, f"must be a non-empty redis:// URL, got {url!r}")
-    nodes: list[ClusterAddress] = []
-    for part in url.split(","):
-        text = part.strip()
-        try:
-            parsed = urllib.parse.urlsplit(text)
-            port = parsed.port
-        except ValueError as exc:
-            raise ConfigError(field, f"{text!r} is not a valid URL: {exc}") from None
-        if parsed.scheme not in SCHEMES:
-            raise ConfigError(
-                field, f"{text!r}: scheme must be one of {list(SCHEMES)}, got {parsed.scheme!r}"
-            )
-        if not parsed.hostname:
-            raise ConfigError(field, f"{text!r} names no host")
-        if port is None or not 1 <= port <= 65535:
-            raise ConfigError(field, f"{text!r} must name a port in [1, 65535]")
-        if parsed.path not in ("", "/"):
-            raise ConfigError(
-                field, f"{text!r}: a Redis Cluster has only database 0; drop {parsed.path!r}"
-            )
-        if parsed.query or parsed.fragment or parsed.username or parsed.password:
-            raise ConfigError(
-                field, f"{text!r}: credentials, queries and fragments are not supported"
-            )
-        nodes.append(ClusterAddress(host=parsed.hostname, port=port))
-    return tuple(nodes)
 
 
 def _check_namespace(namespace: object) -> str:
