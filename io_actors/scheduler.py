@@ -442,7 +442,8 @@ class Scheduler:
         if isinstance(result, PrefixMatch) and parks:
             self._parked_traced.add(result.request_id)
             recorder.park(now, result.request_id,
-                          detail=f"{result.disk_tokens} tokens read back from disk")
+                          detail=f"{result.disk_tokens} tokens read back from disk, "
+                                 f"{result.remote_tokens} fetched from the shared tier")
         core = self._core
         for rid in [r for r in self._parked_traced
                     if not core.has_request(r) or core.is_ready(r)]:
