@@ -51,6 +51,7 @@ FIELD_FLAGS: Final[dict[str, str]] = {
     "reserved_host": "--reserved-host-blocks", "reserved_host_blocks": "--reserved-host-blocks",
     "disk": "--disk-blocks", "disk_blocks": "--disk-blocks", "disk_dir": "--disk-dir",
     "device": "--device", "num_layers": "--layers", "seed": "--seed", "ttl_seconds": "--ttl",
+    "remote_url": "--remote-url", "remote_namespace": "--remote-namespace",
 }
 """Configuration fields the flags set: a typed error naming one is reported with its flag."""
 
@@ -229,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests batched at once (default: 64)")
     serve.add_argument("--seed", type=_int_at_least(0, 2**64 - 1), default=0,
                        help="seed of the weights (default: 0)")
+    serve.add_argument("--remote-url", default=None,
+                       help="a Redis Cluster shared by every replica (specs/remote_tier.md): "
+                            "redis://host:port[,redis://host:port...] (default: none)")
+    serve.add_argument("--remote-namespace", default="statekv",
+                       help="prefix of this deployment's keys in the cluster (default: "
+                            "statekv)")
     serve.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="uvicorn's log level (default: info)")
@@ -349,7 +356,8 @@ def _serve(args: argparse.Namespace) -> int:
         reserved_host_blocks=_blocks(args, "reserved_host_blocks", RESERVED_HOST_TOKENS),
         disk_blocks=_blocks(args, "disk_blocks", DISK_TOKENS), disk_dir=args.disk_dir,
         served_model_name=args.served_model_name, max_model_len=args.max_model_len,
-        max_running=args.max_running,
+        max_running=args.max_running, remote_url=args.remote_url,
+        remote_namespace=args.remote_namespace,
     )
     try:
         listener = socket.create_server((args.host, args.port))

@@ -76,6 +76,9 @@ class ServerOptions:
     max_running: int = 64
     max_ttl_seconds: float = 30 * 24 * 3600.0
     priority_levels: int = 4
+    remote_url: str | None = None
+    """The shared tier's cluster (StateKVConfig.remote_url); None: no shared tier."""
+    remote_namespace: str = "statekv"
 
 
 # ---------------------------------------------------------------------- request bodies
@@ -223,6 +226,7 @@ class Server:
             disk=options.disk_blocks, disk_dir=disk_dir, device=str(device),
             model_fingerprint=self.model_config.fingerprint(),
             max_ttl_seconds=options.max_ttl_seconds, priority_levels=options.priority_levels,
+            remote_url=options.remote_url, remote_namespace=options.remote_namespace,
         )
         self.context_length = min(options.max_model_len,
                                   options.gpu_blocks * options.block_size)

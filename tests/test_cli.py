@@ -140,6 +140,24 @@ def test_serve_reports_an_impossible_budget_before_it_listens(
     assert captured.out == ""
 
 
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--remote-url", "http://10.0.0.5:7000"),
+    ("--remote-url", "redis://127.0.0.1:1"),  # nothing listens there
+    ("--remote-namespace", "a b"),
+])
+def test_serve_reports_a_bad_shared_tier_naming_its_flag(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str,
+) -> None:
+    argv = ["serve", "--port", "0", "--disk-blocks", "0", "--reserved-host-blocks", "0", flag,
+            value]
+    if flag == "--remote-namespace":
+        argv += ["--remote-url", "redis://127.0.0.1:1"]
+    assert main(argv) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert f"argument {flag}" in one_line_error(captured.err)
+    assert captured.out == ""
+
+
 def test_a_gpu_pool_too_small_for_one_request_names_gpu_blocks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
