@@ -377,3 +377,47 @@ def test_a_master_killed_under_two_caches_serves_no_wrong_bytes_and_never_hangs(
             b.check_invariants()
         stats = b.statistics().cache
         assert stats.fetches_completed == first_lost
+
+
+def test_a_fetch_batch_that_raises_is_failed_not_hung(
+    redis_cluster: LocalRedisCluster, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever goes wrong inside a fetch batch (here: the fetcher raises), its blocks are
+    reported failed: the request recomputes, and nothing waits forever."""
+    from io_actors.config import StateKVConfig
+    from io_actors.embed import BlockingCache
+    from tests.remote_replica import BLOCK_SIZE, setup
+
+    _model, cfg, _keys = setup()
+    namespace = f"x{uuid.uuid4().hex[:12]}"
+    prompt = [(3 * i + 2) % 71 for i in range(3 * BLOCK_SIZE + 1)]
+
+    def cache() -> BlockingCache:
+        return BlockingCache(StateKVConfig(
+            layout=cfg.layout, block_size=BLOCK_SIZE, gpu=8, host=8, device="cpu",
+            model_fingerprint=cfg.model_fingerprint, remote_url=redis_cluster.url,
+            remote_namespace=namespace, remote_timeout_s=0.25,
+        ))
+
+    with cache() as a:
+        a.add_request("a", prompt)
+        a.allocate_nowait("a", len(prompt))
+        a.commit("a", len(prompt))
+        a.release("a")
+        a.add_request("churn", [9] * (8 * BLOCK_SIZE))
+        a.allocate_nowait("churn", 8 * BLOCK_SIZE)
+        a.release("churn")
+
+    def broken(*_args: object) -> object:
+        raise ConnectionError("the cluster went away mid-batch")
+
+    monkeypatch.setattr(RemoteFetcher, "fetch", broken)
+    with cache() as b:
+        match = b.add_request("b", prompt)
+        assert match.remote_tokens == 3 * BLOCK_SIZE
+        assert b.wait_ready("b", timeout=30)
+        assert b.request_status("b").num_computed_tokens == 0
+        stats = b.statistics()
+        assert stats.cache.fetch_failures == 3 and stats.cache.cached_blocks == 0
+        b.release("b")
+        b.check_invariants()
