@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
 from models.config import preset
 from models.model import PagedDecoder
-from models.serving_loop import ServeRequest, ServingLoop
+from models.serving_loop import RequestResult, ServeRequest, ServingLoop
 from statekv import UsageError
 from tests.io_helpers import wait_quiet
 
@@ -26,6 +28,13 @@ def _cache(tmp_path: Path, model: PagedDecoder) -> BlockingCache:
         # waiting request's prefetched pages.
         cost_aware_onboarding=False, reclaim_prefetched_first=False,
     ))
+
+
+def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "prefetch reads did not land"
+        time.sleep(0.001)
 
 
 def _push_prompt_to_disk(loop: ServingLoop, cache: BlockingCache) -> None:
@@ -50,7 +59,14 @@ def test_a_waiting_request_prefetches_and_is_admitted_with_host_hits(tmp_path: P
                                  max_new_tokens=30))
         loop.submit(ServeRequest(request_id="again", prompt=(*PROMPT, 7, 7),
                                  max_new_tokens=2))
-        done = {r.request_id: r for r in loop.drain()}
+        # The reads land while "long" runs -- made certain here, not left to thread timing on
+        # a loaded machine: each step's prefetch reads land before the next step.
+        finished: list[RequestResult] = []
+        while not loop.idle:
+            finished += loop.step()
+            _until(lambda: cache.statistics().cache.prefetch_reads_in_flight == 0)
+            wait_quiet(cache)  # spills land too: the pages they free are what prefetch takes
+        done = {r.request_id: r for r in finished}
         again = done["again"]
         stats = cache.statistics().cache
         assert stats.prefetches > 0 and stats.prefetch_hits > 0, stats
