@@ -315,7 +315,7 @@ class KvikioSlotStore:
         return out
 
     def discard(self, slot: SlotId) -> None:
-        """A no-op, for the reasons of :meth:`PosixSlotStore.discard`."""
+        """The wrapped store's (:meth:`PosixSlotStore.discard`: no I/O)."""
         self._host.discard(slot)
 
     def close(self) -> None:
@@ -348,4 +348,6 @@ class KvikioSlotStore:
             retention_records=host.retention_records,
             retention_failures=host.retention_failures,
             journal_compactions=host.journal_compactions,
+            index_records=host.index_records,
+            index_failures=host.index_failures,
         )
