@@ -54,7 +54,9 @@ import attrs
 import torch
 
 from io_actors.interfaces import BatchOutcome, SlotIO
+from io_actors.gc_pause import gc_paused
 from io_actors.index_journal import (
+    IndexFound,
     IndexJournal,
     IndexJournalStatistics,
     IndexReplay,
@@ -443,15 +445,16 @@ class PosixSlotStore:
             # Vetted before anything changes on disk, like the data file.
             records = journal.vet()
             index_data = index.vet()
-            self._fd, recovery = self._open_data_file(
-                preallocate, persist, index, index_data if persist else None
-            )
+            with gc_paused():
+                self._fd, recovery, found = self._open_data_file(
+                    preallocate, persist, index, index_data if persist else None
+                )
             self._recovery = self._replay(journal, recovery, records if persist else None)
-            info = os.fstat(self._fd)
-            index.start(
-                [(e.slot, bytes(e.key), e.meta) for e in self._recovery.slots],
-                self._file_id(info),
-            )
+            file_id = self._file_id(os.fstat(self._fd))
+            if found is None or not index.resume(found, file_id):
+                index.start(
+                    [(e.slot, bytes(e.key), e.meta) for e in self._recovery.slots], file_id
+                )
         except BaseException:
             if index is not None:
                 index.abandon()
@@ -542,7 +545,9 @@ class PosixSlotStore:
 
     def _open_data_file(
         self, preallocate: bool, persist: bool, index: IndexJournal, index_data: bytes | None,
-    ) -> tuple[int, Recovery]:
+    ) -> tuple[int, Recovery, IndexFound | None]:
+        """The data file, opened (and resized), what its index holds, and the index journal
+        it was read from (None when the headers were scanned, or nothing was read)."""
         older, leftover = self._entries()
         try:
             info: os.stat_result | None = os.lstat(self._path)
@@ -558,10 +563,11 @@ class PosixSlotStore:
             check_private(self._path, info)
         fd = -1
         recovery = Recovery(slots=())
+        found: IndexFound | None = None
         if info is not None and persist:
             fd = self._open_existing()
             try:
-                recovery = self._rebuild(fd, info, index, index_data)
+                recovery, found = self._rebuild(fd, info, index, index_data)
                 self._resize(fd, info, preallocate)
             except BaseException:
                 os.close(fd)
@@ -582,7 +588,7 @@ class PosixSlotStore:
         if leftover and info is not None and persist:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._directory / _NEW_FILE)
-        return fd, attrs.evolve(recovery, old_files=len(older))
+        return fd, attrs.evolve(recovery, old_files=len(older)), found
 
     def _replay(
         self, journal: RetentionJournal, recovery: Recovery, records: bytes | None
@@ -703,26 +709,26 @@ class PosixSlotStore:
 
     def _rebuild(
         self, fd: int, info: os.stat_result, index: IndexJournal, index_data: bytes | None,
-    ) -> Recovery:
+    ) -> tuple[Recovery, IndexFound | None]:
         """The index of an existing data file: from the index journal when it is complete
         and names this file (one sequential read), else from the slot headers (a read per
         slot), with the reason logged."""
         self._check_first_block(fd, info.st_size)
-        entries, replay = index.read(index_data, self._file_id(info))
-        if entries is None:
+        found, replay = index.read(index_data, self._file_id(info))
+        if found is None:
             if info.st_size // self._slot_bytes:
                 _log.warning("%s: index rebuilt from the slot headers: %s", self._path,
                              replay.reason)
-            return attrs.evolve(self._scan(fd, info.st_size), index=replay)
+            return attrs.evolve(self._scan(fd, info.st_size), index=replay), None
         if replay.torn:
             _log.warning("%s: %d torn index record(s) at the end ignored (an append torn "
                          "by a crash)", index.path, replay.torn)
         return Recovery(
             slots=tuple(RecoveredSlot(slot=SlotId(slot), key=BlockHash(key), meta=meta)
-                        for slot, key, meta in entries),
+                        for slot, key, meta in found.entries),
             duplicates=replay.duplicates, beyond_capacity=replay.beyond_capacity,
             index=replay,
-        )
+        ), found
 
     def _check_first_block(self, fd: int, size: int) -> None:
         """raises: ConfigError("directory") when the file is not a statekv data file (its
