@@ -39,6 +39,7 @@ from io_actors.backends import open_slot_store, public_config_error
 from io_actors.backends.posix import Recovery
 from io_actors.config import StateKVConfig
 from io_actors.gate import CompletionGate, OpenGate
+from io_actors.gc_pause import gc_paused
 from io_actors.interfaces import SlotStore
 from io_actors.memory import KVPools, TorchCopyEngine
 from io_actors.reader_pool import ReaderPool
@@ -86,22 +87,24 @@ def restore_from_disk(
     recovery = getattr(store, "recovery", None)
     if not isinstance(recovery, Recovery):
         return None
-    core.restore(
-        [
-            RestoredBlock(
-                key=found.key, parent_key=BlockHash(found.meta.parent), slot=found.slot,
-                depth=found.meta.depth, reuse_count=found.meta.reuse_count,
-                expiry=found.meta.expiry, written_at=found.meta.written_at,
-                sequence=found.meta.sequence,
-            )
-            for found in recovery.slots
-        ],
-        now=now,
-    )
+    with gc_paused():  # a few kept objects per slot: see io_actors/gc_pause.py
+        core.restore(
+            [
+                RestoredBlock(
+                    key=found.key, parent_key=BlockHash(found.meta.parent), slot=found.slot,
+                    depth=found.meta.depth, reuse_count=found.meta.reuse_count,
+                    expiry=found.meta.expiry, written_at=found.meta.written_at,
+                    sequence=found.meta.sequence,
+                )
+                for found in recovery.slots
+            ],
+            now=now,
+        )
     if recovery.slots or recovery.reclaimed or recovery.old_files:
         log.info(
-            "disk index rebuilt: %d blocks restored; reclaimed %d foreign, %d corrupt, "
-            "%d unauthenticated, %d duplicate, %d beyond capacity slots; %d old files",
+            "disk index rebuilt from %s: %d blocks restored; reclaimed %d foreign, %d corrupt,"
+            " %d unauthenticated, %d duplicate, %d beyond capacity slots; %d old files",
+            "the index journal" if recovery.index.source == "journal" else "the slot headers",
             len(recovery.slots), recovery.foreign, recovery.corrupt, recovery.unauthenticated,
             recovery.duplicates, recovery.beyond_capacity, recovery.old_files,
         )

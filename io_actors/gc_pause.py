@@ -15,25 +15,32 @@ import gc
 import threading
 from collections.abc import Iterator
 
-_lock = threading.Lock()
-_depth = 0
-_was_enabled = False
+
+class _Pauses:
+    """How many gc_paused() blocks are open, and whether the collector ran before them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.was_enabled = False
+
+
+_pauses = _Pauses()
 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """No cyclic collection inside (nested and concurrent uses are counted: the collector is
     enabled again by the last one out, and only if it was enabled before the first one)."""
-    global _depth, _was_enabled
-    with _lock:
-        if _depth == 0:
-            _was_enabled = gc.isenabled()
+    with _pauses.lock:
+        if _pauses.depth == 0:
+            _pauses.was_enabled = gc.isenabled()
             gc.disable()
-        _depth += 1
+        _pauses.depth += 1
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
+        with _pauses.lock:
+            _pauses.depth -= 1
+            if _pauses.depth == 0 and _pauses.was_enabled:
                 gc.enable()

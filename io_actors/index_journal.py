@@ -64,7 +64,6 @@ import array
 import hashlib
 import hmac
 import logging
-import math
 import os
 import struct
 import threading
@@ -187,7 +186,8 @@ _DTYPE = np.dtype([
 ])
 """A whole record, as numpy reads the file."""
 assert _DTYPE.itemsize == RECORD_SIZE
-_CONFIG_AT: Final = _DTYPE.fields["config"][1]
+_CONFIG_AT: Final = 128
+assert _DTYPE.fields is not None and _DTYPE.fields["config"][1] == _CONFIG_AT
 
 
 @attrs.frozen(kw_only=True)

@@ -52,8 +52,8 @@ from io_actors.backends.posix import (
     check_block_tensor,
 )
 from io_actors.gpu_checksum import payload_checksums_cuda, warm_up
-from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.index_journal import Observer
+from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.retention_journal import RetentionRecord
 from io_actors.slot_format import (
     HEADER_SIZE,

@@ -53,7 +53,6 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.gc_pause import gc_paused
 from io_actors.index_journal import (
     IndexFound,
@@ -63,6 +62,7 @@ from io_actors.index_journal import (
     Observer,
     identity,
 )
+from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.memory import page_aligned_buffer
 from io_actors.retention_journal import (
     JournalReplay,
