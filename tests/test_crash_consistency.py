@@ -65,3 +65,12 @@ def test_the_write_log_keeps_only_writes_that_returned_and_were_not_overwritten(
     log.write_text(f"W 1\nL 1 {a}\nW 2\nL 2 {b}\nW 2\nW 3\nL 3 {a}\nW 4\nL 4 {b[:10]}")
     assert landed_slots(log) == {SlotId(1): BlockHash(bytes.fromhex(a)),
                                  SlotId(3): BlockHash(bytes.fromhex(a))}
+
+
+def test_a_discarded_slot_need_not_be_found_again(tmp_path: Path) -> None:
+    """A slot whose content left the cache (D: discarded, its FREE record may have landed)
+    is not owed to the next open; a later write that returned is."""
+    log = tmp_path / "log"
+    a, b = "aa" * 32, "bb" * 32
+    log.write_text(f"W 1\nL 1 {a}\nD 1\nW 2\nL 2 {b}\nD 2\nW 2\nL 2 {a}\n")
+    assert landed_slots(log) == {SlotId(2): BlockHash(bytes.fromhex(a))}
