@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from fuzz.crash import prompts, serve_checked, workload_config
 from io_actors.backends.posix import DATA_FILE, PosixSlotStore
@@ -30,6 +31,7 @@ from io_actors.index_journal import (
     SLOT,
 )
 from io_actors.memory import page_aligned_buffer
+from io_actors.metrics import StateKVCollector
 from io_actors.record_file import RecordFile
 from io_actors.slot_format import pack_slot
 from statekv.errors import ConfigError, TransferFailed
@@ -259,6 +261,11 @@ def test_a_cache_recomputes_a_block_whose_slot_changed_behind_the_journal(
         stats = cache.statistics().cache
         assert stats.onboard_failures > 0  # found at the read, recomputed
         cache.check_invariants()
+        registry = CollectorRegistry()
+        registry.register(StateKVCollector(cache.statistics))
+        text = generate_latest(registry).decode()
+        assert "statekv_restore_from_index_journal 1.0" in text
+        assert "statekv_index_records_journaled_total" in text
 
 
 def test_under_a_mac_key_an_unsigned_or_forged_journal_is_not_used(tmp_path: Path) -> None:
