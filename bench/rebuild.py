@@ -199,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         out = Path(__file__).parent / "results" / f"rebuild-{args.machine}-{today:%Y%m%d}.json"
         out.parent.mkdir(exist_ok=True)
+        run = 2
+        while out.exists():  # an earlier run of the same day is history too: keep it
+            out = out.with_name(f"rebuild-{args.machine}-{today:%Y%m%d}-{run}.json")
+            run += 1
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
