@@ -135,7 +135,8 @@ def main() -> int:
         started = time.perf_counter()
         run = run_config(model, key,
                          chat_config(args, vocab, rate, history_tokens=args.history_tokens),
-                         budgets_for(key, args, blocks), device=str(device), disk_dir=disk_dir)
+                         budgets_for(key, args, blocks), device=str(device), disk_dir=disk_dir,
+                         args=args)
         arrivals = max(r.arrival for r in run.results) or 1.0
         offered = sum(r.prompt_tokens for r in run.results) / arrivals
         summaries[key] = summarize(run, offered)

@@ -100,6 +100,13 @@ def add_run_flags(p: argparse.ArgumentParser, *, layers: int) -> None:
     p.add_argument("--readers", type=n1, default=8)
     p.add_argument("--writers", type=n1, default=4)
     p.add_argument("--configs", type=config_letters, default="".join(CONFIGS))
+    p.add_argument("--prefetch-ahead", type=n0, default=8,
+                   help="queued requests that prefetch their disk blocks in (d) and (e); 0: off")
+    p.add_argument("--reclaim-prefetched", choices=("first", "last"), default="last",
+                   help="host pressure takes prefetched pages before host content (first) or "
+                        "only when evicting host content yields no page (last)")
+    p.add_argument("--no-cost-aware", action="store_true",
+                   help="always read disk hits back, even where recomputing is faster")
     p.add_argument("--seed", type=n0, default=0)
     p.add_argument("--dir", type=Path, default=None, help="disk tier directory")
     p.add_argument("--machine", default="h200", help="machine name in the results file")
@@ -184,9 +191,9 @@ def budgets_for(key: str, args: argparse.Namespace, blocks: tuple[int, int, int]
 
 
 def run_config(model: PagedDecoder, key: str, workload: ChatWorkloadConfig, budgets: Budgets, *,
-               device: str, disk_dir: Path,
+               device: str, disk_dir: Path, args: argparse.Namespace,
                progress: Callable[[int, int], None] | None = None) -> RunResult:
-    """Serve `workload` under configuration `key`."""
+    """Serve `workload` under configuration `key` (the disk tier's policies from `args`)."""
     from models.workloads import ChatWorkload
 
     chat = ChatWorkload(workload)
@@ -194,6 +201,9 @@ def run_config(model: PagedDecoder, key: str, workload: ChatWorkloadConfig, budg
         model, chat, budgets, device=device, disk_dir=disk_dir / key,
         batch_invariant=False, salt_every_request=key == "a", synchronous_io=key == "e",
         max_step_tokens=8192, prefill_chunk=2048, max_running=128,
+        prefetch_ahead=args.prefetch_ahead if key in "de" else 0,
+        cost_aware_onboarding=not args.no_cost_aware,
+        reclaim_prefetched_first=args.reclaim_prefetched == "first",
         progress=progress, total=chat.total_requests,
     )
 

@@ -374,6 +374,9 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                 "requests": requests, "kv_bytes_per_token": kv_token,
                 "block_size": args.block_size,
                 "pool_blocks": {"gpu": blocks[0], "host": blocks[1], "disk": blocks[2]},
+                "disk_tier_policies": {"prefetch_ahead": args.prefetch_ahead,
+                                       "reclaim_prefetched": args.reclaim_prefetched,
+                                       "cost_aware_onboarding": not args.no_cost_aware},
                 "working_set_gib": working_set / 2**30,
                 "disk_read_gb_per_s": disk.gb_per_s, "disk_read_direct": disk.direct,
                 "prefill_tok_per_s": tps,
@@ -408,7 +411,8 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                     workload = chat_config(case_args, model_config.vocab_size,
                                            rate["requests_per_s"], history_tokens=history)
                     run = run_config(model, key, workload, budgets_for(key, args, blocks),
-                                     device=str(device), disk_dir=disk_dir, progress=tick)
+                                     device=str(device), disk_dir=disk_dir, args=args,
+                                     progress=tick)
                     inner.close()
                     s: dict[str, Any] = summarize(run, rate["input_tok_per_s"])
                     last = max((r.arrival for r in run.results), default=0.0)

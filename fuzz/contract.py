@@ -11,7 +11,10 @@ verifies what the core *tells the actors to do*, which is what would hurt real b
 * a slot is never freed while a transfer on it is in flight;
 * a GPU page with a read in flight is never the source or destination of a copy, nor the
   destination of a second read: it is not on any free list until the read lands;
-* disk transfers come in batches (``WriteSlots`` / ``ReadSlots``) of 1 to
+* a host page with a prefetch read in flight is never the source or destination of a copy,
+  the source of a write, nor the destination of a second prefetch: the read may still write
+  into it until it reports back;
+* disk transfers come in batches (``WriteSlots`` / ``ReadSlots`` / ``PrefetchSlots``) of 1 to
   ``max_batch_blocks`` records, after every copy and FreeSlot of the same take; a batch's
   completion reports one outcome per record of that batch, in order;
 * a PersistRetention names a slot that holds its key, or whose write or read in flight is of
@@ -35,6 +38,8 @@ from statekv.messages import (
     CopyHostToGpu,
     FreeSlot,
     PersistRetention,
+    PrefetchSlot,
+    PrefetchSlots,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -66,14 +71,17 @@ class CommandContract:
         """What each slot holds according to the writes that landed."""
         self.read_pages: dict[PageId, TransferId] = {}
         """GPU pages that a read in flight is filling."""
+        self.prefetches: dict[TransferId, PrefetchSlot] = {}
+        self.prefetch_pages: dict[PageId, TransferId] = {}
+        """Host pages that a prefetch read in flight is filling."""
         self.failed_writes = 0
         self.failed_reads = 0
 
     def commands(self, commands: Iterable[Command]) -> None:
         seen_batch = False
         for batch in commands:
-            if isinstance(batch, WriteSlots | ReadSlots):
-                items: tuple[WriteSlot | ReadSlot, ...] = (
+            if isinstance(batch, WriteSlots | ReadSlots | PrefetchSlots):
+                items: tuple[WriteSlot | ReadSlot | PrefetchSlot, ...] = (
                     batch.writes if isinstance(batch, WriteSlots) else batch.reads
                 )
                 limit = self.max_batch_blocks
@@ -90,8 +98,19 @@ class CommandContract:
 
     def _block_command(self, cmd: BlockCommand) -> None:
         if isinstance(cmd, WriteSlot):
+            self._host_page_idle(cmd.host_page, cmd)
             self._claim(cmd.slot, cmd.transfer, cmd)
             self.writes[cmd.transfer] = cmd
+        elif isinstance(cmd, PrefetchSlot):
+            self._host_page_idle(cmd.host_page, cmd)
+            self._claim(cmd.slot, cmd.transfer, cmd)
+            held = self.slot_content.get(cmd.slot)
+            if held != cmd.key:
+                raise ContractViolation(
+                    f"{cmd} prefetches a slot that holds other content ({_short(held)})"
+                )
+            self.prefetch_pages[cmd.host_page] = cmd.transfer
+            self.prefetches[cmd.transfer] = cmd
         elif isinstance(cmd, ReadSlot):
             self._claim(cmd.slot, cmd.transfer, cmd)
             held = self.slot_content.get(cmd.slot)
@@ -127,8 +146,16 @@ class CommandContract:
                     f"{cmd} touches GPU page {cmd.gpu_page} while read "
                     f"{self.read_pages[cmd.gpu_page]} is filling it"
                 )
+            self._host_page_idle(cmd.host_page, cmd)
         else:
             raise ContractViolation(f"unknown command {cmd!r}")
+
+    def _host_page_idle(self, page: PageId, cmd: BlockCommand) -> None:
+        if page in self.prefetch_pages:
+            raise ContractViolation(
+                f"{cmd} touches host page {page} while prefetch "
+                f"{self.prefetch_pages[page]} is filling it"
+            )
 
     def _claim(self, slot: SlotId, transfer: TransferId, cmd: BlockCommand) -> None:
         if slot in self.busy:
@@ -162,6 +189,12 @@ class CommandContract:
             else:
                 self.failed_writes += 1
                 self.slot_content.pop(write.slot, None)
+        elif isinstance(completion, SlotRead | SlotReadFailed) and tid in self.prefetches:
+            prefetch = self.prefetches.pop(tid)
+            del self.busy[prefetch.slot]
+            del self.prefetch_pages[prefetch.host_page]
+            if isinstance(completion, SlotReadFailed):
+                self.failed_reads += 1
         elif isinstance(completion, SlotRead | SlotReadFailed):
             read = self.reads.pop(tid, None)
             if read is None:
@@ -174,7 +207,7 @@ class CommandContract:
             raise ContractViolation(f"unknown completion {completion!r}")
 
     def quiet(self) -> bool:
-        return not self.writes and not self.reads
+        return not self.writes and not self.reads and not self.prefetches
 
 
 def _short(key: BlockHash | None) -> str:

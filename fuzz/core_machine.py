@@ -14,7 +14,14 @@ after every step checks that
   names its slot's content, nothing touches a GPU page a read is filling;
 * no GPU page with a read in flight is on the free list, no slot with a transfer in flight is
   on the empty list, and a ready request holds no page a read is still filling;
+* no host page a prefetch read is filling is on a host free list;
 * ``check_invariants()`` holds.
+
+Prefetch races (fuzz/README.md, race table): a queued request prefetches content the machine
+pushed to disk, then leaves while its reads are in flight, is admitted before or after they
+land, loses its pages to a GPU eviction, or prefetches while spills in flight displace the
+very blocks it wants.  The cost rule reports disk and prefill rates so that admissions also
+run the cost-aware cut.
 
 This is the fast machine (thousands of steps per second): it explores the decision logic,
 the system machine (:mod:`fuzz.system_machine`) the actors and the bytes.
@@ -38,6 +45,7 @@ from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageEr
 from statekv.ids import TransferId
 from statekv.messages import (
     Completion,
+    PrefetchSlot,
     ReadSlot,
     SlotRead,
     SlotReadFailed,
@@ -83,6 +91,8 @@ def core_configs(draw: st.DrawFn) -> CacheConfig:
         write_queue_depth=draw(st.integers(1, 3)),
         priority_levels=draw(st.integers(1, 3)),
         max_batch_blocks=draw(st.sampled_from([1, 2, 16])),
+        cost_aware_onboarding=draw(st.booleans()),
+        reclaim_prefetched_first=draw(st.booleans()),
     )
 
 
@@ -176,6 +186,40 @@ transfer_actions = st.sampled_from(
 )
 
 
+@attrs.frozen
+class PrefetchRace:
+    """A queued request's prefetch of a prompt pushed down to disk, and what happens next."""
+
+    kind: str
+    """"leave" (the request leaves while its reads are in flight), "admit_early" (admitted
+    while they are in flight: the reads become its onboards), "admit" (admitted after they
+    land: host hits), "evict" (a GPU eviction reclaims the prefetched pages, then it is
+    admitted), "displace" (spills in flight displace disk content while it prefetches)."""
+    pick: int
+
+
+prefetch_races = st.sampled_from(
+    [PrefetchRace(kind, pick) for pick in range(4)
+     for kind in ("leave", "admit_early", "admit", "evict", "displace")]
+)
+
+
+@attrs.frozen
+class CostReport:
+    """One disk read and one prefill reported (rates chosen to land on both sides of the
+    read/recompute boundary for the machine's small blocks)."""
+
+    disk_bytes_per_second: float
+    prefill_seconds_per_token: float
+    context_tokens: int
+
+
+cost_reports = st.sampled_from([
+    CostReport(rate, per_token, context)
+    for rate in (1e2, 1e4, 1e9) for per_token in (1e-6, 1e-3) for context in (4, 16)
+])
+
+
 class CoreVsSpec(RuleBasedStateMachine):
     """The real core and the reference model, step by step."""
 
@@ -193,6 +237,7 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.next_id = 0
         self.next_token = 0
         self.served: list[list[int]] = []
+        self.queued: list[tuple[str, list[int]]] = []
 
     @property
     def core(self) -> KVCacheManager:
@@ -234,7 +279,8 @@ class CoreVsSpec(RuleBasedStateMachine):
         for c in per_block(real):
             if isinstance(c, WriteSlot):
                 self.writes.append(c.transfer)
-            elif isinstance(c, ReadSlot):
+            elif isinstance(c, ReadSlot | PrefetchSlot):
+                # A prefetch reports like a read; the model tells the two apart by id.
                 self.reads.append(c.transfer)
 
     def complete(self, tid: TransferId, completion: Completion, ok: bool) -> None:
@@ -256,10 +302,12 @@ class CoreVsSpec(RuleBasedStateMachine):
         self._add(list(spec.prompt), spec.ttl, spec.priority, spec.salt)
 
     def _add(
-        self, prompt: list[int], ttl: float | None, priority: int, salt: str | None
+        self, prompt: list[int], ttl: float | None, priority: int, salt: str | None,
+        rid: str | None = None,
     ) -> str | None:
-        rid = f"r{self.next_id}"
-        self.next_id += 1
+        if rid is None:
+            rid = f"r{self.next_id}"
+            self.next_id += 1
         priority = min(priority, self.core.config.priority_levels - 1)
         Counts.operations += 1
         try:
@@ -276,12 +324,108 @@ class CoreVsSpec(RuleBasedStateMachine):
         expected = self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
                                           priority=priority, cache_salt=salt)
         got = (match.matched_tokens, match.gpu_tokens, match.host_tokens, match.disk_tokens,
-               match.ready)
+               match.ready, match.skipped_disk_tokens)
         assert got == (expected.matched_tokens, expected.gpu_tokens, expected.host_tokens,
-                       expected.disk_tokens, expected.ready)
+                       expected.disk_tokens, expected.ready, expected.skipped_disk_tokens)
         self.collect_commands()
         self.live.append(rid)
         return rid
+
+    # -------------------------------------------------------------- prefetch
+
+    def _prefetch(self, prompt: list[int]) -> str | None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        got = self.both(lambda: self.core.prefetch(rid, prompt, now=self.now),
+                        lambda: self.model.prefetch(rid, prompt, now=self.now))
+        if got is None:
+            return None
+        assert (got.started_tokens, got.shared_tokens, got.cached_tokens,
+                got.unfetched_tokens) == self.model.last_prefetch
+        self.queued.append((rid, prompt))
+        return rid
+
+    def _admit(self, rid: str, prompt: list[int]) -> None:
+        self.queued.remove((rid, prompt))
+        if self._add(prompt, None, 0, None, rid=rid) is None:
+            self.queued.append((rid, prompt))  # not admitted: still queued, nothing changed
+
+    def _leave(self, rid: str, prompt: list[int]) -> None:
+        self.queued.remove((rid, prompt))
+        self.both(lambda: self.core.release(rid, now=self.now),
+                  lambda: self.model.release(rid, now=self.now))
+
+    def _push_to_disk(self, prompt: list[int], *, land: bool, ttl: float | None = None) -> None:
+        """Serve `prompt` (with `ttl`: a retained-only cache spills it, and drops the fresh
+        content after it, freeing host pages), then two GPU-sized fresh requests: its blocks
+        go down the tiers (every transfer landing in between when `land`)."""
+        self._serve(prompt, ttl, 0)
+        cfg = self.core.config
+        for _ in range(2):
+            self.next_token += 1
+            full = cfg.gpu_blocks * cfg.block_size - 1
+            self._serve([100 + self.next_token * 64 + i for i in range(full)], None, 0)
+            if land:
+                self._drain_writes()
+
+    @fuzz_rule(spec=requests)
+    def prefetch(self, spec: RequestSpec) -> None:
+        """A request joins the queue and asks for its blocks ahead of admission."""
+        self._prefetch(list(spec.prompt))
+
+    @fuzz_rule(race=prefetch_races)
+    def prefetch_race(self, race: PrefetchRace) -> None:
+        """A prompt pushed down to disk is prefetched by a queued request; then the race."""
+        prompt = list(PROMPTS[(race.pick * 7 + 11) % len(PROMPTS)])
+        ttl = 30.0 if race.pick % 2 else None
+        if race.kind == "displace":
+            # Spills still in flight when the prefetch takes host pages: evicting a host
+            # victim to make room may displace disk blocks of the same prefix.
+            self._push_to_disk(prompt, land=False, ttl=ttl)
+            rid = self._prefetch(prompt)
+            if rid is not None and race.pick % 2:
+                self._admit(rid, prompt)
+            return
+        self._push_to_disk(prompt, land=True, ttl=ttl)
+        rid = self._prefetch(prompt)
+        if rid is None:
+            return
+        if race.kind == "leave":
+            self._leave(rid, prompt)  # reads still in flight
+        elif race.kind == "admit_early":
+            self._admit(rid, prompt)
+        else:
+            self._drain()
+            if race.kind == "evict":
+                self.next_token += 1
+                cfg = self.core.config
+                self._serve([100 + self.next_token * 64 + i
+                             for i in range(cfg.gpu_blocks * cfg.block_size - 1)], None, 0)
+            self._admit(rid, prompt)
+
+    @precondition(lambda self: self.queued)
+    @fuzz_rule(pick=st.integers(0, 7))
+    def queued_request_moves(self, pick: int) -> None:
+        """A queued request is admitted (even pick) or leaves the queue (odd pick)."""
+        rid, prompt = self.queued[(pick // 2) % len(self.queued)]
+        if pick % 2:
+            self._leave(rid, prompt)
+        else:
+            self._admit(rid, prompt)
+
+    @fuzz_rule(report=cost_reports)
+    def report_costs(self, report: CostReport) -> None:
+        """The reader reports a read, the serving loop a prefill (cost-aware onboarding)."""
+        nbytes = self.core.config.block_bytes
+        seconds = nbytes / report.disk_bytes_per_second
+        self.both(lambda: self.core.report_disk_read(nbytes, seconds),
+                  lambda: self.model.report_disk_read(nbytes, seconds))
+        tokens = report.context_tokens // 2
+        spent = tokens * report.prefill_seconds_per_token
+        self.both(lambda: self.core.report_prefill(tokens, spent,
+                                                   context_tokens=report.context_tokens),
+                  lambda: self.model.report_prefill(tokens, spent,
+                                                    context_tokens=report.context_tokens))
 
     def _serve(
         self, prompt: list[int], ttl: float | None, priority: int, salt: str | None = None
@@ -394,6 +538,11 @@ class CoreVsSpec(RuleBasedStateMachine):
                           else SlotWriteFailed(transfer=tid, cause="EIO"))
         self.complete(tid, completion, action.ok)
 
+    def _drain_writes(self) -> None:
+        while self.writes:
+            tid = self.writes.pop(0)
+            self.complete(tid, SlotWritten(transfer=tid), True)
+
     def _drain(self) -> None:
         """Every transfer in flight lands, oldest first (writes, then reads)."""
         while self.writes or self.reads:
@@ -435,6 +584,10 @@ class CoreVsSpec(RuleBasedStateMachine):
         if contract.busy:
             empty = [s for s in real._disk.empty if s in contract.busy]
             assert not empty, f"slots {empty} are empty while transfers use them"
+        if contract.prefetch_pages:
+            host = real._host
+            free = [p for p in (*host.empty, *host.reserved) if p in contract.prefetch_pages]
+            assert not free, f"host pages {free} are free while prefetches fill them"
 
     def teardown(self) -> None:
         real = self.real
@@ -444,6 +597,9 @@ class CoreVsSpec(RuleBasedStateMachine):
         for name in ("spills", "onboards", "onboard_failures", "spill_failures",
                      "displacements", "expirations", "gate_drops", "pressure_drops",
                      "admission_refusals", "requests_fallen_back", "host_recalls",
-                     "offloads_skipped", "disk_busy_refusals"):
+                     "offloads_skipped", "disk_busy_refusals", "prefetches",
+                     "prefetch_hits", "prefetches_taken_over", "prefetches_cancelled",
+                     "prefetches_reclaimed", "prefetch_failures",
+                     "onboards_skipped_as_too_slow"):
             if getattr(stats, name):
                 note(f"reached {name}")

@@ -104,6 +104,7 @@ class SystemSpec:
     readers: int
     direct_io: bool
     max_batch_blocks: int = 16
+    reclaim_prefetched_first: bool = True
 
     def config(self, directory: Path, device: str, backend: str) -> StateKVConfig:
         return StateKVConfig(
@@ -114,6 +115,7 @@ class SystemSpec:
             spill_mode=self.spill_mode, spill_min_reuse=self.spill_min_reuse,
             protect_unexpired=self.protect_unexpired, drop_on_pressure=self.drop_on_pressure,
             priority_levels=self.priority_levels, max_batch_blocks=self.max_batch_blocks,
+            reclaim_prefetched_first=self.reclaim_prefetched_first,
         )
 
 
@@ -139,6 +141,7 @@ def system_specs(draw: st.DrawFn, max_threads: int = 2) -> SystemSpec:
         direct_io=draw(st.booleans()),
         # Lone transfers, small batches that a burst splits, and batches of everything.
         max_batch_blocks=draw(st.sampled_from([1, 2, 16])),
+        reclaim_prefetched_first=draw(st.booleans()),
     )
 
 
@@ -210,6 +213,8 @@ class Driver:
         self.spy = CoreSpy(self.core, on_commands=on_commands, notify=notify)
         self.follower = ModelFollower(ReferenceCache(core_config), self.contract)
         self.live: dict[str, LiveRequest] = {}
+        self.queued: dict[str, tuple[list[int], str | None]] = {}
+        """Requests waiting for admission that prefetch: their prompt and salt."""
         self.next_id = 0
         self.next_token = 0
         self.served: list[tuple[list[int], str | None]] = []
@@ -268,10 +273,39 @@ class Driver:
             keys.append(parent)
         return keys[:upto]
 
+    def prefetch(self, prompt: list[int], salt: str | None, rid: str | None = None
+                 ) -> str | None:
+        """A request joins the queue and prefetches (again, when `rid` is queued already)."""
+        if rid is None:
+            rid = f"r{self.next_id}"
+            self.next_id += 1
+        try:
+            with self.watchdog.call("prefetch"):
+                self.api.prefetch(rid, prompt, cache_salt=salt)
+        except UsageError:
+            return None
+        self.queued[rid] = (list(prompt), salt)
+        return rid
+
+    def admit(self, rid: str) -> LiveRequest | None:
+        """The queued request `rid` is admitted (it stays queued if it does not fit)."""
+        prompt, salt = self.queued[rid]
+        req = self.add(prompt, None, 0, salt, rid=rid)
+        if req is not None:
+            del self.queued[rid]
+        return req
+
+    def leave(self, rid: str) -> None:
+        """The queued request `rid` leaves the queue before admission."""
+        del self.queued[rid]
+        with self.watchdog.call("release"):
+            self.api.release(rid)
+
     def add(self, prompt: list[int], ttl: float | None, priority: int,
-            salt: str | None) -> LiveRequest | None:
-        rid = f"r{self.next_id}"
-        self.next_id += 1
+            salt: str | None, rid: str | None = None) -> LiveRequest | None:
+        if rid is None:
+            rid = f"r{self.next_id}"
+            self.next_id += 1
         priority = min(priority, self.spec.priority_levels - 1)
         try:
             with self.watchdog.call("add_request"):
@@ -415,7 +449,9 @@ class Driver:
             if block.state in (BlockState.ON_GPU, BlockState.RELEASED):
                 assert block.gpu_page is not None
                 got = self.page(block.gpu_page).cpu()
-            elif block.state in (BlockState.ON_HOST, BlockState.SPILLING):
+            elif block.state in (BlockState.ON_HOST, BlockState.SPILLING,
+                                 BlockState.PREFETCHED):
+                # A prefetched block's page holds what its read landed: the content's bytes.
                 assert block.host_page is not None
                 got = pools.host_page(block.host_page)
             else:
@@ -432,8 +468,9 @@ class Driver:
             f"{store.write_errors} writes failed at the store, {stats.spill_failures} counted, "
             f"{held_failed_writes} held: {store.injected}"
         )
-        assert store.read_errors == stats.onboard_failures + held_failed_reads, (
-            f"{store.read_errors} reads failed at the store, {stats.onboard_failures} counted, "
+        failed_reads = stats.onboard_failures + stats.prefetch_failures
+        assert store.read_errors == failed_reads + held_failed_reads, (
+            f"{store.read_errors} reads failed at the store, {failed_reads} counted, "
             f"{held_failed_reads} held: {store.injected}"
         )
 
@@ -446,7 +483,9 @@ class Driver:
         stats = self.core.statistics()
         states = dict(stats.blocks_by_state)
         assert stats.writes_in_flight == stats.reads_in_flight == stats.parked_requests == 0
-        for state in ("ON_GPU", "SPILLING", "ONBOARDING", "ERROR"):
+        assert stats.prefetch_reads_in_flight == stats.prefetching_requests == 0
+        for state in ("ON_GPU", "SPILLING", "ONBOARDING", "ERROR", "PREFETCHING",
+                      "PREFETCHED"):
             assert states[state] == 0, f"{states[state]} blocks {state} with nothing running"
         assert stats.gpu_free_pages + stats.gpu_evictable_blocks == spec.gpu
         assert (stats.host_free_pages + stats.host_reserved_pages + stats.host_cached_blocks
@@ -467,8 +506,10 @@ class Driver:
             f"{self.fuzz_store.discards}")
         assert after.writer is not None and after.reader is not None
         assert (after.writer.completed, after.writer.failed, after.reader.completed,
-                after.reader.failed) == (stats.spills_completed, stats.spill_failures,
-                                         stats.onboards_completed, stats.onboard_failures), (
+                after.reader.failed) == (
+            stats.spills_completed, stats.spill_failures,
+            stats.onboards_completed + stats.prefetches_completed,
+            stats.onboard_failures + stats.prefetch_failures), (
             f"pools {after.writer} {after.reader} vs the core's {stats}")
         threads = self.new_threads()
         assert not threads, f"threads left running: {threads}"

@@ -269,6 +269,25 @@ def wait_ready_returns_early() -> AbstractContextManager[None]:
     return _wrapped(Scheduler, "wait_ready", make)
 
 
+def prefetch_page_freed_on_leave() -> AbstractContextManager[None]:
+    """Prefetch (issue 12): a queued request that leaves while its prefetch reads are in
+    flight gives their host pages back at once, as it does for landed ones -- so a GPU
+    eviction's copy (or another prefetch) can take a page the late read still writes into."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def _end_prefetch(self: KVCacheManager, rid: Any, now: float) -> None:
+            asked = [b for b in self._queued.get(rid, []) if rid in b.prefetchers]
+            original(self, rid, now)
+            for block in asked:
+                if (block.state is BlockState.PREFETCHING and not block.prefetchers
+                        and block.host_page is not None
+                        and block.host_page not in self._host.empty):
+                    self._host.empty.append(block.host_page)
+        return _end_prefetch
+
+    return _wrapped(KVCacheManager, "_end_prefetch", make)
+
+
 def pools_kept_after_close() -> AbstractContextManager[None]:
     """A leak for the leak check to catch (tests/test_fuzz_leak_check.py): every cache that
     closes leaves its KV pools (the GPU pool) referenced from outside, as a cache of
@@ -321,6 +340,10 @@ PLANTED = {
         Planted("waiters-woken-only-on-slot-read", waiters_woken_only_on_slot_read,
                 SystemMachine, 1000),
         Planted("wait-ready-returns-early", wait_ready_returns_early, SystemMachine, 1000),
+        Planted("prefetch-page-freed-on-leave", prefetch_page_freed_on_leave, CoreVsSpec,
+                1000),
+        Planted("prefetch-page-freed-on-leave-system", prefetch_page_freed_on_leave,
+                SystemMachine, 1000),
     )
 }
 

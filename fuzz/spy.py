@@ -26,10 +26,11 @@ from fuzz.contract import CommandContract
 from fuzz.steps import Counts
 from specs.reference_model import CommandKind, ReferenceCache, in_batches
 from statekv.errors import OutOfBlocks, UsageError
-from statekv.manager import KVCacheManager, PrefixMatch
+from statekv.manager import KVCacheManager, PrefetchStarted, PrefixMatch
 from statekv.messages import (
     Command,
     Completion,
+    PrefetchSlots,
     ReadSlots,
     SlotRead,
     SlotWriteFailed,
@@ -39,7 +40,7 @@ from statekv.messages import (
 )
 
 SPIED = ("add_request", "append_tokens", "allocate_nowait", "commit", "release", "handle",
-         "take_commands")
+         "take_commands", "prefetch", "report_disk_read", "report_prefill")
 """The manager methods whose calls change its state or report what it asked for."""
 
 
@@ -111,6 +112,8 @@ def command_kinds(commands: list[Command]) -> list[CommandKind]:
             kinds.append(("WriteSlots", tuple(w.key for w in c.writes)))
         elif isinstance(c, ReadSlots):
             kinds.append(("ReadSlots", tuple(r.key for r in c.reads)))
+        elif isinstance(c, PrefetchSlots):
+            kinds.append(("PrefetchSlots", tuple(r.key for r in c.reads)))
         else:
             kinds.append((type(c).__name__, None))
     return kinds
@@ -153,9 +156,16 @@ class ModelFollower:
         if call.name == "add_request" and call.error is None:
             got: PrefixMatch = call.result
             assert (got.matched_tokens, got.gpu_tokens, got.host_tokens, got.disk_tokens,
-                    got.ready) == (result.matched_tokens, result.gpu_tokens,
-                                   result.host_tokens, result.disk_tokens, result.ready), (
+                    got.ready, got.skipped_disk_tokens) == (
+                result.matched_tokens, result.gpu_tokens, result.host_tokens,
+                result.disk_tokens, result.ready, result.skipped_disk_tokens), (
                 f"{call.args[0]}: real matched {got}, the model {result}"
+            )
+        if call.name == "prefetch" and call.error is None:
+            started: PrefetchStarted = call.result
+            assert (started.started_tokens, started.shared_tokens, started.cached_tokens,
+                    started.unfetched_tokens) == result, (
+                f"{call.args[0]}: real prefetch {started}, the model {result}"
             )
 
     def _complete(self, completion: Completion, now: float) -> None:

@@ -41,7 +41,17 @@ from typing import ClassVar
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition
 
-from fuzz.core_machine import CLOCK_STEPS, ChurnSpec, RequestSpec, churns, requests
+from fuzz.core_machine import (
+    CLOCK_STEPS,
+    ChurnSpec,
+    CostReport,
+    PrefetchRace,
+    RequestSpec,
+    churns,
+    cost_reports,
+    prefetch_races,
+    requests,
+)
 from fuzz.driver import CLOSE_TIMEOUT, Driver, LiveRequest, SystemSpec, system_specs
 from fuzz.gate import FuzzGate
 from fuzz.steps import Counts, fuzz_rule, note
@@ -53,6 +63,7 @@ from io_actors.tracing import TraceRecorder
 from statekv.ids import BlockHash, TransferId
 from statekv.messages import (
     Command,
+    PrefetchSlots,
     ReadSlots,
     WriteSlots,
     is_read,
@@ -136,12 +147,12 @@ class SystemMachine(RuleBasedStateMachine):
             if isinstance(batch, WriteSlots):
                 self.write_batches.add(batch.transfer)
                 self.batch_blocks[batch.transfer] = len(batch.writes)
-            elif isinstance(batch, ReadSlots):
+            elif isinstance(batch, ReadSlots | PrefetchSlots):
                 self.read_batches.add(batch.transfer)
         for batch in commands:
             # A fault for one content's transfer (read_back_with_fault) goes to it, whichever
             # batch carries it.
-            if isinstance(batch, WriteSlots | ReadSlots):
+            if isinstance(batch, WriteSlots | ReadSlots | PrefetchSlots):
                 op = Op.WRITE if isinstance(batch, WriteSlots) else Op.READ
                 transfers = batch.writes if isinstance(batch, WriteSlots) else batch.reads
                 for one in transfers:
@@ -156,7 +167,7 @@ class SystemMachine(RuleBasedStateMachine):
                 if self.stall_writes:
                     for cmd in batch.writes:
                         store.stall(Op.WRITE, cmd.slot, cmd.key)
-            elif isinstance(batch, ReadSlots) and self.arm_read is not None:
+            elif isinstance(batch, ReadSlots | PrefetchSlots) and self.arm_read is not None:
                 read = batch.reads[min(self.arm_read_at, len(batch.reads) - 1)]
                 store.assign(Op.READ, read.slot, read.key, self.arm_read)
                 self.arm_read = None
@@ -178,7 +189,8 @@ class SystemMachine(RuleBasedStateMachine):
         self.read_batches &= in_flight
         for name in set(self.batch_blocks) - self.write_batches:
             del self.batch_blocks[name]
-        if core.reads_in_flight + core.writes_in_flight != len(in_flight):
+        reads = core.reads_in_flight + core.prefetch_reads_in_flight
+        if reads + core.writes_in_flight != len(in_flight):
             return False
         if not (len(self.read_batches) == reader.in_flight == r_jobs_held
                 and reader.queued == 0):
@@ -274,8 +286,10 @@ class SystemMachine(RuleBasedStateMachine):
             passed["written"], passed["write failed"], passed["read"], passed["read failed"]
         ), f"pools {writer} {reader}, completions through the gate {passed}"
         assert (writer.completed, writer.failed, reader.completed, reader.failed) == (
-            core.spills_completed, core.spill_failures, core.onboards_completed,
-            core.onboard_failures), f"pools {writer} {reader} vs the core's {core}"
+            core.spills_completed, core.spill_failures,
+            core.onboards_completed + core.prefetches_completed,
+            core.onboard_failures + core.prefetch_failures,
+        ), f"pools {writer} {reader} vs the core's {core}"
         assert writer.dropped_at_close == reader.dropped_at_close == 0, stats
         assert stats.slots_discarded == d.fuzz_store.discards, (
             f"{stats.slots_discarded} slots discarded, the store saw {d.fuzz_store.discards}")
@@ -392,6 +406,69 @@ class SystemMachine(RuleBasedStateMachine):
         parked = [rid for rid in self.d.live if not self.d.api.is_ready(rid)]
         if parked:
             self.d.release(parked[pick % len(parked)])
+
+    # -------------------------------------------------------------- rules: prefetch
+
+    @fuzz_rule(spec=requests)
+    def prefetch(self, spec: RequestSpec) -> None:
+        """A request joins the queue and prefetches its disk blocks (reads held at the gate)."""
+        self.d.prefetch(list(spec.prompt), spec.salt)
+
+    @fuzz_rule(race=prefetch_races)
+    def prefetch_race(self, race: PrefetchRace) -> None:
+        """A prompt pushed down to disk is prefetched by a queued request, its reads held at
+        the gate; then the race of fuzz/README.md's table: "leave" (released while its reads
+        are in flight: the pages stay theirs until the reads land), "admit_early" (admitted
+        before they land: they become its onboards), "admit" (they land, then it is admitted:
+        host hits, their bytes checked), "evict" (they land, a GPU-sized request's evictions
+        want host pages -- the prefetched ones, or host content first -- then it is
+        admitted), "displace" (spills held in flight displaced disk content, possibly this
+        prompt's, just before the prefetch; taking host pages for it spills more)."""
+        d = self.d
+        prompt = d.fresh_prompt(1 + race.pick % 3)
+        # With a TTL (odd picks) a retained-only cache spills it and drops the fresh content
+        # after it, which leaves host pages for the prefetch.
+        d.serve(prompt, 30.0 if race.pick % 2 else None, 0)
+        for _ in range(2):
+            d.serve(d.fresh_prompt(None), None, 0)
+            self.drain_all()
+        if race.kind == "displace":
+            d.serve(d.fresh_prompt(None), None, 0)  # its spills stay held
+        rid = d.prefetch(prompt, None)
+        if rid is None:
+            return
+        if race.kind == "leave":
+            d.leave(rid)
+        elif race.kind in ("admit_early", "displace"):
+            d.admit(rid)
+        else:
+            self.drain_all()
+            if race.kind == "evict":
+                d.serve(d.fresh_prompt(None), None, 0)
+            d.admit(rid)
+
+    @precondition(lambda self: self.driver is not None and self.d.queued)
+    @fuzz_rule(pick=st.integers(0, 11))
+    def queued_request_moves(self, pick: int) -> None:
+        """Queued request pick // 3 is admitted (pick % 3 == 0), leaves the queue (1), or
+        asks again for what it could not prefetch before (2)."""
+        d = self.d
+        rid = list(d.queued)[(pick // 3) % len(d.queued)]
+        if pick % 3 == 0:
+            d.admit(rid)
+        elif pick % 3 == 1:
+            d.leave(rid)
+        else:
+            prompt, salt = d.queued[rid]
+            d.prefetch(prompt, salt, rid=rid)
+
+    @fuzz_rule(report=cost_reports)
+    def report_prefill(self, report: CostReport) -> None:
+        """The serving loop reports a prefill: with the readers' measured disk rate, the
+        core may now recompute slow runs of disk hits (the model follows the same numbers)."""
+        tokens = report.context_tokens // 2
+        self.d.api.report_prefill(tokens, tokens * report.prefill_seconds_per_token,
+                                  context_tokens=report.context_tokens)
 
     # -------------------------------------------------------------- rules: transfers
 
@@ -550,9 +627,10 @@ class SystemMachine(RuleBasedStateMachine):
         with d.frozen():
             d._check_locked()
             stats = d.core.statistics()
-        assert (stats.writes_in_flight, stats.reads_in_flight) == (
+        reads_left = stats.reads_in_flight + stats.prefetch_reads_in_flight
+        assert (stats.writes_in_flight, reads_left) == (
             report.writes_dropped, report.reads_dropped), (
-            f"{stats.writes_in_flight} writes and {stats.reads_in_flight} reads never "
+            f"{stats.writes_in_flight} writes and {reads_left} reads never "
             f"completed, but the close report says {report}"
         )
         self.check_close_report(report, before, waiting, dropped_blocks, passed)
@@ -588,7 +666,8 @@ class SystemMachine(RuleBasedStateMachine):
         expected = CloseReport(
             drained=False, writes_dropped=dropped_blocks, reads_dropped=0,
             writes_finished_during_close=before.writes_in_flight - dropped_blocks,
-            reads_finished_during_close=before.reads_in_flight,
+            reads_finished_during_close=(before.reads_in_flight
+                                         + before.prefetch_reads_in_flight),
         )
         assert report == expected, (
             f"close report {report}, expected {expected}: {before.writes_in_flight} writes "
@@ -645,6 +724,8 @@ class SystemMachine(RuleBasedStateMachine):
                 self.drain_all()
                 for rid in list(driver.live):
                     driver.release(rid)
+                for rid in list(driver.queued):
+                    driver.leave(rid)
                 self.drain_all()
                 # Every waiter woke (the requests are gone): their threads end first, so
                 # that nothing but the cache's own references hold its memory.
@@ -663,7 +744,10 @@ class SystemMachine(RuleBasedStateMachine):
         note("slowest serving-loop call " + (
             f"{d.watchdog.slowest * 1000:.0f} ms" if d.watchdog.slowest > 0.05
             else "under 50 ms"))
-        for name in ("spills_completed", "onboards_completed", "onboard_failures",
+        for name in ("prefetches", "prefetch_hits", "prefetches_taken_over",
+                     "prefetches_cancelled", "prefetches_reclaimed", "prefetch_failures",
+                     "onboards_skipped_as_too_slow",
+                     "spills_completed", "onboards_completed", "onboard_failures",
                      "spill_failures", "displacements", "expirations", "requests_fallen_back",
                      "host_recalls", "pressure_drops", "admission_refusals"):
             if getattr(stats, name):

@@ -134,6 +134,11 @@ class StateKVConfig:
     """Blocks per disk batch: one vector I/O and one report per batch (CacheConfig)."""
     max_ttl_seconds: float = 30 * 24 * 3600.0
     model_fingerprint: str = ""
+    cost_aware_onboarding: bool = True
+    reclaim_prefetched_first: bool = True
+    """GPU victims take prefetched pages before evicting host content (CacheConfig)."""
+    """Recompute a run of disk hits instead of reading it when the measured disk read rate
+    and the reported prefill rate say that is faster (statekv.cost)."""
     rank: int = attrs.field(default=0, validator=_positive_int(0, 1 << 16))
     namespace: str = attrs.field(default="target")
     """Separates caches that must never share slot files (a draft model's from the target's)."""
@@ -222,6 +227,8 @@ class StateKVConfig:
             max_batch_blocks=self.max_batch_blocks,
             max_ttl_seconds=self.max_ttl_seconds,
             model_fingerprint=self.model_fingerprint,
+            cost_aware_onboarding=self.cost_aware_onboarding,
+            reclaim_prefetched_first=self.reclaim_prefetched_first,
         )
 
     def rank_directory(self) -> Path | None:

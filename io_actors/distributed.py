@@ -618,6 +618,10 @@ class TensorParallelCache:
                         group.world_size,
                     )
                     config = attrs.evolve(config, persist=False)
+                if config.cost_aware_onboarding:
+                    # Each rank measures its own disk: estimates differ, and a cut made on
+                    # one rank only would give the ranks different prefixes.
+                    config = attrs.evolve(config, cost_aware_onboarding=False)
             self._claim_directory(config)
             cache = BlockingCache(
                 config, store=store, gate=self._gate, clock=self.clock, trace=trace

@@ -52,6 +52,7 @@ from statekv.ids import BlockHash, PageId, TransferId
 from statekv.manager import (
     CachedBlock,
     KVCacheManager,
+    PrefetchStarted,
     PrefixMatch,
     RequestStatus,
     RestoredBlock,
@@ -146,6 +147,30 @@ class CacheAPI:
             cache_salt=cache_salt, lora_id=lora_id,
         )
 
+    def prefetch(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> PrefetchStarted:
+        """A request waiting for admission: start reading its disk blocks into host pages,
+        so that its add_request finds host hits (see KVCacheManager.prefetch).  Ends with
+        add_request(request_id, ...) or release(request_id)."""
+        return self._scheduler.prefetch(request_id, token_ids, cache_salt=cache_salt,
+                                        lora_id=lora_id)
+
+    def report_prefill(self, num_tokens: int, seconds: float, *, context_tokens: int) -> None:
+        """The model prefilled `num_tokens` new tokens in `seconds`, ending at a context of
+        `context_tokens`: the estimate cost-aware onboarding weighs disk reads against."""
+        self._scheduler.report_prefill(num_tokens, seconds, context_tokens=context_tokens)
+
+    def cost_estimates(self) -> tuple[float | None, float | None]:
+        """(disk read bytes per second measured by the readers, prefill seconds per token at
+        the longest context reported): None where nothing was measured yet."""
+        return self._scheduler.cost_estimates()
+
     def allocate_nowait(self, request_id: str, num_tokens: int) -> None:
         """GPU pages for the request's first `num_tokens` tokens, or OutOfBlocks."""
         self._scheduler.allocate_nowait(request_id, num_tokens)
@@ -158,7 +183,8 @@ class CacheAPI:
         self._scheduler.append_tokens(request_id, token_ids)
 
     def release(self, request_id: str) -> None:
-        """The request finished or was cancelled."""
+        """The request finished or was cancelled (or, never admitted, left the queue after
+        a prefetch)."""
         self._scheduler.release(request_id)
 
     def is_ready(self, request_id: str) -> bool:
@@ -274,8 +300,10 @@ async def open_cache(
             reader = ReaderPool(
                 store, pools.gpu_page, new_staging=pools.new_staging_buffer, device=device,
                 batch_blocks=core_config.max_batch_blocks, workers=config.readers,
-                queue_depth=max(1, core_config.gpu_blocks), gate=gate,
-                report=scheduler.report_completion,
+                queue_depth=max(1, core_config.gpu_blocks + core_config.host_blocks
+                                + core_config.reserved_host_blocks),
+                gate=gate, report=scheduler.report_completion, host_page=pools.host_page,
+                measured=scheduler.report_disk_read,
             )
         cache = AsyncCache(scheduler, pools)
         async with trio.open_nursery() as nursery:

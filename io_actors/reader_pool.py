@@ -13,6 +13,12 @@
   publishes a block as ready on that report, never earlier.
 * A store that reads straight into device memory (kvikio, GPUDirect Storage) skips the
   staging.
+* A ``PrefetchSlots`` job (a queued request's disk blocks, statekv.messages rule 6) reads
+  straight into the blocks' pinned host pages, after the copy-stream fence (a page may have
+  just been the source of a host -> GPU copy), and reports like an onboard.
+* Every batch's landed bytes and the seconds its store call took are reported
+  (``measured``): the core's disk read-rate estimate for cost-aware onboarding.  The clock is
+  read here, in the actor, never in the core.
 * A block whose read fails (I/O error, short read, header or checksum mismatch) is reported
   SlotReadFailed and its page is never copied or published; the batch's other blocks land
   (the waiting requests of the failed one fall back to recompute).
@@ -21,18 +27,22 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import torch
 
 from io_actors.gate import CompletionGate
-from io_actors.interfaces import Fence, SlotIO, SlotStore
+from io_actors.interfaces import BatchOutcome, Fence, SlotIO, SlotStore
 from io_actors.worker_threads import WorkerThreads
 from statekv.ids import PageId
 from statekv.messages import (
     BatchFinished,
     Completion,
+    PrefetchSlot,
+    PrefetchSlots,
+    ReadSlot,
     ReadSlots,
     SlotRead,
     SlotReadFailed,
@@ -44,8 +54,12 @@ log = logging.getLogger(__name__)
 
 @attrs.frozen
 class ReadJob:
-    command: ReadSlots
+    command: ReadSlots | PrefetchSlots
     fence: Fence
+
+
+Measured = Callable[[int, float], None]
+"""Called with (bytes landed, seconds the store call took) after each batch."""
 
 
 class SlotReader:
@@ -54,9 +68,13 @@ class SlotReader:
     def __init__(
         self, store: SlotStore, gpu_page: Callable[[PageId], torch.Tensor],
         new_staging: Callable[[int], torch.Tensor], device: torch.device, batch_blocks: int,
+        *, host_page: Callable[[PageId], torch.Tensor] | None = None,
+        measured: Measured | None = None,
     ) -> None:
         self._store = store
         self._gpu_page = gpu_page
+        self._host_page = host_page
+        self._measured = measured
         self._cuda = device.type == "cuda"
         self._stream: torch.cuda.Stream | None = None
         self._staging: list[torch.Tensor] = []
@@ -70,19 +88,40 @@ class SlotReader:
             size = whole.numel() // batch_blocks
             self._staging = [whole[i * size : (i + 1) * size] for i in range(batch_blocks)]
 
+    def _timed_read(self, items: list[SlotIO]) -> BatchOutcome:
+        start = time.perf_counter()
+        results = self._store.read_many(items)
+        seconds = time.perf_counter() - start
+        landed = sum(item.buffer.numel() * item.buffer.element_size()
+                     for item, error in zip(items, results, strict=True) if error is None)
+        if self._measured is not None and landed and seconds > 0:
+            self._measured(landed, seconds)
+        return results
+
+    def _prefetch(self, job: ReadJob, reads: tuple[PrefetchSlot, ...]) -> BatchOutcome:
+        host_page = self._host_page
+        if host_page is None:
+            raise RuntimeError("this reader has no host pool: it cannot prefetch")
+        job.fence.wait()
+        return self._timed_read([SlotIO(cmd.slot, cmd.key, host_page(cmd.host_page))
+                                 for cmd in reads])
+
     def execute(self, job: ReadJob) -> Completion:
-        reads = job.command.reads
+        command = job.command
+        if isinstance(command, PrefetchSlots):
+            return self._report(command.reads, self._prefetch(job, command.reads), "prefetch")
+        reads = command.reads
         pages = [self._gpu_page(cmd.gpu_page) for cmd in reads]
         if not self._staging:
             job.fence.wait()
-            results = self._store.read_many(
+            results = self._timed_read(
                 [SlotIO(cmd.slot, cmd.key, page) for cmd, page in zip(reads, pages, strict=True)]
             )
             if self._cuda:
                 torch.cuda.current_stream(pages[0].device).synchronize()
         else:
             staging = self._staging
-            results = self._store.read_many(
+            results = self._timed_read(
                 [SlotIO(cmd.slot, cmd.key, staging[i]) for i, cmd in enumerate(reads)]
             )
             job.fence.wait()
@@ -97,13 +136,18 @@ class SlotReader:
             else:
                 for i in landed:
                     pages[i].copy_(staging[i])
+        return self._report(reads, results, "onboard")
+
+    @staticmethod
+    def _report(reads: Sequence[ReadSlot | PrefetchSlot], results: BatchOutcome,
+                what: str) -> Completion:
         outcomes: list[TransferOutcome] = []
         for cmd, error in zip(reads, results, strict=True):
             if error is None:
                 outcomes.append(SlotRead(transfer=cmd.transfer))
             else:
-                log.warning("onboard of block %d from slot %d failed: %s", cmd.block, cmd.slot,
-                            error)
+                log.warning("%s of block %d from slot %d failed: %s", what, cmd.block,
+                            cmd.slot, error)
                 outcomes.append(SlotReadFailed(transfer=cmd.transfer, cause=str(error)))
         return BatchFinished(outcomes=tuple(outcomes))
 
@@ -127,11 +171,14 @@ class ReaderPool(WorkerThreads[ReadJob]):
         queue_depth: int,
         gate: CompletionGate,
         report: Callable[[Completion], Awaitable[None]],
+        host_page: Callable[[PageId], torch.Tensor] | None = None,
+        measured: Measured | None = None,
     ) -> None:
         super().__init__(
             "reader", workers=workers, queue_depth=queue_depth,
             make_worker=lambda _index: SlotReader(
-                store, gpu_page, new_staging, device, batch_blocks
+                store, gpu_page, new_staging, device, batch_blocks, host_page=host_page,
+                measured=measured,
             ),
             gate=gate, report=report,
         )

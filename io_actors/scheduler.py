@@ -44,13 +44,20 @@ from io_actors.writer_pool import SlotWriter, WriteJob, WriterPool
 from statekv.config import CacheConfig
 from statekv.errors import InvariantViolation, TransferFailed, UsageError
 from statekv.ids import PageId, RequestId, SlotId, TransferId
-from statekv.manager import CachedBlock, KVCacheManager, PrefixMatch, RequestStatus
+from statekv.manager import (
+    CachedBlock,
+    KVCacheManager,
+    PrefetchStarted,
+    PrefixMatch,
+    RequestStatus,
+)
 from statekv.messages import (
     Completion,
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
     PersistRetention,
+    PrefetchSlots,
     ReadSlots,
     WriteSlots,
     is_read,
@@ -126,6 +133,8 @@ class InlineIO:
         self._device = device
         self._writer: SlotWriter | None = None
         self._reader: SlotReader | None = None
+        self.measured: Callable[[int, float], None] | None = None
+        """Where reads report their rate (set by the scheduler: the core, under its lock)."""
 
     def execute(self, job: WriteJob | ReadJob) -> Completion:
         if isinstance(job, WriteJob):
@@ -136,7 +145,8 @@ class InlineIO:
         if self._reader is None:
             self._reader = SlotReader(self._store, self._pools.gpu_page,
                                       self._pools.new_staging_buffer, self._device,
-                                      self._pools.config.max_batch_blocks)
+                                      self._pools.config.max_batch_blocks,
+                                      host_page=self._pools.host_page, measured=self.measured)
         return self._reader.execute(job)
 
 
@@ -195,6 +205,10 @@ class Scheduler:
         # Recording (off when None): every hook below costs one `is None` test without it.
         self._recorder = recorder
         self._parked_traced: set[RequestId] = set()
+        if inline_io is not None:
+            # Inline reads run inside a cache call, under the lock: report to the core directly.
+            # (Looked up per call: a wrapper installed on the core later sees the reports.)
+            inline_io.measured = self._report_disk_read_locked
 
     # ------------------------------------------------------------------ the API (any thread)
 
@@ -216,6 +230,34 @@ class Scheduler:
             request_id, token_ids, now=now, ttl_seconds=ttl_seconds, priority=priority,
             cache_salt=cache_salt, lora_id=lora_id,
         ))
+
+    def prefetch(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> PrefetchStarted:
+        return self._call(lambda now: self._core.prefetch(
+            request_id, token_ids, now=now, cache_salt=cache_salt, lora_id=lora_id,
+        ))
+
+    def _report_disk_read_locked(self, num_bytes: int, seconds: float) -> None:
+        self._core.report_disk_read(num_bytes, seconds)
+
+    def report_disk_read(self, num_bytes: int, seconds: float) -> None:
+        """A reader thread's measurement of one batch (any thread; the lock is brief)."""
+        with self._lock:
+            self._core.report_disk_read(num_bytes, seconds)
+
+    def report_prefill(self, num_tokens: int, seconds: float, *, context_tokens: int) -> None:
+        with self._lock:
+            self._core.report_prefill(num_tokens, seconds, context_tokens=context_tokens)
+
+    def cost_estimates(self) -> tuple[float | None, float | None]:
+        with self._lock:
+            return self._core.cost_estimates()
 
     def allocate_nowait(self, request_id: str, num_tokens: int) -> None:
         self._call(lambda now: self._core.allocate_nowait(request_id, num_tokens, now=now))
@@ -398,7 +440,7 @@ class Scheduler:
             if run:
                 copies.copy_pages(run, to_gpu=run_to_gpu)
                 run = []
-            if isinstance(cmd, WriteSlots | ReadSlots):
+            if isinstance(cmd, WriteSlots | ReadSlots | PrefetchSlots):
                 for item in cmd.writes if isinstance(cmd, WriteSlots) else cmd.reads:
                     if item.slot in self._slots_in_flight:
                         raise InvariantViolation(
@@ -463,7 +505,8 @@ class Scheduler:
                 self._spill_wakeup.set()
             else:
                 assert self._reader is not None
-                # The reader queue holds as many jobs as there are GPU pages: never full.
+                # The reader queue holds as many jobs as there are GPU and host pages (each job
+                # fills at least one page): never full.
                 self._reader.submit_nowait(job)
 
     def _backlog(self) -> int:
@@ -571,7 +614,8 @@ class Scheduler:
         # Counted in block transfers, as the core counts them (a job is a batch of them).
         with self._lock:
             in_flight = self._core.statistics()
-        busy_writes, busy_reads = in_flight.writes_in_flight, in_flight.reads_in_flight
+        busy_writes = in_flight.writes_in_flight
+        busy_reads = in_flight.reads_in_flight + in_flight.prefetch_reads_in_flight
         if drain:
             with trio.move_on_after(timeout):
                 while (self._spill_backlog or (self._writer and self._writer.busy)

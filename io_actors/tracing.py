@@ -53,6 +53,7 @@ from statekv.messages import (
     CopyHostToGpu,
     FreeSlot,
     PersistRetention,
+    PrefetchSlot,
     ReadSlot,
     SlotReadFailed,
     SlotWriteFailed,
@@ -96,7 +97,7 @@ FAILED_COMPLETIONS: Final = frozenset({"SlotWriteFailed", "SlotReadFailed"})
 
 # Which state a block's slot belongs to: a transition into or out of one of these carries
 # the slot its write or read used.
-_SLOT_STATES: Final = frozenset({"SPILLING", "ON_DISK", "ONBOARDING"})
+_SLOT_STATES: Final = frozenset({"SPILLING", "ON_DISK", "ONBOARDING", "PREFETCHING", "PREFETCHED"})
 
 
 @attrs.frozen(kw_only=True)
@@ -367,6 +368,10 @@ def _decode_message(seq: int, time: float, msg: BlockCommand | TransferOutcome) 
         return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="reader",
                            event=name, block=msg.block, slot=msg.slot, transfer=msg.transfer,
                            detail=f"gpu page {msg.gpu_page}")
+    if isinstance(msg, PrefetchSlot):
+        return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="reader",
+                           event=name, block=msg.block, slot=msg.slot, transfer=msg.transfer,
+                           detail=f"host page {msg.host_page}")
     if isinstance(msg, CopyGpuToHost):
         return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="copy",
                            event=name, block=msg.block,
@@ -441,7 +446,7 @@ def annotate(records: Sequence[TraceRecord]) -> list[TraceRecord]:
             cause = last_request.get(block)
             if rec.request is None and cause is not None:
                 out[i] = attrs.evolve(rec, request=cause)
-            if rec.slot is not None and rec.event in ("WriteSlot", "ReadSlot"):
+            if rec.slot is not None and rec.event in ("WriteSlot", "ReadSlot", "PrefetchSlot"):
                 slot_of[block] = rec.slot
                 for j in awaiting_slot.pop(block, []):
                     out[j] = attrs.evolve(out[j], slot=rec.slot)

@@ -66,6 +66,9 @@ def run_workload(
     max_step_tokens: int = 512,
     prefill_chunk: int = 256,
     max_running: int = 64,
+    prefetch_ahead: int = 0,
+    cost_aware_onboarding: bool = True,
+    reclaim_prefetched_first: bool = True,
     trace: TraceSink | None = None,
     progress: Callable[[int, int], None] | None = None,
     total: int | None = None,
@@ -73,7 +76,10 @@ def run_workload(
     """Serve every request of `workload`; closed-loop workloads get their answers back.
 
     `salt_every_request` gives each request its own cache salt: nothing is ever reused, the
-    no-cache baseline the identity check compares with.
+    no-cache baseline the identity check compares with.  `prefetch_ahead` queued requests
+    prefetch their disk blocks while they wait; `cost_aware_onboarding` lets the cache
+    recompute disk hits that are slower to read than to prefill;
+    `reclaim_prefetched_first` is StateKVConfig's (which pages host pressure takes first).
     """
     if disk_dir is not None:
         disk_dir.mkdir(parents=True, exist_ok=True)
@@ -89,12 +95,14 @@ def run_workload(
             readers=budgets.readers, device=device, spill_mode=budgets.spill_mode,
             protect_unexpired=budgets.protect_unexpired,
             model_fingerprint=model.config.fingerprint(),
+            cost_aware_onboarding=cost_aware_onboarding,
+            reclaim_prefetched_first=reclaim_prefetched_first,
         )
         done: list[RequestResult] = []
         with BlockingCache(config, trace=trace, synchronous_io=synchronous_io) as cache:
             loop = ServingLoop(model, cache, max_step_tokens=max_step_tokens,
                                prefill_chunk=prefill_chunk, max_running=max_running,
-                               batch_invariant=batch_invariant)
+                               batch_invariant=batch_invariant, prefetch_ahead=prefetch_ahead)
             started = time.perf_counter()
             while not (workload.done() and loop.idle):
                 for req in workload.poll(loop.now()):

@@ -15,10 +15,17 @@ Each step:
 
 Parked requests are never in the forward pass, and the loop never waits on disk: with the
 blocking facade every cache call returns in microseconds.
+
+With ``prefetch_ahead`` > 0 the first arrived requests of the waiting queue ask the cache to
+read their disk blocks into host pages while they wait (``prefetch``), so that admitting them
+is a host -> GPU copy instead of a parked disk read; a request cancelled while it waits gives
+its pages back.  Every forward pass that prefilled reports its tokens and time
+(``report_prefill``): the estimate cost-aware onboarding weighs disk reads against.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,7 +37,7 @@ import torch
 from statekv.config import CacheConfig
 from statekv.errors import OutOfBlocks, UsageError
 from statekv.ids import PageId
-from statekv.manager import PrefixMatch, RequestStatus
+from statekv.manager import PrefetchStarted, PrefixMatch, RequestStatus
 
 from .model import Chunk, PagedDecoder, greedy
 
@@ -63,6 +70,13 @@ class Cache(Protocol):
     def request_status(self, request_id: str) -> RequestStatus: ...
 
     def obtainable_gpu_blocks(self) -> int: ...
+
+    def prefetch(self, request_id: str, token_ids: Sequence[int], *,
+                 cache_salt: str | None = ..., lora_id: int | None = ...
+                 ) -> PrefetchStarted: ...
+
+    def report_prefill(self, num_tokens: int, seconds: float, *,
+                       context_tokens: int) -> None: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -146,11 +160,18 @@ class ServingLoop:
         clock: Callable[[], float] = time.perf_counter,
         ready_everywhere: Callable[[list[str]], set[str]] | None = None,
         on_token: Callable[[str, int], None] | None = None,
+        prefetch_ahead: int = 0,
     ) -> None:
         for field, value in (("max_step_tokens", max_step_tokens),
                              ("prefill_chunk", prefill_chunk), ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(field, f"must be an integer >= 1, got {value!r}")
+        if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) \
+                or prefetch_ahead < 0:
+            raise UsageError("prefetch_ahead",
+                             f"must be an integer >= 0, got {prefetch_ahead!r}")
+        self.prefetch_ahead = prefetch_ahead
+        """How many arrived requests at the head of the waiting queue prefetch (0: none)."""
         self.model = model
         self.cache = cache
         self.max_step_tokens = max_step_tokens
@@ -170,6 +191,9 @@ class ServingLoop:
         self._start = clock()
         self._waiting: deque[ServeRequest] = deque()
         self._running: dict[str, _Running] = {}
+        self._prefetching: dict[str, bool] = {}
+        """Waiting requests that prefetch: whether every disk block of theirs is asked for
+        (then the loop stops asking again each step)."""
         self._steps = 0
         self._forward_tokens = 0
         self._prompt_computed = 0
@@ -195,6 +219,8 @@ class ServingLoop:
         for index, waiting in enumerate(self._waiting):
             if waiting.request_id == request_id:
                 del self._waiting[index]
+                if self._prefetching.pop(request_id, None) is not None:
+                    self.cache.release(request_id)  # gives its prefetched pages back
                 return True
         if self._running.pop(request_id, None) is None:
             return False
@@ -221,15 +247,36 @@ class ServingLoop:
         self._steps += 1
         now = self.now()
         self._admit(now)
+        self._prefetch_queue(now)
         self._unpark(now)
         plan = self._schedule()
         if not plan:
             return []
+        contexts = [run.computed + n for run, n in plan if run.computed < len(run.req.prompt)]
         started = self._clock()
         logits = self._forward(plan)
         finished = self._advance(plan, logits)
-        self._step_seconds.append(self._clock() - started)
+        seconds = self._clock() - started
+        self._step_seconds.append(seconds)
+        if contexts and seconds > 0:
+            self.cache.report_prefill(sum(n for _run, n in plan), seconds,
+                                      context_tokens=max(contexts))
         return finished
+
+    def _prefetch_queue(self, now: float) -> None:
+        """The first `prefetch_ahead` arrived waiting requests ask for their disk blocks;
+        one whose blocks could not all get a host page asks again next step."""
+        if not self.prefetch_ahead:
+            return
+        capacity = self.cache.config.gpu_blocks * self.block_size
+        for req in itertools.islice(self._waiting, self.prefetch_ahead):
+            if req.arrival > now:
+                break
+            rid = req.request_id
+            if self._prefetching.get(rid) or len(req.prompt) > capacity:
+                continue  # everything asked for, or too long to ever be admitted
+            got = self.cache.prefetch(rid, req.prompt, cache_salt=req.cache_salt)
+            self._prefetching[rid] = got.unfetched_tokens == 0
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -274,6 +321,7 @@ class ServingLoop:
             except OutOfBlocks:
                 break
             self._waiting.popleft()
+            self._prefetching.pop(req.request_id, None)  # add_request took the prefetch over
             result = RequestResult(
                 request_id=req.request_id, prompt_tokens=len(req.prompt), arrival=req.arrival,
                 admitted=now, gpu_tokens=match.gpu_tokens, host_tokens=match.host_tokens,

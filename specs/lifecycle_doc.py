@@ -25,8 +25,10 @@ Checked by `KVCacheManager.check_invariants()` after every step of the fuzz suit
    changes only through an entry of the table, and any other event raises
    `IllegalTransition`.
 2. **Storage follows the state.** A block owns a GPU page exactly in ON_GPU, RELEASED,
-   ONBOARDING and ERROR; a host page exactly in ON_HOST and SPILLING; a disk slot exactly in
-   SPILLING, ON_DISK and ONBOARDING; a transfer id exactly in SPILLING and ONBOARDING.
+   ONBOARDING and ERROR; a host page exactly in ON_HOST, SPILLING, PREFETCHING and PREFETCHED
+   (and in ONBOARDING when it is a prefetch an admitted request took over); a disk slot
+   exactly in SPILLING, ON_DISK, ONBOARDING, PREFETCHING and PREFETCHED; a transfer id exactly
+   in SPILLING, ONBOARDING and PREFETCHING.
 3. **Nothing is owned twice, nothing is lost.** Every GPU page, host page and disk slot is
    owned by exactly one of: a block, a free list, or a write whose block was recalled to GPU
    while it drained.
@@ -41,11 +43,16 @@ Checked by `KVCacheManager.check_invariants()` after every step of the fuzz suit
    states (RELEASED, ON_HOST, SPILLING, ON_DISK) always have a key; FREE and ERROR never do.
    Only full blocks are keyed; a partially filled block is private to its request.
 7. **Eviction orders.** The GPU evictable order holds exactly the RELEASED blocks, the host
-   order exactly the ON_HOST blocks, and the disk orders exactly the ON_DISK blocks.
+   order exactly the ON_HOST blocks, the disk orders exactly the ON_DISK blocks, and the
+   prefetched order (reclaimed newest first) exactly the PREFETCHED blocks.
 8. **Deadlines.** The retention heap holds exactly the ON_DISK blocks whose TTL is running at
    the manager's current time; best-effort disk content is in the FIFO, never in the heap.
 9. **Reserve.** The host reserve never exceeds its target, and no host page is free while the
    reserve is below it (a returning page refills the reserve first).
+10. **Prefetch.** A block's queued requests (prefetchers) are exactly the queued requests
+    that asked for it and have not been admitted or left; only PREFETCHING and PREFETCHED
+    blocks have any, and a PREFETCHED block always has one (the last one leaving sends it
+    back to ON_DISK). A queued request is never also an admitted one.
 """
 
 PROSE = """\
@@ -61,8 +68,17 @@ spill write drains: the page is intact until the write reports back). RESTORED h
 when a cache opens on a slot directory an earlier process left: each slot the index rebuild
 accepts (specs/disk_persistence.md) takes a free record straight to ON_DISK.
 
+Prefetch (a request waiting for admission asks for its disk blocks ahead of time):
+PREFETCH_STARTED issues a disk -> host read into a host page; PREFETCH_LANDED leaves the bytes
+in the page *and* on disk (the slot is kept); the admitted request takes a PREFETCHED block
+as a host hit (RECALLED, which frees the slot as an onboard would) or, while the read is
+still in flight, takes it over as its onboard (PREFETCHING ACQUIRED -> ONBOARDING: no second
+read; a host -> GPU copy follows the landing). PREFETCH_CANCELLED returns a PREFETCHED block
+to ON_DISK for free, when every queued request that wanted it left or when a GPU victim
+needs its host page; PREFETCH_FAILED drops content whose prefetch read failed.
+
 GPU <-> host copies are stream ordered and need no completion; disk reads and writes are
-asynchronous, which is why SPILLING and ONBOARDING are states of their own.
+asynchronous, which is why SPILLING, ONBOARDING and PREFETCHING are states of their own.
 
 ## Batches
 

@@ -23,6 +23,19 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
   duplicate, the cached twin) with max(current stamp, now + ttl); content is retained while
   now < expiry.  A stamp that lengthens the deadline of a block with a disk slot (on disk,
   spilling, being read) emits PersistRetention.
+* Prefetch: a queued request's matched disk blocks are read into host pages, in prefix order,
+  each page an empty one or the page evicting one host victim yields (a drop's, or a reserved
+  one for a spill), never another prefetch's; a block whose page cannot be had goes back to
+  the end of the disk order, and the prefetch stops there.
+  A prefetched block keeps its slot; it is a host hit for the request that is admitted, an
+  onboard for one admitted while its read is in flight, and goes back to disk when every
+  queued request that wanted it left, or when a GPU victim needs a host page (newest
+  prefetched first; before any host victim is evicted, or, with reclaim_prefetched_first
+  off, only when evicting host victims yielded no page).  A failed prefetch drops the content.
+* Cost-aware onboarding: with a disk read rate and a prefill time per token (moving averages
+  of what was reported, the latter by power-of-two bucket of context length, nearest bucket),
+  the match ends at the start of the disk run that minimises reads before it plus a prefill
+  of every matched token after it, if that beats reading every disk hit.
 """
 
 from __future__ import annotations
@@ -42,6 +55,8 @@ from statekv.manager import CachedBlock, RestoredBlock
 from statekv.stats import CacheStatistics
 
 GPU, HOST, SPILLING, DISK, READING = "gpu", "host", "spilling", "disk", "reading"
+PREFETCHING, PREFETCHED = "prefetching", "prefetched"
+SMOOTHING = 0.25
 
 TIER_OF_STATE = {
     BlockState.ON_GPU: GPU,
@@ -50,6 +65,8 @@ TIER_OF_STATE = {
     BlockState.SPILLING: SPILLING,
     BlockState.ON_DISK: DISK,
     BlockState.ONBOARDING: READING,
+    BlockState.PREFETCHING: PREFETCHING,
+    BlockState.PREFETCHED: PREFETCHED,
 }
 """The model's tier of each state a cached block of the real core can be in."""
 
@@ -64,7 +81,7 @@ def in_batches(
     FreeSlots in order, then the writes, then the reads, each packed into batches of at most
     `max_batch_blocks`, named by kind and their keys in order; only disk transfers keep keys."""
     others: list[CommandKind] = []
-    disk: dict[str, list[BlockHash]] = {"WriteSlot": [], "ReadSlot": []}
+    disk: dict[str, list[BlockHash]] = {"WriteSlot": [], "ReadSlot": [], "PrefetchSlot": []}
     for kind, key in commands:
         if kind in disk:
             assert key is not None
@@ -102,6 +119,9 @@ class MBlock:
     retained_key: tuple[float, int, int] | None = None
     """Set while on disk with a running TTL."""
     failed: bool = False
+    prefetchers: list[str] = attrs.field(factory=list)
+    host_page: bool = False
+    """READING with a host page: a prefetch an admitted request took over."""
 
 
 @attrs.define(eq=False)
@@ -130,6 +150,7 @@ class MatchResult:
     host_tokens: int
     disk_tokens: int
     ready: bool
+    skipped_disk_tokens: int = 0
 
 
 class ReferenceCache:
@@ -147,7 +168,12 @@ class ReferenceCache:
         self.disk_empty = config.disk_blocks
         self.writes: dict[int, MBlock | None] = {}
         self.reads: dict[int, MBlock] = {}
+        self.prefetch_reads: dict[int, MBlock] = {}
+        self.queued: dict[str, list[MBlock]] = {}
+        self.disk_rate: float | None = None
+        self.prefill: dict[int, float] = {}
         self.next_transfer = 0
+        self.last_prefetch = (0, 0, 0, 0)
         self.counter = 0
         self.now = -math.inf
         self.commands: list[tuple[str, BlockHash | None]] = []
@@ -162,6 +188,9 @@ class ReferenceCache:
                 "onboards", "onboards_completed", "onboard_failures", "bytes_read",
                 "gate_drops", "pressure_drops", "admission_refusals", "disk_busy_refusals",
                 "displacements", "expirations", "restored_blocks",
+                "prefetches", "prefetches_completed", "prefetch_failures", "prefetch_hits",
+                "prefetches_taken_over", "prefetches_cancelled", "prefetches_reclaimed",
+                "onboards_skipped_as_too_slow",
             )
         }
 
@@ -232,14 +261,43 @@ class ReferenceCache:
             self.c["offloads_skipped"] += 1
         self._drop(victim)
 
-    def _take_host_page(self) -> bool:
+    def _file_on_disk(self, b: MBlock) -> None:
+        """`b` (re)enters the disk order now, as the newest of its class."""
+        b.tier = DISK
+        stamp = self._stamp()
+        if is_live(b.expiry, self.now):
+            assert b.expiry is not None
+            b.retained_key = (b.expiry, -b.depth, stamp)
+        else:
+            b.retained_key = None
+            b.stamp = stamp
+
+    def _give_up_prefetch(self, b: MBlock) -> None:
+        b.prefetchers.clear()
+        self._file_on_disk(b)
+
+    def _reclaim(self) -> bool:
+        prefetched = self._candidates(PREFETCHED)
+        if not prefetched:
+            return False
+        self._give_up_prefetch(max(prefetched, key=lambda b: b.stamp))
+        self.c["prefetches_reclaimed"] += 1
+        return True
+
+    def _take_host_page(self, for_prefetch: bool = False) -> bool:
         if self.host_free:
             self.host_free -= 1
+            return True
+        if for_prefetch:  # one host victim at most, never a prefetched page
+            candidates = self._candidates(HOST)
+            return bool(candidates) and self._evict_host_victim(
+                min(candidates, key=lambda b: (b.priority, b.stamp)))
+        if self.cfg.reclaim_prefetched_first and self._reclaim():
             return True
         while True:
             candidates = self._candidates(HOST)
             if not candidates:
-                return False
+                return self._reclaim()
             victim = min(candidates, key=lambda b: (b.priority, b.stamp))
             if self._evict_host_victim(victim):
                 return True
@@ -317,13 +375,12 @@ class ReferenceCache:
         ttl = float(ttl_seconds) if ttl_seconds else None
         req = MRequest(rid, list(tokens), root_key(self.cfg.model_fingerprint, cache_salt,
                                                    lora_id), ttl, priority)
-        matched: list[MBlock] = []
-        for i in range((len(tokens) - 1) // self.bs):
-            b = self.entries.get(req.key(i, self.bs))
-            if b is None:
-                break
-            matched.append(b)
-        needs = sum(1 for b in matched if b.tier in (HOST, SPILLING, DISK))
+        matched = self._match(req)
+        skipped = 0
+        if self.cfg.cost_aware_onboarding:
+            matched, skipped = self._cost_cut(matched, len(tokens))
+        needs = sum(1 for b in matched if b.tier in (HOST, SPILLING, DISK, PREFETCHING,
+                                                          PREFETCHED))
         released = sum(1 for b in matched if b.tier == GPU and b.holders == 0)
         if needs > self.gpu_obtainable() - released:
             raise OutOfBlocks(rid, needs, self.gpu_obtainable() - released)
@@ -339,10 +396,29 @@ class ReferenceCache:
                 req.pending += 1
                 hits[DISK] += 1
                 self.c["hit_blocks_disk_retained"] += is_live(b.expiry, now)
-            elif b.tier in (HOST, SPILLING):
+            elif b.tier == PREFETCHING:
+                self.c["hit_blocks_disk_retained"] += is_live(b.expiry, now)
+                self._take_gpu_page()
+                tid = next(t for t, r in self.prefetch_reads.items() if r is b)
+                self.reads[tid] = self.prefetch_reads.pop(tid)
+                b.tier = READING
+                b.host_page = True
+                b.prefetchers.clear()
+                b.waiters.append(rid)
+                req.pending += 1
+                self.c["onboards"] += 1
+                self.c["prefetches_taken_over"] += 1
+                hits[DISK] += 1
+            elif b.tier in (HOST, SPILLING, PREFETCHED):
                 self._take_gpu_page()
                 self.commands.append(("CopyHostToGpu", b.key))
-                if b.tier == HOST:
+                if b.tier == PREFETCHED:
+                    self._give_back_host()
+                    self.disk_empty += 1
+                    self.commands.append(("FreeSlot", None))
+                    b.prefetchers.clear()
+                    self.c["prefetch_hits"] += 1
+                elif b.tier == HOST:
                     self._give_back_host()
                 else:
                     for tid, w in self.writes.items():
@@ -367,10 +443,13 @@ class ReferenceCache:
             b.holders += 1
             req.blocks.append(b)
         self.protected = set()
+        if rid in self.queued:
+            self._end_prefetch(rid)
         req.num_computed = len(matched) * self.bs
         req.committed = len(matched)
         self.requests[rid] = req
         self.c["requests_added"] += 1
+        self.c["onboards_skipped_as_too_slow"] += skipped
         if req.pending:
             self.c["requests_parked"] += 1
         self.c["hit_blocks_gpu"] += hits[GPU]
@@ -378,7 +457,120 @@ class ReferenceCache:
         self.c["hit_blocks_disk"] += hits[DISK]
         bs = self.bs
         return MatchResult(len(matched) * bs, hits[GPU] * bs, hits[HOST] * bs,
-                           hits[DISK] * bs, req.pending == 0)
+                           hits[DISK] * bs, req.pending == 0, skipped * bs)
+
+    def _match(self, req: MRequest) -> list[MBlock]:
+        matched: list[MBlock] = []
+        for i in range((len(req.tokens) - 1) // self.bs):
+            b = self.entries.get(req.key(i, self.bs))
+            if b is None:
+                break
+            matched.append(b)
+        return matched
+
+    def _prefill_per_token(self, context: int) -> float | None:
+        if not self.prefill:
+            return None
+        want = max(context, 1).bit_length() - 1
+        return self.prefill[min(self.prefill, key=lambda b: (abs(b - want), b))]
+
+    def _cost_cut(self, matched: list[MBlock], context: int) -> tuple[list[MBlock], int]:
+        """Every candidate end of the match, by full enumeration."""
+        rate, per_token = self.disk_rate, self._prefill_per_token(context)
+        on_disk = [b.tier == DISK for b in matched]
+        if rate is None or per_token is None or not any(on_disk):
+            return matched, 0
+        bb = self.cfg.block_bytes
+        best, best_cost = len(matched), sum(on_disk) * bb / rate
+        for i in range(len(matched)):
+            if on_disk[i] and (i == 0 or not on_disk[i - 1]):
+                cost = sum(on_disk[:i]) * bb / rate + (len(matched) - i) * self.bs * per_token
+                if cost < best_cost:
+                    best, best_cost = i, cost
+        return matched[:best], sum(on_disk[best:])
+
+    def report_disk_read(self, num_bytes: int, seconds: float) -> None:
+        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 1:
+            raise UsageError("num_bytes", "bad")
+        if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
+            raise UsageError("seconds", "bad")
+        rate = num_bytes / float(seconds)
+        old = self.disk_rate
+        self.disk_rate = rate if old is None else old + SMOOTHING * (rate - old)
+
+    def report_prefill(self, num_tokens: int, seconds: float, *, context_tokens: int) -> None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise UsageError("num_tokens", "bad")
+        if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
+            raise UsageError("seconds", "bad")
+        if (isinstance(context_tokens, bool) or not isinstance(context_tokens, int)
+                or context_tokens < 1):
+            raise UsageError("context_tokens", "bad")
+        per_token = float(seconds) / num_tokens
+        bucket = context_tokens.bit_length() - 1
+        old = self.prefill.get(bucket)
+        self.prefill[bucket] = per_token if old is None else old + SMOOTHING * (per_token - old)
+
+    def prefetch(
+        self, rid: str, tokens: Sequence[int], *, now: float, cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> tuple[int, int, int, int]:
+        """Returns (started, shared, cached, unfetched) tokens."""
+        self._check_now(now)
+        if rid in self.requests:
+            raise UsageError("request_id", "exists")
+        if not tokens:
+            raise UsageError("token_ids", "empty")
+        if len(tokens) > self.cfg.gpu_blocks * self.bs:
+            raise UsageError("token_ids", "does not fit")
+        req = MRequest(rid, list(tokens), root_key(self.cfg.model_fingerprint, cache_salt,
+                                                   lora_id), None, 0)
+        matched = self._match(req)
+        self._advance(now)
+        wanted = self.queued.setdefault(rid, [])
+        started = shared = cached = unfetched = 0
+        for i, b in enumerate(matched):
+            if b.key is None or self.entries.get(b.key) is not b:
+                break  # dropped by an eviction of this call
+            if rid in b.prefetchers:
+                shared += 1
+            elif b.tier in (PREFETCHING, PREFETCHED):
+                b.prefetchers.append(rid)
+                wanted.append(b)
+                shared += 1
+            elif b.tier == DISK:
+                self.protected = {id(b)}
+                got = self._take_host_page(for_prefetch=True)
+                self.protected = set()
+                if not got:
+                    self._file_on_disk(b)
+                    unfetched = sum(1 for m in matched[i:] if m.tier == DISK and m.key
+                                    is not None and self.entries.get(m.key) is m)
+                    break
+                self.next_transfer += 1
+                self.prefetch_reads[self.next_transfer] = b
+                self.commands.append(("PrefetchSlot", b.key))
+                b.tier = PREFETCHING
+                b.retained_key = None
+                b.prefetchers.append(rid)
+                wanted.append(b)
+                self.c["prefetches"] += 1
+                started += 1
+            else:
+                cached += 1
+        bs = self.bs
+        self.last_prefetch = (started * bs, shared * bs, cached * bs, unfetched * bs)
+        return self.last_prefetch
+
+    def _end_prefetch(self, rid: str) -> None:
+        for b in reversed(self.queued.pop(rid)):
+            if rid not in b.prefetchers:
+                continue
+            b.prefetchers.remove(rid)
+            if not b.prefetchers and b.tier == PREFETCHED:
+                self._give_back_host()
+                self._give_up_prefetch(b)
+                self.c["prefetches_cancelled"] += 1
 
     def append_tokens(self, rid: str, tokens: Sequence[int]) -> None:
         req = self._request(rid)
@@ -423,6 +615,10 @@ class ReferenceCache:
 
     def release(self, rid: str, *, now: float) -> None:
         self._check_now(now)
+        if rid in self.queued and rid not in self.requests:
+            self._advance(now)
+            self._end_prefetch(rid)
+            return
         req = self._request(rid)
         self._advance(now)
         del self.requests[rid]
@@ -474,7 +670,8 @@ class ReferenceCache:
         write, or its deadline if that passed later), a deeper block first among equals;
         content whose deadline still runs by (deadline, deeper first, written first)."""
         self._check_now(now)
-        if self.requests or self.entries or self.writes or self.reads:
+        if (self.requests or self.entries or self.writes or self.reads or self.prefetch_reads
+                or self.queued):
             raise UsageError("restore", "only a fresh cache")
         self._advance(now)
         expired = [e for e in blocks if not is_live(e.expiry, now)]
@@ -530,10 +727,19 @@ class ReferenceCache:
 
     def read_done(self, tid: int, ok: bool, now: float) -> None:
         self._check_now(now)
+        if tid in self.prefetch_reads:
+            self._advance(now)
+            self._prefetch_done(self.prefetch_reads.pop(tid), ok)
+            return
         if tid not in self.reads:
             raise UsageError("transfer", "unknown")
         self._advance(now)
         b = self.reads.pop(tid)
+        if b.host_page:
+            if ok:
+                self.commands.append(("CopyHostToGpu", b.key))
+            self._give_back_host()
+            b.host_page = False
         self.disk_empty += 1
         self.commands.append(("FreeSlot", None))
         if ok:
@@ -565,6 +771,24 @@ class ReferenceCache:
         self.private.remove(b)
         self.gpu_free += 1
 
+    def _prefetch_done(self, b: MBlock, ok: bool) -> None:
+        if ok:
+            self.c["prefetches_completed"] += 1
+            self.c["bytes_read"] += self.cfg.block_bytes
+            b.tier = PREFETCHED
+            b.stamp = self._stamp()
+            if not b.prefetchers:
+                self._give_back_host()
+                self._give_up_prefetch(b)
+                self.c["prefetches_cancelled"] += 1
+            return
+        self.c["prefetch_failures"] += 1
+        self.disk_empty += 1
+        self.commands.append(("FreeSlot", None))
+        self._give_back_host()
+        b.prefetchers.clear()
+        self._drop(b)
+
     # ------------------------------------------------------------------ observation
 
     def cached(self) -> dict[BlockHash, tuple[str, int, int, float | None]]:
@@ -581,7 +805,9 @@ class ReferenceCache:
                 by_state[BlockState.ON_GPU if b.holders else BlockState.RELEASED] += 1
             else:
                 by_state[{HOST: BlockState.ON_HOST, SPILLING: BlockState.SPILLING,
-                          DISK: BlockState.ON_DISK, READING: BlockState.ONBOARDING}[b.tier]] += 1
+                          DISK: BlockState.ON_DISK, READING: BlockState.ONBOARDING,
+                          PREFETCHING: BlockState.PREFETCHING,
+                          PREFETCHED: BlockState.PREFETCHED}[b.tier]] += 1
         by_state[BlockState.ON_GPU] += len(self.private)
         cfg = self.cfg
         total = cfg.gpu_blocks + cfg.host_blocks + cfg.reserved_host_blocks + cfg.disk_blocks
@@ -621,7 +847,19 @@ class ReferenceCache:
             displacements=c["displacements"],
             expirations=c["expirations"],
             restored_blocks=c["restored_blocks"],
-            io_errors=c["spill_failures"] + c["onboard_failures"],
+            io_errors=c["spill_failures"] + c["onboard_failures"] + c["prefetch_failures"],
+            prefetches=c["prefetches"],
+            prefetches_completed=c["prefetches_completed"],
+            prefetch_failures=c["prefetch_failures"],
+            prefetch_hits=c["prefetch_hits"],
+            prefetches_taken_over=c["prefetches_taken_over"],
+            prefetches_cancelled=c["prefetches_cancelled"],
+            prefetches_reclaimed=c["prefetches_reclaimed"],
+            prefetch_reads_in_flight=len(self.prefetch_reads),
+            prefetched_blocks=tiers.count(PREFETCHED),
+            prefetching_requests=len(self.queued),
+            onboards_skipped_as_too_slow=c["onboards_skipped_as_too_slow"],
+            onboard_tokens_skipped_as_too_slow=c["onboards_skipped_as_too_slow"] * bs,
             cached_blocks=len(self.entries),
             gpu_free_pages=self.gpu_free,
             gpu_evictable_blocks=sum(1 for b in self.entries.values()

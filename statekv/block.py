@@ -41,6 +41,9 @@ class Block:
     ref_count: int = 0
     waiters: list[RequestId] = attrs.field(factory=list)
     """Requests parked until this block's read lands (empty unless ONBOARDING)."""
+    prefetchers: list[RequestId] = attrs.field(factory=list)
+    """Queued requests that asked for this block ahead of admission (empty unless
+    PREFETCHING or PREFETCHED; a PREFETCHING block whose requests all left has none)."""
 
     # Storage: where the bytes are now (which fields are set is fixed by `state`).
     gpu_page: PageId | None = None

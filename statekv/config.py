@@ -155,6 +155,15 @@ class CacheConfig:
     """The largest ttl_seconds a request may ask for."""
     model_fingerprint: str = attrs.field(default="")
     """Names the weights the KV was computed with; part of every block key."""
+    reclaim_prefetched_first: bool = attrs.field(default=True, validator=_check_bool)
+    """A GPU victim that needs a host page takes a prefetched block's page before evicting
+    host content (True: a prefetch never costs cached content anything); False: only when
+    evicting host victims yields no page now (prefetches then survive a full host tier that
+    is still spilling, at the price of cached host content going to disk sooner)."""
+    cost_aware_onboarding: bool = attrs.field(default=True, validator=_check_bool)
+    """Recompute a run of disk hits instead of reading it back when the reported disk read
+    rate and prefill rate say recomputing is faster (statekv.cost); until both have been
+    reported, disk hits are always read."""
 
     @max_ttl_seconds.validator
     def _check_max_ttl(self, _attribute: attrs.Attribute[float], value: object) -> None:

@@ -28,7 +28,17 @@ SPILLING    host -> disk write in flight                           host page + d
 ON_DISK     on disk only                                           disk slot
 ONBOARDING  disk -> GPU read in flight                             disk slot + GPU page
 ERROR       its read failed: never served, freed by last holder    GPU page
+PREFETCHING disk -> host read in flight for a queued request          disk slot + host page
+PREFETCHED  on disk and in a host page, kept for a queued request  disk slot + host page
 ==========  =====================================================  ===========================
+
+A *prefetch* brings a queued request's disk blocks into host pages before it is admitted, so
+that its onboard is a host -> GPU copy when it runs.  Prefetched content stays on disk (the
+slot is kept) until a request takes it, so giving a prefetched page back (the queued request
+left, or the host tier needs the page: prefetched pages are the first reclaimed) is free and
+returns the block to ON_DISK.  When a request is admitted while a prefetch of its block is
+still in flight, the block becomes ONBOARDING (the read is already issued; it then also owns
+the host page it lands in, and a host -> GPU copy follows the landing).
 
 GPU <-> host copies are *stream ordered*: the actor executes them, in command order, before
 any later work that touches either page, so they need no completion event.  Disk reads and
@@ -41,6 +51,9 @@ Why each state owns what it owns (each row is a race the design rules out):
 * ONBOARDING keeps its disk slot until the read lands: no spill can claim the slot and
   overwrite the bytes before they are read.
 * SPILLING keeps its host page until the write lands: the writer reads from it.
+* PREFETCHING keeps its host page and its disk slot until the read lands, even when the
+  queued request that asked for it leaves: the read may still write into the page.
+* PREFETCHING and PREFETCHED are in no displacement order: a spill never takes their slot.
 * ON_DISK -> FREE (displacement) removes the block from the prefix tree in the same step, so
   the tree never points at a slot whose bytes were recycled.
 """
@@ -70,6 +83,8 @@ class BlockState(enum.IntEnum):
     ON_DISK = 5
     ONBOARDING = 6
     ERROR = 7
+    PREFETCHING = 8
+    PREFETCHED = 9
 
 
 class BlockEvent(enum.IntEnum):
@@ -89,6 +104,10 @@ class BlockEvent(enum.IntEnum):
     READ_LANDED = 111
     READ_FAILED = 112
     RESTORED = 113
+    PREFETCH_STARTED = 114
+    PREFETCH_LANDED = 115
+    PREFETCH_CANCELLED = 116
+    PREFETCH_FAILED = 117
 
 
 EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
@@ -134,6 +153,21 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
     BlockEvent.RESTORED: (
         "At open, a free record adopts a slot an earlier process spilled (index rebuild)."
     ),
+    BlockEvent.PREFETCH_STARTED: (
+        "A queued request asked for the block ahead of admission: a disk -> host read was "
+        "issued into a host page."
+    ),
+    BlockEvent.PREFETCH_LANDED: (
+        "The prefetch read completed: the bytes are in the host page (and still on disk)."
+    ),
+    BlockEvent.PREFETCH_CANCELLED: (
+        "No queued request wants the prefetched block any more, or the host tier reclaimed "
+        "its page: the page is given back and the block is on disk only again."
+    ),
+    BlockEvent.PREFETCH_FAILED: (
+        "The prefetch read failed (I/O error, short read, checksum): the bytes are never "
+        "served and the content leaves the cache."
+    ),
 }
 
 
@@ -161,6 +195,12 @@ TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
     (S.ONBOARDING, E.READ_LANDED): S.ON_GPU,
     (S.ONBOARDING, E.READ_FAILED): S.ERROR,
     (S.ERROR, E.DISCARDED): S.FREE,
+    (S.ON_DISK, E.PREFETCH_STARTED): S.PREFETCHING,
+    (S.PREFETCHING, E.PREFETCH_LANDED): S.PREFETCHED,
+    (S.PREFETCHING, E.PREFETCH_FAILED): S.FREE,
+    (S.PREFETCHING, E.ACQUIRED): S.ONBOARDING,
+    (S.PREFETCHED, E.RECALLED): S.ON_GPU,
+    (S.PREFETCHED, E.PREFETCH_CANCELLED): S.ON_DISK,
 }
 """The single source of truth for the block lifecycle."""
 
@@ -169,6 +209,10 @@ del S, E
 # A read in flight ends only by landing or failing: never straight to a free list.
 _READ_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ONBOARDING, BlockState.ON_GPU,
                                           BlockState.ERROR})
+# A prefetch in flight keeps its host page and slot: it lands, fails, or an admitted request
+# takes it over as an onboard.
+_PREFETCH_IN_FLIGHT_EXITS: Final = frozenset({BlockState.PREFETCHED, BlockState.FREE,
+                                              BlockState.ONBOARDING})
 # A write in flight keeps its host page: it lands, fails back to host, or is recalled.
 _WRITE_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ON_DISK, BlockState.ON_HOST,
                                            BlockState.ON_GPU})
@@ -177,8 +221,13 @@ _WRITE_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ON_DISK, BlockState.ON_HOS
 # A record leaves FREE for a new request's page or to adopt a slot found at open, nothing else.
 _LEAVES_FREE: Final = frozenset({BlockEvent.ALLOCATED, BlockEvent.RESTORED})
 # Bytes are on disk only once a write landed, or when an index rebuild at open found them
-# there (in a slot whose header, checksums and fingerprint were checked; restore is FREE-only).
-_ENTERS_ON_DISK: Final = frozenset({BlockEvent.SPILL_LANDED, BlockEvent.RESTORED})
+# there (in a slot whose header, checksums and fingerprint were checked; restore is FREE-only),
+# or when a prefetched copy is given up (the slot was kept all along, never rewritten).
+_ENTERS_ON_DISK: Final = frozenset({BlockEvent.SPILL_LANDED, BlockEvent.RESTORED,
+                                    BlockEvent.PREFETCH_CANCELLED})
+# Content leaves the cache only by being dropped, discarded, or failing its prefetch read.
+_ENTERS_FREE: Final = frozenset({BlockEvent.DROPPED, BlockEvent.DISCARDED,
+                                 BlockEvent.PREFETCH_FAILED})
 
 
 def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
@@ -190,11 +239,13 @@ def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
     pre: isinstance(state, BlockState) and isinstance(event, BlockEvent)
     raises: IllegalTransition
     post: (state, event) in TRANSITIONS and __return__ == TRANSITIONS[(state, event)]
-    post: __return__ is not BlockState.FREE or event in (BlockEvent.DROPPED, BlockEvent.DISCARDED)
+    post: __return__ is not BlockState.FREE or event in _ENTERS_FREE
     post: state is not BlockState.FREE or event in _LEAVES_FREE
     post: event is not BlockEvent.RESTORED or state is BlockState.FREE
     post: state is not BlockState.ONBOARDING or __return__ in _READ_IN_FLIGHT_EXITS
     post: state is not BlockState.SPILLING or __return__ in _WRITE_IN_FLIGHT_EXITS
+    post: state is not BlockState.PREFETCHING or __return__ in _PREFETCH_IN_FLIGHT_EXITS
+    post: __return__ is not BlockState.PREFETCHING or state is BlockState.ON_DISK
     post: __return__ is not BlockState.ON_DISK or event in _ENTERS_ON_DISK
     post: __return__ is not BlockState.RELEASED or event is BlockEvent.RELEASED
     post: state is not BlockState.ERROR or __return__ is BlockState.FREE

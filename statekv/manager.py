@@ -17,6 +17,15 @@ Step protocol of a serving loop::
     cache.append_tokens(rid, [sampled])                              # decode
     cache.release(rid, now=t)                                        # finish or cancel
 
+A request still waiting for admission may ask for its disk blocks ahead of time with
+``cache.prefetch(rid, prompt, now=t)``: they are read into host pages, so that its
+``add_request`` finds host hits.  ``add_request`` takes the prefetch over; ``release(rid)``
+of a request that never got admitted gives its prefetched pages back.
+
+Cost-aware onboarding: the actors report disk reads (``report_disk_read``) and the serving
+loop reports prefills (``report_prefill``); with both estimates, ``add_request`` recomputes a
+run of disk hits instead of reading it when that is faster (``statekv.cost``).
+
 Every public method validates its arguments before it changes anything, so a call that
 raises leaves the cache exactly as it was.
 """
@@ -32,6 +41,7 @@ import attrs
 from statekv.arith import blocks_for_tokens, expiry_after, full_blocks, is_live, matchable_blocks
 from statekv.block import Block
 from statekv.config import CacheConfig, is_finite_number, is_utf8_encodable
+from statekv.cost import OnboardCosts, check_count, check_measurement
 from statekv.errors import IllegalTransition, InvariantViolation, OutOfBlocks, UsageError
 from statekv.hashing import DIGEST_SIZE, extend_chain, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, PageId, RequestId, SlotId, TransferId
@@ -44,6 +54,8 @@ from statekv.messages import (
     CopyHostToGpu,
     FreeSlot,
     PersistRetention,
+    PrefetchSlot,
+    PrefetchSlots,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -54,6 +66,7 @@ from statekv.messages import (
     WriteSlot,
     WriteSlots,
 )
+from statekv.orderings import BlockList
 from statekv.policies import Policies
 from statekv.pools import DiskSlots, HostPagePool, PagePool
 from statekv.stats import CacheStatistics, Counters
@@ -86,6 +99,25 @@ class PrefixMatch:
     disk_tokens: int
     """Tokens being read back from disk; the request is parked until they land."""
     ready: bool
+    skipped_disk_tokens: int = 0
+    """Tokens on disk not read back because recomputing them is faster (cost-aware
+    onboarding): the match ends where they start, and the request computes them."""
+
+
+@attrs.frozen(kw_only=True)
+class PrefetchStarted:
+    """What prefetch found for a queued request."""
+
+    request_id: RequestId
+    started_tokens: int
+    """Tokens whose disk -> host read this call issued."""
+    shared_tokens: int
+    """Tokens already being prefetched (or prefetched) for another queued request, or by an
+    earlier call for this one."""
+    cached_tokens: int
+    """Tokens of the matched prefix already on GPU or host (or being onboarded)."""
+    unfetched_tokens: int
+    """Disk tokens of the matched prefix left on disk: no host page could be had."""
 
 
 @attrs.frozen(kw_only=True)
@@ -197,6 +229,16 @@ class KVCacheManager:
         self._requests: dict[RequestId, _Request] = {}
         self._writes: dict[TransferId, _Write] = {}
         self._reads: dict[TransferId, Block] = {}
+        # Prefetch: reads into host pages in flight, the blocks each queued request asked
+        # for, and the PREFETCHED blocks in landing order (the newest is reclaimed first: its
+        # request is the furthest from admission).
+        self._prefetch_reads: dict[TransferId, Block] = {}
+        self._queued: dict[RequestId, list[Block]] = {}
+        self._prefetched = BlockList()
+        self._prefetch_outbox: list[PrefetchSlot] = []
+        self._costs = OnboardCosts()
+        self._cost_aware = config.cost_aware_onboarding
+        self._reclaim_first = config.reclaim_prefetched_first
         self._outbox: list[Command] = []
         # Disk transfers wait here until take_commands() packs them into batches.
         self._write_outbox: list[WriteSlot] = []
@@ -234,6 +276,135 @@ class KVCacheManager:
         rid = self._check_new_request_id(request_id)
         ttl = self._check_ttl(ttl_seconds)
         self._check_priority(priority)
+        req = self._new_request(rid, token_ids, cache_salt, lora_id, ttl, priority)
+        matched = self._lookup_prefix(req)
+        matched, skipped = self._cost_cut(req, matched)
+        # Capacity: every matched block that is not already on GPU needs a GPU page.
+        needs_page = 0
+        released_hits = 0
+        for block in matched:
+            state = block.state
+            if state is _S.RELEASED:
+                released_hits += 1
+            elif state is not _S.ON_GPU and state is not _S.ONBOARDING:
+                needs_page += 1
+        obtainable = self._gpu.obtainable() - released_hits
+        if needs_page > obtainable:
+            raise OutOfBlocks(rid, needs_page, obtainable)
+
+        self._advance(now)
+        self._cause = rid
+        try:
+            gpu, host, disk = self._take_matched(req, matched)
+            if rid in self._queued:
+                self._end_prefetch(rid, now)
+        finally:
+            self._cause = None
+        self._requests[rid] = req
+        c = self._counters
+        c.requests_added += 1
+        c.onboards_skipped_as_too_slow += skipped
+        if req.pending:
+            c.requests_parked += 1
+            self._parked += 1
+        bs = self._block_size
+        return PrefixMatch(
+            request_id=rid, num_prompt_tokens=req.num_tokens,
+            matched_tokens=len(matched) * bs, gpu_tokens=gpu * bs, host_tokens=host * bs,
+            disk_tokens=disk * bs, ready=req.pending == 0, skipped_disk_tokens=skipped * bs,
+        )
+
+    def prefetch(
+        self,
+        request_id: RequestId | str,
+        token_ids: Sequence[int],
+        *,
+        now: float,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> PrefetchStarted:
+        """Start reading a queued request's disk blocks into host pages before it is admitted.
+
+        Takes an empty host page, else the page that evicting one host victim yields (a
+        dropped victim's, or a reserved page for a spilled one), never another prefetch's and
+        never a GPU page: admission is never held up by a prefetch.  Blocks already on GPU
+        or host are left alone.  Calling it again for a request still queued starts the reads
+        that could not start before (host pages come back as spills land).  Ends with
+        ``add_request(request_id, ...)``, which takes the prefetched blocks as host hits, or
+        ``release(request_id)`` if the request leaves the queue; the host tier may also
+        reclaim the pages (prefetched pages go first).
+        """
+        now = _check_now(now, self._now)
+        rid = self._check_new_request_id(request_id)
+        req = self._new_request(rid, token_ids, cache_salt, lora_id, None, 0)
+        matched = self._lookup_prefix(req)
+        self._advance(now)
+        blocks = self._queued.setdefault(rid, [])
+        started = shared = cached = unfetched = 0
+        self._cause = rid
+        try:
+            for i, block in enumerate(matched):
+                state = block.state
+                if rid in block.prefetchers:
+                    shared += 1  # asked for by an earlier call of this request
+                elif state is _S.PREFETCHING or state is _S.PREFETCHED:
+                    block.prefetchers.append(rid)
+                    blocks.append(block)
+                    shared += 1
+                elif state is _S.ON_DISK:
+                    # Out of the displacement order first: finding a host page may spill a
+                    # host victim, and that spill must not displace this block.
+                    self._disk.unfile(block)
+                    page = self._take_host_page(now, for_prefetch=True)
+                    if page is None:
+                        self._disk.file(block, now, self._next_seq())
+                        unfetched = sum(1 for b in matched[i:] if b.state is _S.ON_DISK)
+                        break
+                    self._start_prefetch(block, page)
+                    block.prefetchers.append(rid)
+                    blocks.append(block)
+                    started += 1
+                elif state is _S.FREE or state is _S.ERROR:
+                    break  # dropped by the evictions above: the chain ends here
+                else:
+                    cached += 1
+        finally:
+            self._cause = None
+        bs = self._block_size
+        return PrefetchStarted(
+            request_id=rid, started_tokens=started * bs, shared_tokens=shared * bs,
+            cached_tokens=cached * bs, unfetched_tokens=unfetched * bs,
+        )
+
+    def report_disk_read(self, num_bytes: int, seconds: float) -> None:
+        """An actor read `num_bytes` from disk in `seconds` (one batch): the read-rate estimate."""
+        nbytes = check_count("num_bytes", num_bytes, low=1)
+        secs = check_measurement("seconds", seconds, positive=True)
+        self._costs.observe_read(nbytes, secs)
+
+    def report_prefill(self, num_tokens: int, seconds: float, *, context_tokens: int) -> None:
+        """The model computed `num_tokens` new tokens in `seconds` (one forward pass, maybe a
+        batch), the longest of its contexts ending at `context_tokens`: the prefill-rate
+        estimate at that context length."""
+        ntok = check_count("num_tokens", num_tokens, low=1)
+        secs = check_measurement("seconds", seconds, positive=True)
+        # A batch's tokens may outnumber its longest context (many short prompts): no check
+        # ties the two together.
+        ctx = check_count("context_tokens", context_tokens, low=1)
+        self._costs.observe_prefill(ntok, secs, ctx)
+
+    def cost_estimates(self) -> tuple[float | None, float | None]:
+        """(disk bytes per second, prefill seconds per token at the longest context seen):
+        None where nothing was reported yet."""
+        return self._costs.disk_bytes_per_second, self._costs.prefill_seconds_per_token(
+            1 << 62
+        )
+
+    def _new_request(
+        self, rid: RequestId, token_ids: Sequence[int], cache_salt: str | None,
+        lora_id: int | None, ttl: float | None, priority: int,
+    ) -> _Request:
+        """A request record for `token_ids`, every argument checked (nothing changed)."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise UsageError("cache_salt", f"must be a string or None, got {cache_salt!r}")
         if cache_salt is not None and not is_utf8_encodable(cache_salt):
@@ -256,44 +427,44 @@ class KVCacheManager:
                 f"of {self._block_size} tokens",
             )
         encoded = bytearray(token_bytes(token_ids))
-
-        req = _Request(
+        return _Request(
             id=rid, encoded=encoded, num_tokens=num_tokens,
             root=root_key(self.config.model_fingerprint, cache_salt, lora_id),
             ttl=ttl, priority=priority,
         )
-        matched = self._lookup_prefix(req)
-        # Capacity: every matched block that is not already on GPU needs a GPU page.
-        needs_page = 0
-        released_hits = 0
-        for block in matched:
-            state = block.state
-            if state is _S.RELEASED:
-                released_hits += 1
-            elif state is not _S.ON_GPU and state is not _S.ONBOARDING:
-                needs_page += 1
-        obtainable = self._gpu.obtainable() - released_hits
-        if needs_page > obtainable:
-            raise OutOfBlocks(rid, needs_page, obtainable)
 
-        self._advance(now)
-        self._cause = rid
-        try:
-            gpu, host, disk = self._take_matched(req, matched)
-        finally:
-            self._cause = None
-        self._requests[rid] = req
-        c = self._counters
-        c.requests_added += 1
-        if req.pending:
-            c.requests_parked += 1
-            self._parked += 1
-        bs = self._block_size
-        return PrefixMatch(
-            request_id=rid, num_prompt_tokens=num_tokens,
-            matched_tokens=len(matched) * bs, gpu_tokens=gpu * bs, host_tokens=host * bs,
-            disk_tokens=disk * bs, ready=req.pending == 0,
-        )
+    def _cost_cut(self, req: _Request, matched: list[Block]) -> tuple[list[Block], int]:
+        """Where to end the match so that the request is fastest: returns the blocks to take
+        and how many disk blocks were left to recompute.
+
+        Ending the match at a block means recomputing every matched token from there on (a
+        request's computed tokens are a prefix), so the candidates are the starts of the runs
+        of disk blocks, each costing the reads before it plus a prefill of the rest; no cut
+        costs every read.  Ties keep the longer match (read).
+        """
+        if not self._cost_aware or not matched:
+            return matched, 0
+        costs = self._costs
+        rate = costs.disk_bytes_per_second
+        per_token = costs.prefill_seconds_per_token(req.num_tokens)
+        if rate is None or per_token is None:
+            return matched, 0
+        on_disk = _S.ON_DISK
+        disk_before = [0] * (len(matched) + 1)
+        for i, block in enumerate(matched):
+            disk_before[i + 1] = disk_before[i] + (block.state is on_disk)
+        total = disk_before[-1]
+        if not total:
+            return matched, 0
+        bb, bs = self._block_bytes, self._block_size
+        best = len(matched)
+        best_cost = total * bb / rate
+        for i, block in enumerate(matched):
+            if block.state is on_disk and (i == 0 or matched[i - 1].state is not on_disk):
+                cost = disk_before[i] * bb / rate + (len(matched) - i) * bs * per_token
+                if cost < best_cost:
+                    best, best_cost = i, cost
+        return matched[:best], total - disk_before[best]
 
     def append_tokens(self, request_id: RequestId | str, token_ids: Sequence[int]) -> None:
         """Append generated tokens to a request's sequence."""
@@ -400,6 +571,17 @@ class KVCacheManager:
         lands, whoever releases it.
         """
         now = _check_now(now, self._now)
+        if (isinstance(request_id, str) and request_id in self._queued
+                and request_id not in self._requests):
+            # A queued request left before admission: give its prefetched pages back.
+            rid = RequestId(request_id)
+            self._advance(now)
+            self._cause = rid
+            try:
+                self._end_prefetch(rid, now)
+            finally:
+                self._cause = None
+            return
         req = self._request(request_id)
         self._advance(now)
         del self._requests[req.id]
@@ -452,6 +634,7 @@ class KVCacheManager:
         """
         now = _check_now(now, self._now)
         if (self._requests or self._index or self._writes or self._reads
+                or self._prefetch_reads or self._queued
                 or len(self._disk.empty) != self.config.disk_blocks):
             raise UsageError("restore", "only a fresh cache can restore blocks from disk")
         given: object = blocks
@@ -598,7 +781,7 @@ class KVCacheManager:
             if event.transfer not in self._writes:
                 raise UsageError("transfer", f"no write {event.transfer} is in flight")
         elif isinstance(event, SlotRead | SlotReadFailed):
-            if event.transfer not in self._reads:
+            if event.transfer not in self._reads and event.transfer not in self._prefetch_reads:
                 raise UsageError("transfer", f"no read {event.transfer} is in flight")
         else:
             raise UsageError("event", f"not a completion: {event!r}")
@@ -610,12 +793,18 @@ class KVCacheManager:
                 self._write_landed(write, now)
             else:
                 self._write_failed(write)
-        else:
+        elif event.transfer in self._reads:
             block = self._reads.pop(event.transfer)
             if isinstance(event, SlotRead):
                 self._read_landed(block)
             else:
                 self._read_failed(block)
+        else:
+            block = self._prefetch_reads.pop(event.transfer)
+            if isinstance(event, SlotRead):
+                self._prefetch_landed(block, now)
+            else:
+                self._prefetch_failed(block)
 
     def take_commands(self) -> list[Command]:
         """Everything the actors must do, in order; the outbox is empty afterwards.
@@ -639,6 +828,13 @@ class KVCacheManager:
             self._read_outbox = []
             out.extend(
                 ReadSlots(reads=tuple(reads[i : i + size])) for i in range(0, len(reads), size)
+            )
+        prefetches = self._prefetch_outbox
+        if prefetches:
+            self._prefetch_outbox = []
+            out.extend(
+                PrefetchSlots(reads=tuple(prefetches[i : i + size]))
+                for i in range(0, len(prefetches), size)
             )
         return out
 
@@ -680,7 +876,19 @@ class KVCacheManager:
             displacements=c.displacements,
             expirations=c.expirations,
             restored_blocks=c.restored_blocks,
-            io_errors=c.spill_failures + c.onboard_failures,
+            io_errors=c.spill_failures + c.onboard_failures + c.prefetch_failures,
+            prefetches=c.prefetches,
+            prefetches_completed=c.prefetches_completed,
+            prefetch_failures=c.prefetch_failures,
+            prefetch_hits=c.prefetch_hits,
+            prefetches_taken_over=c.prefetches_taken_over,
+            prefetches_cancelled=c.prefetches_cancelled,
+            prefetches_reclaimed=c.prefetches_reclaimed,
+            prefetch_reads_in_flight=len(self._prefetch_reads),
+            prefetched_blocks=self._state_counts[_S.PREFETCHED],
+            prefetching_requests=len(self._queued),
+            onboards_skipped_as_too_slow=c.onboards_skipped_as_too_slow,
+            onboard_tokens_skipped_as_too_slow=c.onboards_skipped_as_too_slow * bs,
             cached_blocks=len(self._index),
             gpu_free_pages=len(self._gpu.empty),
             gpu_evictable_blocks=self._gpu.evictable.size,
@@ -819,6 +1027,8 @@ class KVCacheManager:
                 self._host.evictable.remove(block)
             elif state is _S.ON_DISK:
                 self._disk.unfile(block)
+            elif state is _S.PREFETCHED:
+                self._prefetched.remove(block)  # no GPU eviction below may reclaim it
         gpu_hits = host_hits = disk_hits = retained_hits = 0
         for block in matched:
             state = block.state
@@ -832,12 +1042,16 @@ class KVCacheManager:
                 req.pending += 1
                 disk_hits += 1
                 retained_hits += is_live(block.expiry, self._now)
-            elif state is _S.ON_HOST or state is _S.SPILLING:
+            elif state is _S.ON_HOST or state is _S.SPILLING or state is _S.PREFETCHED:
                 self._recall(block)
                 host_hits += 1
             elif state is _S.ON_DISK:
                 retained_hits += is_live(block.expiry, self._now)
                 self._start_read(req, block)
+                disk_hits += 1
+            elif state is _S.PREFETCHING:
+                retained_hits += is_live(block.expiry, self._now)
+                self._take_over_prefetch(req, block)
                 disk_hits += 1
             else:
                 raise InvariantViolation(f"matched {block!r} in state {state.name}")
@@ -892,8 +1106,73 @@ class KVCacheManager:
             block.transfer = None
         else:
             self._host.give_back(host_page)
+            if block.state is _S.PREFETCHED:
+                # The content leaves the disk as an onboard would: its slot is free again.
+                slot = block.disk_slot
+                assert slot is not None
+                block.disk_slot = None
+                self._disk.empty.append(slot)
+                self._outbox.append(FreeSlot(slot=slot))
+                block.prefetchers.clear()
+                self._counters.prefetch_hits += 1
         self._move(block, _E.RECALLED)
         self._counters.host_recalls += 1
+
+    def _take_over_prefetch(self, req: _Request, block: Block) -> None:
+        """`req` matched a block whose prefetch read is in flight: it becomes the request's
+        onboard (parked until it lands, then copied host -> GPU), with no second read."""
+        page = self._take_gpu_page(self._now)
+        tid = block.transfer
+        assert tid is not None
+        self._reads[tid] = self._prefetch_reads.pop(tid)
+        block.gpu_page = page
+        block.prefetchers.clear()
+        self._move(block, _E.ACQUIRED)
+        block.waiters.append(req.id)
+        req.pending += 1
+        c = self._counters
+        c.onboards += 1
+        c.prefetches_taken_over += 1
+
+    def _start_prefetch(self, block: Block, host_page: PageId) -> None:
+        """Read an ON_DISK block (already out of the displacement order) into `host_page`."""
+        slot = block.disk_slot
+        key = block.key
+        assert slot is not None and key is not None
+        tid = self._new_transfer()
+        self._prefetch_outbox.append(
+            PrefetchSlot(transfer=tid, block=block.id, key=key, slot=slot, host_page=host_page)
+        )
+        self._prefetch_reads[tid] = block
+        block.transfer = tid
+        block.host_page = host_page
+        self._move(block, _E.PREFETCH_STARTED)
+        self._counters.prefetches += 1
+
+    def _end_prefetch(self, rid: RequestId, now: float) -> None:
+        """The queued request `rid` was admitted or left: it no longer wants its prefetched
+        blocks.  A PREFETCHED block nobody else wants goes back to disk only; one whose read
+        is in flight keeps its page until the read lands (then goes back the same way)."""
+        for block in reversed(self._queued.pop(rid)):
+            prefetchers = block.prefetchers
+            if rid not in prefetchers:
+                continue  # taken by a request, reclaimed or failed meanwhile
+            prefetchers.remove(rid)
+            if not prefetchers and block.state is _S.PREFETCHED:
+                self._prefetched.remove(block)
+                self._host.give_back(self._give_up_prefetch(block, now))
+                self._counters.prefetches_cancelled += 1
+
+    def _give_up_prefetch(self, block: Block, now: float) -> PageId:
+        """PREFETCHED -> ON_DISK (out of every order already): returns its host page, which
+        the caller gives back or passes on."""
+        page = block.host_page
+        assert page is not None
+        block.host_page = None
+        block.prefetchers.clear()
+        self._move(block, _E.PREFETCH_CANCELLED)
+        self._disk.file(block, now, self._next_seq())
+        return page
 
     def _start_read(self, req: _Request, block: Block) -> None:
         """Read a disk block back into a GPU page; `req` is parked until it lands."""
@@ -997,7 +1276,7 @@ class KVCacheManager:
         c = self._counters
         c.gpu_evictions += 1
         if self._has_host:
-            host_page = self._take_host_page(now)
+            host_page = self._take_host_page(now, for_prefetch=False)
             if host_page is not None:
                 self._outbox.append(
                     CopyGpuToHost(block=victim.id, gpu_page=page, host_page=host_page)
@@ -1011,22 +1290,45 @@ class KVCacheManager:
         self._discard(victim, _E.DROPPED)
         return page
 
-    def _take_host_page(self, now: float) -> PageId | None:
-        """A host page for a GPU victim: an empty one, else from evicting host victims.
+    def _take_host_page(self, now: float, *, for_prefetch: bool) -> PageId | None:
+        """A host page for a GPU victim or a prefetch: an empty one, else (for a GPU victim)
+        the newest prefetched block's, else from evicting host victims -- or, with
+        ``reclaim_prefetched_first`` off, the prefetched page only after the host victims
+        yielded none.
 
-        A victim that spills keeps its page until the write lands; the caller then gets a
-        reserved page, or the next victim is tried.  None when no page can be had now.
+        Prefetched pages go first by default because giving one back costs nothing (the
+        bytes are still on disk) and a prefetch is only a guess about a request that has not
+        run yet.  A victim that spills keeps its page until the write lands; the caller then
+        gets a reserved page, or the next victim is tried.  A prefetch never takes another's
+        page and evicts at most one host victim: a guess must not spill the whole host tier
+        looking for a page (the spill's page comes back when it lands, for the next call).
+        None when no page can be had now.
         """
         host = self._host
         if host.empty:
             return host.empty.pop()
+        if for_prefetch:
+            evictable = host.evictable
+            return self._evict_host_victim(evictable.pop(), now) if evictable.size else None
+        if self._reclaim_first and self._prefetched.tail is not None:
+            return self._reclaim_prefetched(now)
         evictable = host.evictable
         while evictable.size:
             victim = evictable.pop()
             page = self._evict_host_victim(victim, now)
             if page is not None:
                 return page
+        if self._prefetched.tail is not None:
+            return self._reclaim_prefetched(now)
         return None
+
+    def _reclaim_prefetched(self, now: float) -> PageId:
+        """The newest prefetched block goes back to disk only; its host page is returned."""
+        newest = self._prefetched.tail
+        assert newest is not None
+        self._prefetched.remove(newest)
+        self._counters.prefetches_reclaimed += 1
+        return self._give_up_prefetch(newest, now)
 
     def _evict_host_victim(self, victim: Block, now: float) -> PageId | None:
         """Spill `victim` to disk or drop it; return the host page this frees now, if any."""
@@ -1134,10 +1436,46 @@ class KVCacheManager:
         self._move(block, _E.SPILL_FAILED)
         self._host.evictable.push(block)
 
+    def _prefetch_landed(self, block: Block, now: float) -> None:
+        c = self._counters
+        c.prefetches_completed += 1
+        c.bytes_read += self._block_bytes
+        block.transfer = None
+        self._move(block, _E.PREFETCH_LANDED)
+        if block.prefetchers:
+            self._prefetched.append(block)
+        else:
+            # Every queued request that wanted it left while the read was in flight.
+            self._host.give_back(self._give_up_prefetch(block, now))
+            c.prefetches_cancelled += 1
+
+    def _prefetch_failed(self, block: Block) -> None:
+        """Never serve the bytes: the content leaves the cache (queued requests that wanted
+        it will recompute it)."""
+        self._counters.prefetch_failures += 1
+        slot = block.disk_slot
+        assert slot is not None
+        block.disk_slot = None
+        block.transfer = None
+        self._disk.empty.append(slot)
+        self._outbox.append(FreeSlot(slot=slot))
+        block.prefetchers.clear()
+        self._discard(block, _E.PREFETCH_FAILED)
+
     def _read_landed(self, block: Block) -> None:
         c = self._counters
         c.onboards_completed += 1
         c.bytes_read += self._block_bytes
+        host_page = block.host_page
+        if host_page is not None:
+            # A prefetch taken over by an admitted request: its bytes landed in the host page.
+            gpu_page = block.gpu_page
+            assert gpu_page is not None
+            self._outbox.append(
+                CopyHostToGpu(block=block.id, host_page=host_page, gpu_page=gpu_page)
+            )
+            block.host_page = None
+            self._host.give_back(host_page)
         slot = block.disk_slot
         assert slot is not None
         block.disk_slot = None
@@ -1160,6 +1498,9 @@ class KVCacheManager:
         """Never publish the bytes: every waiting request falls back to recompute."""
         c = self._counters
         c.onboard_failures += 1
+        if block.host_page is not None:  # a prefetch taken over: its page is never read
+            self._host.give_back(block.host_page)
+            block.host_page = None
         slot = block.disk_slot
         assert slot is not None
         block.disk_slot = None
@@ -1223,6 +1564,16 @@ class KVCacheManager:
         for tid, block in self._reads.items():
             if block.transfer != tid or block.state is not _S.ONBOARDING:
                 raise InvariantViolation(f"read {tid} points at {block!r}")
+        for tid, block in self._prefetch_reads.items():
+            if block.transfer != tid or block.state is not _S.PREFETCHING:
+                raise InvariantViolation(f"prefetch {tid} points at {block!r}")
+        wanted: dict[int, list[RequestId]] = {}
+        for rid, listed in self._queued.items():
+            if rid in self._requests:
+                raise InvariantViolation(f"request {rid!r} is both admitted and queued")
+            for block in listed:
+                if rid in block.prefetchers:
+                    wanted.setdefault(block.id, []).append(rid)
 
         counts = [0] * len(BlockState)
         held: dict[int, int] = {}
@@ -1256,6 +1607,7 @@ class KVCacheManager:
         host_lru = set(map(id, self._host.evictable))
         unmarked = set(map(id, self._disk.unmarked))
         retained = set(map(id, self._disk.retained))
+        prefetched = set(map(id, self._prefetched))
         free_records = set(map(id, self._free_records))
         if len(free_records) != len(self._free_records):
             raise InvariantViolation("a record is on the free list twice")
@@ -1269,10 +1621,21 @@ class KVCacheManager:
                 )
             if sorted(block.waiters) != sorted(waiting.get(block.id, [])):
                 raise InvariantViolation(f"{block!r}: waiters {block.waiters} disagree")
+            if sorted(block.prefetchers) != sorted(wanted.get(block.id, [])):
+                raise InvariantViolation(f"{block!r}: prefetchers {block.prefetchers} disagree")
+            if block.prefetchers and st not in (_S.PREFETCHING, _S.PREFETCHED):
+                raise InvariantViolation(f"{block!r}: wanted by a prefetch in state {st.name}")
+            if st is _S.PREFETCHED and not block.prefetchers:
+                raise InvariantViolation(f"{block!r}: prefetched for no queued request")
             expect_gpu = st in (_S.ON_GPU, _S.RELEASED, _S.ONBOARDING, _S.ERROR)
-            expect_host = st in (_S.ON_HOST, _S.SPILLING)
-            expect_slot = st in (_S.SPILLING, _S.ON_DISK, _S.ONBOARDING)
-            expect_transfer = st in (_S.SPILLING, _S.ONBOARDING)
+            # An ONBOARDING block may own a host page: a prefetch taken over (the page lands
+            # the read; the pool accounting below checks that it is not owned twice).
+            expect_host = st in (_S.ON_HOST, _S.SPILLING, _S.PREFETCHING, _S.PREFETCHED) or (
+                st is _S.ONBOARDING and block.host_page is not None
+            )
+            expect_slot = st in (_S.SPILLING, _S.ON_DISK, _S.ONBOARDING, _S.PREFETCHING,
+                                 _S.PREFETCHED)
+            expect_transfer = st in (_S.SPILLING, _S.ONBOARDING, _S.PREFETCHING)
             for what, value, expected in (
                 ("gpu_page", block.gpu_page, expect_gpu),
                 ("host_page", block.host_page, expect_host),
@@ -1296,16 +1659,20 @@ class KVCacheManager:
             on_disk = id(block) in unmarked or id(block) in retained
             if on_disk != (st is _S.ON_DISK):
                 raise InvariantViolation(f"{block!r}: disk order membership wrong")
+            if (id(block) in prefetched) != (st is _S.PREFETCHED):
+                raise InvariantViolation(f"{block!r}: prefetched order membership wrong")
             if id(block) in retained and not is_live(block.expiry, now):
                 raise InvariantViolation(f"{block!r}: expired but still in the deadline set")
             if id(block) in unmarked and is_live(block.expiry, now):
                 raise InvariantViolation(f"{block!r}: live TTL filed as best-effort")
-            if st in (_S.RELEASED, _S.ON_HOST, _S.SPILLING, _S.ON_DISK) and block.key is None:
+            if st in (_S.RELEASED, _S.ON_HOST, _S.SPILLING, _S.ON_DISK, _S.PREFETCHING,
+                      _S.PREFETCHED) and block.key is None:
                 raise InvariantViolation(f"{block!r}: cached without a key")
             if st in (_S.FREE, _S.ERROR) and block.key is not None:
                 raise InvariantViolation(f"{block!r}: indexed in state {st.name}")
             if st is _S.FREE and (block.heap_pos != -1 or block.expiry is not None
-                                  or block.reuse_count or block.waiters or block.prev
+                                  or block.reuse_count or block.waiters or block.prefetchers
+                                  or block.prev
                                   or block.next):
                 raise InvariantViolation(f"{block!r}: a free record kept old fields")
             if block.key is not None and self._index.get(block.key) is not block:
@@ -1343,3 +1710,4 @@ class KVCacheManager:
         self._gpu.evictable.check()
         self._host.evictable.check()
         self._disk.check()
+        self._prefetched.check()

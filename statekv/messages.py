@@ -20,15 +20,20 @@ Ordering contract for whoever executes commands (the actors, or a test harness):
    before the first has reported back.
 6. ``PersistRetention`` is ordered against nothing and reports nothing: it is taken with
    the copies and ``FreeSlot`` commands, in the order decided, and may run at any later time.
+7. A ``PrefetchSlot`` (a disk -> host read for a queued request) writes its host page only
+   after every earlier command has completed on the device (the page may have just been the
+   source of a ``CopyHostToGpu``), and reports ``SlotRead`` only once its bytes are complete
+   in the host page.  It reports with the same completions as a ``ReadSlot``.
 
-Batches.  Disk transfers travel in batches: the core emits ``WriteSlots`` (a round of spills)
-and ``ReadSlots`` (a run of disk hits), each holding up to ``CacheConfig.max_batch_blocks``
-per-block ``WriteSlot`` / ``ReadSlot`` records, after every copy and ``FreeSlot`` of the same
-``take_commands()`` (a transfer may only wait for more of the copy stream than it must, never
-for less, so moving it behind later copies keeps rules 3 and 4).  An actor executes a batch as
-one vector I/O and reports one ``BatchFinished`` holding one outcome per record, in the
-batch's order: a batch that partly fails reports the blocks that landed as landed and the
-rest as failed, and the core applies each outcome exactly as it would a lone completion.  A
+Batches.  Disk transfers travel in batches: the core emits ``WriteSlots`` (a round of
+spills), ``ReadSlots`` (a run of disk hits) and ``PrefetchSlots`` (a queued request's disk
+blocks), each holding up to ``CacheConfig.max_batch_blocks`` per-block records, after every
+copy and ``FreeSlot`` of the same ``take_commands()`` (a transfer may only wait for more of the
+copy stream than it must, never for less, so moving it behind later copies keeps rules 3, 4
+and 6).  An actor executes a batch as one vector I/O and reports one ``BatchFinished`` holding
+one outcome per record, in the batch's order: a batch that partly fails reports the blocks
+that landed as landed and the rest as failed, and the core applies each outcome exactly as it
+would a lone completion.  A
 batch is data, never a hidden state: each block's state in the lifecycle table means what it
 means for a lone transfer.
 """
@@ -97,6 +102,18 @@ class ReadSlot:
 
 
 @attrs.frozen(kw_only=True)
+class PrefetchSlot:
+    """Read one block's KV from a disk slot into a pinned host page (prefetch for a queued
+    request); report SlotRead or SlotReadFailed."""
+
+    transfer: TransferId
+    block: BlockId
+    key: BlockHash
+    slot: SlotId
+    host_page: PageId
+
+
+@attrs.frozen(kw_only=True)
 class FreeSlot:
     """The slot's content left the cache; its bytes must never be served again."""
 
@@ -142,10 +159,25 @@ class ReadSlots:
         return self.reads[0].transfer
 
 
-Command = CopyGpuToHost | CopyHostToGpu | WriteSlots | ReadSlots | FreeSlot | PersistRetention
+@attrs.frozen(kw_only=True)
+class PrefetchSlots:
+    """Prefetch a run of blocks into host pages as one vector I/O; report one BatchFinished
+    (of SlotRead / SlotReadFailed outcomes)."""
+
+    reads: tuple[PrefetchSlot, ...]
+
+    @property
+    def transfer(self) -> TransferId:
+        """The batch's name: its first transfer (a batch is never empty)."""
+        return self.reads[0].transfer
+
+
+Command = (CopyGpuToHost | CopyHostToGpu | WriteSlots | ReadSlots | PrefetchSlots | FreeSlot
+           | PersistRetention)
 """What the core emits (``take_commands``)."""
 
-BlockCommand = CopyGpuToHost | CopyHostToGpu | WriteSlot | ReadSlot | FreeSlot | PersistRetention
+BlockCommand = (CopyGpuToHost | CopyHostToGpu | WriteSlot | ReadSlot | PrefetchSlot | FreeSlot
+                | PersistRetention)
 """One block's part of a command: batches opened up (``per_block``)."""
 
 # --- completions ----------------------------------------------------------------------------
@@ -206,7 +238,7 @@ def per_block(commands: Iterable[Command | BlockCommand]) -> Iterator[BlockComma
     for cmd in commands:
         if isinstance(cmd, WriteSlots):
             yield from cmd.writes
-        elif isinstance(cmd, ReadSlots):
+        elif isinstance(cmd, ReadSlots | PrefetchSlots):
             yield from cmd.reads
         else:
             yield cmd

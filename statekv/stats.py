@@ -41,6 +41,14 @@ class Counters:
     displacements: int = 0
     expirations: int = 0
     restored_blocks: int = 0
+    prefetches: int = 0
+    prefetches_completed: int = 0
+    prefetch_failures: int = 0
+    prefetch_hits: int = 0
+    prefetches_taken_over: int = 0
+    prefetches_cancelled: int = 0
+    prefetches_reclaimed: int = 0
+    onboards_skipped_as_too_slow: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -113,7 +121,34 @@ class CacheStatistics:
     restored_blocks: int
     """Blocks adopted from disk at open (left by an earlier process: restore)."""
     io_errors: int
-    """Failed reads plus failed writes."""
+    """Failed reads (onboards and prefetches) plus failed writes."""
+
+    # Prefetch for queued requests (disk -> host ahead of admission).
+    prefetches: int
+    """Prefetch reads (disk -> host) issued, in blocks."""
+    prefetches_completed: int
+    """Prefetch reads that landed in their host page."""
+    prefetch_failures: int
+    """Prefetch reads that failed (the content left the cache, never served)."""
+    prefetch_hits: int
+    """Prefetched blocks an admitted request took as host hits (also in hit_blocks_host)."""
+    prefetches_taken_over: int
+    """Prefetch reads still in flight when their request was admitted: they continued as
+    onboards (also in onboards and hit_blocks_disk)."""
+    prefetches_cancelled: int
+    """Prefetched blocks given back because every queued request that wanted them left."""
+    prefetches_reclaimed: int
+    """Prefetched blocks whose host page the host tier took back under pressure."""
+    prefetch_reads_in_flight: int
+    prefetched_blocks: int
+    """Blocks in a host page for a queued request now (PREFETCHED)."""
+    prefetching_requests: int
+    """Queued requests with a prefetch registered now."""
+
+    # Cost-aware onboarding.
+    onboards_skipped_as_too_slow: int
+    """Disk hits not read back because recomputing their tokens was estimated faster."""
+    onboard_tokens_skipped_as_too_slow: int
 
     # Occupancy now.
     cached_blocks: int

@@ -20,13 +20,15 @@ from typing import Any
 from statekv import CacheConfig, KVCacheManager
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, SlotId, TransferId
-from statekv.manager import CachedBlock, PrefixMatch
+from statekv.manager import CachedBlock, PrefetchStarted, PrefixMatch
 from statekv.messages import (
     BlockCommand,
     CopyGpuToHost,
     CopyHostToGpu,
     FreeSlot,
     PersistRetention,
+    PrefetchSlot,
+    PrefetchSlots,
     ReadSlot,
     ReadSlots,
     SlotRead,
@@ -84,9 +86,10 @@ class Executor:
         self.now = now
         self.writes: dict[TransferId, WriteSlot] = {}
         self.reads: dict[TransferId, ReadSlot] = {}
+        self.prefetches: dict[TransferId, PrefetchSlot] = {}
         self.log: list[BlockCommand] = []
         """Every command taken, batches opened into their per-block records."""
-        self.batches: list[WriteSlots | ReadSlots] = []
+        self.batches: list[WriteSlots | ReadSlots | PrefetchSlots] = []
         """Every batch taken, in order."""
         self.slot_content: dict[SlotId, BlockHash] = {}
         """What each slot holds on the emulated disk (set when a write lands)."""
@@ -109,7 +112,7 @@ class Executor:
         taken = self.cache.take_commands()
         seen_batch = False
         for taken_cmd in taken:
-            if isinstance(taken_cmd, WriteSlots | ReadSlots):
+            if isinstance(taken_cmd, WriteSlots | ReadSlots | PrefetchSlots):
                 items = (taken_cmd.writes if isinstance(taken_cmd, WriteSlots)
                          else taken_cmd.reads)
                 assert 1 <= len(items) <= self.cache.config.max_batch_blocks, taken_cmd
@@ -119,7 +122,8 @@ class Executor:
                 # Disk batches come after every copy and FreeSlot of the same take.
                 assert not seen_batch, f"{taken_cmd} after a disk batch in {taken}"
         cmds = list(per_block(taken))
-        busy = {c.slot for c in self.writes.values()} | {c.slot for c in self.reads.values()}
+        busy = ({c.slot for c in self.writes.values()} | {c.slot for c in self.reads.values()}
+                | {c.slot for c in self.prefetches.values()})
         cfg = self.cache.config
         bounds = {"slot": cfg.disk_blocks, "gpu_page": cfg.gpu_blocks,
                   "host_page": cfg.host_blocks + cfg.reserved_host_blocks}
@@ -140,6 +144,13 @@ class Executor:
                 )
                 busy.add(cmd.slot)
                 self.reads[cmd.transfer] = cmd
+            elif isinstance(cmd, PrefetchSlot):
+                assert cmd.slot not in busy, f"second transfer on slot {cmd.slot}: {cmd}"
+                assert self.slot_content.get(cmd.slot) == cmd.key, (
+                    f"prefetch of slot {cmd.slot} expects other content than it holds"
+                )
+                busy.add(cmd.slot)
+                self.prefetches[cmd.transfer] = cmd
             elif isinstance(cmd, FreeSlot):
                 assert cmd.slot not in busy, f"slot {cmd.slot} freed with a transfer in flight"
                 self.slot_content.pop(cmd.slot, None)
@@ -179,13 +190,28 @@ class Executor:
         self.cache.check_invariants()
         return cmd
 
+    def land_prefetch(self, tid: TransferId | None = None, *, ok: bool = True) -> PrefetchSlot:
+        """Complete one prefetch read (the oldest when `tid` is None)."""
+        if tid is None:
+            tid = next(iter(self.prefetches))
+        cmd = self.prefetches.pop(tid)
+        if ok:
+            self.cache.handle(SlotRead(transfer=tid), now=self.now)
+        else:
+            self.cache.handle(SlotReadFailed(transfer=tid, cause="short read"), now=self.now)
+        self.pump()
+        self.cache.check_invariants()
+        return cmd
+
     def drain(self) -> None:
         """Land every transfer in flight (writes first, oldest first)."""
-        while self.writes or self.reads:
+        while self.writes or self.reads or self.prefetches:
             if self.writes:
                 self.land_write()
-            else:
+            elif self.reads:
                 self.land_read()
+            else:
+                self.land_prefetch()
 
     def tick(self, dt: float) -> None:
         """Advance the clock by `dt` and tell the cache."""
@@ -214,6 +240,12 @@ class Executor:
         self.cache.check_invariants()
         return match
 
+    def prefetch(self, rid: str, tokens: Sequence[int]) -> PrefetchStarted:
+        started = self.cache.prefetch(rid, tokens, now=self.now)
+        self.pump()
+        self.cache.check_invariants()
+        return started
+
     def compute(self, rid: str, num_tokens: int | None = None) -> None:
         """Allocate pages for the request's tokens and commit them (a forward pass)."""
         n = self.cache.request_status(rid).num_tokens if num_tokens is None else num_tokens
@@ -241,7 +273,10 @@ class Executor:
         """One whole request: add it, wait for its reads, compute, commit, release."""
         match = self.add(rid, tokens, ttl=ttl, priority=priority, salt=salt, lora=lora)
         while not self.cache.is_ready(rid):
-            self.land_read()
+            if self.reads:
+                self.land_read()
+            else:
+                self.land_prefetch()  # a prefetch the request took over as its onboard
         self.compute(rid)
         self.release(rid)
         return match

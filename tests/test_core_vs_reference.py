@@ -28,6 +28,7 @@ from statekv.ids import SlotId, TransferId
 from statekv.lifecycle import BlockState
 from statekv.manager import RestoredBlock
 from statekv.messages import (
+    PrefetchSlot,
     ReadSlot,
     SlotRead,
     SlotReadFailed,
@@ -36,6 +37,7 @@ from statekv.messages import (
     WriteSlot,
     per_block,
 )
+from tests.harness import block_keys
 
 T = TypeVar("T")
 
@@ -57,6 +59,8 @@ def configs(draw: st.DrawFn) -> CacheConfig:
         spill_mode=draw(st.sampled_from(list(SpillMode))),
         spill_min_reuse=draw(st.integers(1, 2)),
         protect_unexpired=draw(st.booleans()),
+        cost_aware_onboarding=draw(st.booleans()),
+        reclaim_prefetched_first=draw(st.booleans()),
         drop_on_pressure=draw(st.booleans()),
         write_queue_depth=draw(st.integers(1, 3)),
         priority_levels=draw(st.integers(1, 3)),
@@ -83,6 +87,7 @@ class CoreMatchesReference(RuleBasedStateMachine):
         self.next_id = 0
         self.next_token = 0
         self.served: list[list[int]] = []
+        self.queued: list[tuple[str, list[int]]] = []
 
     @initialize(config=configs())
     def build(self, config: CacheConfig) -> None:
@@ -118,7 +123,8 @@ class CoreMatchesReference(RuleBasedStateMachine):
             if isinstance(c, WriteSlot):
                 self.writes.append(c.transfer)
                 self.issued[c.transfer] = c
-            elif isinstance(c, ReadSlot):
+            elif isinstance(c, ReadSlot | PrefetchSlot):
+                # Prefetch reads complete the same way (the model tells them apart).
                 self.reads.append(c.transfer)
 
     # -------------------------------------------------------------- rules
@@ -149,11 +155,96 @@ class CoreMatchesReference(RuleBasedStateMachine):
         expected = self.model.add_request(rid, prompt, now=self.now, ttl_seconds=ttl,
                                           priority=priority, cache_salt=salt)
         got = (match.matched_tokens, match.gpu_tokens, match.host_tokens, match.disk_tokens,
-               match.ready)
+               match.ready, match.skipped_disk_tokens)
         assert got == (expected.matched_tokens, expected.gpu_tokens, expected.host_tokens,
-                       expected.disk_tokens, expected.ready)
+                       expected.disk_tokens, expected.ready, expected.skipped_disk_tokens)
         self.collect_commands()
         self.live.append(rid)
+        self.queued = [q for q in self.queued if q[0] != rid]
+
+    @rule(prompt=prompts, revisit=st.booleans(), pick=st.integers(0, 1000))
+    def prefetch(self, prompt: list[int], revisit: bool, pick: int) -> None:
+        """A request joins the queue and asks for its disk blocks ahead of admission."""
+        if revisit and self.served:
+            prompt = self.served[pick % len(self.served)]
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        got = self.both(lambda: self.real.prefetch(rid, prompt, now=self.now),
+                        lambda: self.model.prefetch(rid, prompt, now=self.now))
+        if got is None:
+            return
+        self.queued.append((rid, prompt))
+        self.model_prefetch_checked(got)
+
+    @precondition(lambda self: self.served and self.real.config.disk_blocks > 0)
+    @rule(pick=st.integers(0, 1000), churn_first=st.booleans())
+    def prefetch_from_disk(self, pick: int, churn_first: bool) -> None:
+        """Prefetch a served prompt that has a block on disk (pushed there first if asked):
+        the case prefetch is for, and the races around it (reclaim, cancel, take-over)."""
+        if churn_first:
+            self.fill_disk(None)
+        on_disk = {b.key for b in self.real.cached_blocks() if b.state is BlockState.ON_DISK}
+        if not on_disk:
+            return
+        for i in range(len(self.served)):
+            prompt = self.served[(pick + i) % len(self.served)]
+            keys = block_keys(prompt, self.config.block_size)
+            if any(k in on_disk for k in keys[: (len(prompt) - 1) // self.config.block_size]):
+                self.prefetch(prompt, False, 0)
+                return
+
+    def model_prefetch_checked(self, got: Any) -> None:
+        # `both` ran the model already; compare what the last call reported.
+        assert (got.started_tokens, got.shared_tokens, got.cached_tokens,
+                got.unfetched_tokens) == self.model.last_prefetch
+
+    @precondition(lambda self: self.queued)
+    @rule(pick=st.integers(0, 1000), admit=st.booleans())
+    def leave_or_admit_queued(self, pick: int, admit: bool) -> None:
+        """A queued request is admitted (its prefetch taken over) or leaves the queue."""
+        rid, prompt = self.queued.pop(pick % len(self.queued))
+        if admit:
+            self.add_request_as(rid, prompt)
+        else:
+            self.both(lambda: self.real.release(rid, now=self.now),
+                      lambda: self.model.release(rid, now=self.now))
+
+    def add_request_as(self, rid: str, prompt: list[int]) -> None:
+        try:
+            match = self.real.add_request(rid, prompt, now=self.now)
+        except (OutOfBlocks, UsageError) as exc:
+            try:
+                self.model.add_request(rid, prompt, now=self.now)
+            except type(exc):
+                self.queued.append((rid, prompt))  # still queued, nothing changed
+                return
+            raise AssertionError(f"real raised {exc!r}, the model did not") from None
+        expected = self.model.add_request(rid, prompt, now=self.now)
+        assert (match.matched_tokens, match.host_tokens, match.disk_tokens,
+                match.skipped_disk_tokens) == (expected.matched_tokens, expected.host_tokens,
+                                               expected.disk_tokens,
+                                               expected.skipped_disk_tokens)
+        self.collect_commands()
+        self.live.append(rid)
+
+    @rule(
+        mib_per_s=st.sampled_from([0.001, 1.0, 1000.0]),
+        us_per_token=st.sampled_from([0.1, 10.0, 1000.0]),
+        context=st.integers(1, 64),
+    )
+    def report_costs(self, mib_per_s: float, us_per_token: float, context: int) -> None:
+        """The actors report a read and the serving loop a prefill (cost-aware onboarding)."""
+        nbytes = self.config.block_bytes * 4
+        seconds = nbytes / (mib_per_s * 2**20)
+        self.both(lambda: self.real.report_disk_read(nbytes, seconds),
+                  lambda: self.model.report_disk_read(nbytes, seconds))
+        tokens = max(1, context // 2)
+        self.both(
+            lambda: self.real.report_prefill(tokens, tokens * us_per_token * 1e-6,
+                                             context_tokens=context),
+            lambda: self.model.report_prefill(tokens, tokens * us_per_token * 1e-6,
+                                              context_tokens=context),
+        )
 
     @rule(
         prompt=prompts,
@@ -247,7 +338,8 @@ class CoreMatchesReference(RuleBasedStateMachine):
             write = self.issued[tid]
             self.on_slot[write.slot] = write
 
-    @precondition(lambda self: not self.live and not self.writes and not self.reads)
+    @precondition(lambda self: not self.live and not self.writes and not self.reads
+                  and not self.queued)
     @rule(downtime=st.sampled_from([0.0, 1.0, 10.0, 60.0]))
     def restart(self, downtime: float) -> None:
         """The process stops and a new one restores what is on disk (an index rebuild
@@ -298,7 +390,10 @@ class CoreMatchesReference(RuleBasedStateMachine):
             for name in ("spills", "onboards", "onboard_failures", "spill_failures",
                          "displacements", "expirations", "gate_drops", "pressure_drops",
                          "admission_refusals", "requests_fallen_back", "host_recalls",
-                         "offloads_skipped", "disk_busy_refusals", "hit_blocks_gpu"):
+                         "offloads_skipped", "disk_busy_refusals", "hit_blocks_gpu",
+                         "prefetches", "prefetch_hits", "prefetches_taken_over",
+                         "prefetches_cancelled", "prefetches_reclaimed", "prefetch_failures",
+                         "onboards_skipped_as_too_slow"):
                 if getattr(stats, name):
                     event(f"reached {name}")
 

@@ -50,6 +50,23 @@ def spilling() -> Executor:
     return ex
 
 
+def _forget_prefetchers(m: KVCacheManager) -> None:
+    """The queued request forgets its blocks and they forget it: a PREFETCHED orphan."""
+    for block in m._queued[RequestId("q")]:
+        block.prefetchers.clear()
+    m._queued[RequestId("q")] = []
+
+
+def prefetching() -> Executor:
+    """One queued request: a block prefetched (landed) and one whose read is in flight."""
+    ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=4)
+    doc = fresh_tokens(5)
+    ex.spill([doc])
+    ex.prefetch("q", doc)
+    ex.land_prefetch()
+    return ex
+
+
 def blocks(m: KVCacheManager, state: BlockState) -> list[Block]:
     found = [b for b in m._records if b.state is state]
     assert found, f"the state has no {state.name} block"
@@ -196,6 +213,23 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
      "reserve above its target"),
     ("free host page beside an unfilled reserve", lambda: make(reserved_host_blocks=1),
      _reserve_short_with_free_pages, "outside an unfilled reserve"),
+    ("prefetched block out of the prefetched order", prefetching,
+     lambda m: m._prefetched.remove(blocks(m, BlockState.PREFETCHED)[0]),
+     "prefetched order membership wrong"),
+    ("prefetched block wanted by nobody", prefetching,
+     lambda m: m._queued.pop(RequestId("q")), "prefetchers .* disagree"),
+    ("prefetched block with no queued request", prefetching, _forget_prefetchers,
+     "prefetched for no queued request"),
+    ("prefetch read pointing at another block", prefetching,
+     lambda m: setattr(blocks(m, BlockState.PREFETCHING)[0], "transfer", TransferId(999)),
+     "prefetch .* points at"),
+    ("prefetching host page on the free list", prefetching,
+     lambda m: m._host.empty.append(blocks(m, BlockState.PREFETCHING)[0].host_page),
+     r"host page \d+ owned by 'host-free'"),
+    ("queued request also admitted", prefetching,
+     lambda m: m._requests.__setitem__(RequestId("q"), next(iter(m._requests.values()), None)
+                                       or object()),
+     "both admitted and queued"),
 ]
 
 

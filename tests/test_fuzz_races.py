@@ -133,7 +133,7 @@ def test_a_slot_with_a_pending_read_is_never_claimed_by_a_spill() -> None:
     """onboardBlock gave the slot back before its read ran; a spill overwrote it (seed)."""
 
     def scenario() -> None:
-        with system(disk=2) as run:
+        with system(disk=2, host=3) as run:
             run.to_disk()
             run("add_request", spec=RequestSpec(PROMPT))
             busy = run.stats().disk_busy_refusals
@@ -151,7 +151,7 @@ def test_a_displaced_block_leaves_the_prefix_tree() -> None:
     """A spill that displaced disk content left its identity in the tree (seed)."""
 
     def scenario() -> None:
-        with system(disk=2) as run:
+        with system(disk=2, host=3) as run:
             run.to_disk()
             stats = run("churn", spec=FILL)
             assert stats.displacements > 0  # reached
@@ -199,7 +199,7 @@ def test_slots_come_back_when_reads_land_so_spills_never_wedge() -> None:
     """Landed reads were reaped only when the disk did not look full: spills wedged (seed)."""
 
     def scenario() -> None:
-        with system(disk=2) as run:
+        with system(disk=2, host=3) as run:
             run.to_disk()
             assert run.stats().disk_empty_slots == 0  # reached: a full disk...
             run("add_request", spec=RequestSpec(PROMPT))
@@ -548,3 +548,67 @@ def test_closing_with_spills_backed_up_hangs_with_the_old_feeder() -> None:
                            timeout=300, check=False)
     assert child.returncode != 0
     assert "closing the cache hung" in child.stderr, child.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ prefetch races (issue 12)
+
+
+def test_a_release_during_prefetch_keeps_the_host_pages_until_the_reads_land() -> None:
+    """A queued request leaves while its prefetch reads are in flight: the pages stay the
+    reads' until they land, however hard GPU evictions want host pages meanwhile."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk()
+            run("prefetch", spec=RequestSpec(PROMPT))
+            assert run.held() == (0, 2)
+            assert run.tiers() == ["PREFETCHING", "PREFETCHING"]
+            run("queued_request_moves", pick=1)  # leaves the queue
+            # Reached: both reads in flight for blocks no queued request wants any more...
+            assert run.tiers() == ["PREFETCHING", "PREFETCHING"]
+            # ...while GPU victims want host pages.
+            run("serve_whole_request", spec=RequestSpec(DOCUMENTS[2][:5]))
+            run("churn", spec=ChurnSpec(None))
+            run("complete_a_read", newest=True)
+            stats = run("complete_a_read", newest=False)
+            assert run.tiers() == ["ON_DISK", "ON_DISK"]
+            assert stats.prefetches_cancelled == 2 and stats.prefetched_blocks == 0
+
+    scenario()
+    error = fails_when_planted(planted.prefetch_page_freed_on_leave, scenario)
+    assert "host page" in str(error) and "PREFETCHING" in str(error), error
+
+
+def test_a_prefetch_pins_its_slots_against_displacing_spills() -> None:
+    """Spills that want slots while a prefetch of those very blocks is in flight (a disk of
+    two, both slots being prefetched): they never take the slots, and the bytes read are
+    the content's."""
+    with system(disk=2, host=3) as run:
+        run.to_disk()
+        run("prefetch", spec=RequestSpec(PROMPT))
+        assert run.tiers() == ["PREFETCHING", "PREFETCHING"]
+        stats = run("spill_burst", count=2)
+        assert stats.disk_busy_refusals > 0  # every slot has a read in flight
+        assert run.tiers() == ["PREFETCHING", "PREFETCHING"]
+        run("drain")
+        assert run.tiers() == ["PREFETCHED", "PREFETCHED"]  # bytes checked at rest
+        run("queued_request_moves", pick=0)  # admitted: host hits
+        assert run.stats().prefetch_hits == 2
+
+
+def test_a_prefetch_that_loses_its_host_page_goes_back_to_disk() -> None:
+    """The prefetch lands, then GPU evictions reclaim its host pages (prefetched pages go
+    first): the blocks go back to disk and the admitted request reads them as usual."""
+    with system() as run:
+        run.to_disk()
+        run("prefetch", spec=RequestSpec(PROMPT))
+        run("drain")
+        assert run.tiers() == ["PREFETCHED", "PREFETCHED"]
+        run("serve_whole_request", spec=RequestSpec(DOCUMENTS[2][:5]))
+        stats = run("churn", spec=ChurnSpec(None))
+        assert stats.prefetches_reclaimed >= 1
+        assert "ON_DISK" in run.tiers()
+        run("queued_request_moves", pick=0)  # admitted: what is on disk is read back
+        run("drain")
+        stats = run.stats()
+        assert stats.prefetch_hits + stats.onboards_completed == 2

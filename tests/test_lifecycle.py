@@ -109,10 +109,10 @@ def test_every_state_is_reachable_from_free_and_can_return_to_free() -> None:
     assert _reachable(S.FREE, backward) == set(BlockState)
 
 
-def test_only_dropping_or_discarding_frees_a_block() -> None:
+def test_only_dropping_discarding_or_a_failed_prefetch_frees_a_block() -> None:
     for (state, event), target in TRANSITIONS.items():
         if target is S.FREE:
-            assert event in (E.DROPPED, E.DISCARDED), (state, event)
+            assert event in (E.DROPPED, E.DISCARDED, E.PREFETCH_FAILED), (state, event)
 
 
 def test_a_free_record_can_only_be_allocated_or_restored() -> None:
@@ -136,7 +136,17 @@ def test_a_write_in_flight_keeps_its_host_page_until_it_reports() -> None:
 
 def test_content_reaches_disk_only_by_a_landed_write_or_a_restore_at_open() -> None:
     into_disk = [(s, e) for (s, e), t in TRANSITIONS.items() if t is S.ON_DISK]
-    assert into_disk == [(S.FREE, E.RESTORED), (S.SPILLING, E.SPILL_LANDED)]
+    # A cancelled prefetch goes back to the disk copy it never gave up.
+    assert into_disk == [(S.FREE, E.RESTORED), (S.SPILLING, E.SPILL_LANDED),
+                         (S.PREFETCHED, E.PREFETCH_CANCELLED)]
+
+
+def test_a_prefetch_in_flight_keeps_its_host_page_until_it_reports() -> None:
+    exits = {TRANSITIONS[(S.PREFETCHING, e)] for e in allowed_events(S.PREFETCHING)}
+    assert exits == {S.PREFETCHED, S.FREE, S.ONBOARDING}
+    assert E.PREFETCH_CANCELLED not in allowed_events(S.PREFETCHING)
+    assert E.DROPPED not in allowed_events(S.PREFETCHING)
+    assert allowed_events(S.PREFETCHED) == {E.RECALLED, E.PREFETCH_CANCELLED}
 
 
 def test_a_failed_read_is_never_served_only_discarded() -> None:
@@ -225,6 +235,37 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
                                     depth=write.depth, reuse_count=write.reuse_count,
                                     expiry=write.expiry, written_at=write.issued_at,
                                     sequence=write.transfer)], now=ex.now)  # FREE RESTORED
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced()
+    e = fresh_tokens(ex.bs + 1)
+    ex.spill([e])
+    ex.prefetch("q1", e)                # ON_DISK PREFETCH_STARTED
+    ex.land_prefetch()                  # PREFETCHING PREFETCH_LANDED
+    ex.release("q1")                    # PREFETCHED PREFETCH_CANCELLED
+    ex.prefetch("q2", e)
+    ex.land_prefetch()
+    ex.add("q2", e)                     # PREFETCHED RECALLED
+    ex.release("q2")
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced()
+    f = fresh_tokens(ex.bs + 1)
+    ex.spill([f])
+    ex.prefetch("q3", f)
+    ex.add("q3", f)                     # PREFETCHING ACQUIRED (taken over as an onboard)
+    ex.land_prefetch()
+    ex.prefetch("q4", fresh_tokens(1) + f[1:])  # nothing matches: nothing started
+    ex.release("q4")
+    ex.release("q3")
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced()
+    h = fresh_tokens(ex.bs + 1)
+    ex.spill([h])
+    ex.prefetch("q5", h)
+    ex.land_prefetch(ok=False)          # PREFETCHING PREFETCH_FAILED
+    assert ex.tiers(h) == [None]
     seen |= set(_seen(trace))
 
     ex, trace = _traced(disk_blocks=0)

@@ -178,6 +178,55 @@ def restore_two() -> tuple[Executor, Trigger]:
     return ex, lambda: ex.cache.restore(entries, now=ex.now)
 
 
+def queued_on_disk() -> tuple[Executor, list[int]]:
+    ex = _cache()
+    doc = _doc()
+    ex.spill([doc])
+    return ex, doc
+
+
+def prefetch_issued() -> tuple[Executor, Trigger]:
+    ex, doc = queued_on_disk()
+    return ex, lambda: ex.prefetch("q", [*doc, 1])
+
+
+def prefetch_lands(ok: bool) -> Setup:
+    def setup() -> tuple[Executor, Trigger]:
+        ex, doc = queued_on_disk()
+        ex.prefetch("q", [*doc, 1])
+        return ex, lambda: ex.land_prefetch(ok=ok)
+    return setup
+
+
+def prefetched(then: str) -> Setup:
+    """One block prefetched and landed; the trigger admits the request, lets it leave the
+    queue, or evicts a GPU block (whose host page is the prefetched one's)."""
+    def setup() -> tuple[Executor, Trigger]:
+        ex, doc = queued_on_disk()
+        ex.serve("a", _doc())
+        ex.prefetch("q", [*doc, 1])
+        ex.land_prefetch()
+        if then == "admit":
+            return ex, lambda: ex.add("q", [*doc, 1])
+        if then == "leave":
+            return ex, lambda: ex.release("q")
+        return ex, lambda: ex.churn("c")
+    return setup
+
+
+def prefetch_taken_over() -> tuple[Executor, Trigger]:
+    ex, doc = queued_on_disk()
+    ex.prefetch("q", [*doc, 1])
+    return ex, lambda: ex.add("q", [*doc, 1])
+
+
+def onboard_too_slow() -> tuple[Executor, Trigger]:
+    ex, doc = queued_on_disk()
+    ex.cache.report_disk_read(BLOCK_BYTES, 10.0)
+    ex.cache.report_prefill(2, 0.001, context_tokens=3)
+    return ex, lambda: ex.add("b", [*doc, 1])
+
+
 CASES: list[tuple[str, Setup, int]] = [
     ("requests_added", add_request, 1),
     ("requests_released", release_request, 1),
@@ -224,6 +273,20 @@ CASES: list[tuple[str, Setup, int]] = [
     ("disk_empty_slots", evict_host_victim, -1),
     ("disk_cached_blocks", spilling(), 1),
     ("disk_retained_blocks", spilling(ttl=100.0), 1),
+    ("prefetches", prefetch_issued, 1),
+    ("prefetch_reads_in_flight", prefetch_issued, 1),
+    ("prefetching_requests", prefetch_issued, 1),
+    ("prefetches_completed", prefetch_lands(True), 1),
+    ("prefetched_blocks", prefetch_lands(True), 1),
+    ("bytes_read", prefetch_lands(True), BLOCK_BYTES),
+    ("prefetch_failures", prefetch_lands(False), 1),
+    ("io_errors", prefetch_lands(False), 1),
+    ("prefetch_hits", prefetched("admit"), 1),
+    ("prefetches_cancelled", prefetched("leave"), 1),
+    ("prefetches_reclaimed", prefetched("pressure"), 1),
+    ("prefetches_taken_over", prefetch_taken_over, 1),
+    ("onboards_skipped_as_too_slow", onboard_too_slow, 1),
+    ("onboard_tokens_skipped_as_too_slow", onboard_too_slow, BS),
 ]
 
 

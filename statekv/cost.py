@@ -1,0 +1,99 @@
+"""Whether reading a run of disk blocks back beats recomputing its tokens.
+
+A disk hit is worth reading only when the read finishes before a prefill of the same tokens
+would: on a slow disk with a fast model (a small model, short contexts) recomputing wins, and
+a disk tier must never make serving slower than no disk tier.  The manager asks
+:meth:`OnboardCosts.recompute_is_cheaper` for every run of disk blocks it matches.
+
+The estimates are measurements reported from outside (sans-IO: the core reads no clock):
+
+* the disk's read rate, in bytes per second, from completed reads -- the reader actor reports
+  each batch's bytes and the seconds it took;
+* the model's prefill time per token, by context length -- the serving loop reports each
+  forward pass that prefilled: its tokens, the seconds it took and the longest context it
+  ended at (a batch's time per token is what recomputing costs a busy server).  Attention
+  makes a token cost more at a longer context, so the estimate is kept per power-of-two
+  bucket of context length and looked up at the request's own length.
+
+Each estimate is an exponentially weighted moving average (weight `SMOOTHING` for the newest
+measurement): it follows a disk that slows down under load without jumping on one outlier.
+Before any estimate exists the answer is "read" -- the behaviour of a cache that does not
+weigh costs -- so a cache nobody reports to behaves exactly as before.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from statekv.config import is_finite_number
+from statekv.errors import UsageError
+
+SMOOTHING: Final = 0.25
+"""Weight of the newest measurement in each moving average."""
+
+
+def _bucket(context_tokens: int) -> int:
+    """The power-of-two bucket of a context length (1 -> 0, 2..3 -> 1, 4..7 -> 2...)."""
+    return max(context_tokens, 1).bit_length() - 1
+
+
+def check_measurement(field: str, value: object, *, positive: bool) -> float:
+    """A reported measurement as a float, or UsageError naming `field`."""
+    if not is_finite_number(value):
+        raise UsageError(field, f"must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise UsageError(field, f"must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def check_count(field: str, value: object, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UsageError(field, f"must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class OnboardCosts:
+    """Running estimates of the disk read rate and the prefill time per token."""
+
+    __slots__ = ("_prefill", "disk_bytes_per_second")
+
+    def __init__(self) -> None:
+        self.disk_bytes_per_second: float | None = None
+        self._prefill: dict[int, float] = {}
+        """Seconds per prefilled token, by context-length bucket."""
+
+    def observe_read(self, num_bytes: float, seconds: float) -> None:
+        """One completed read: `num_bytes` in `seconds` (both checked by the caller)."""
+        rate = num_bytes / seconds
+        old = self.disk_bytes_per_second
+        self.disk_bytes_per_second = rate if old is None else old + SMOOTHING * (rate - old)
+
+    def observe_prefill(self, num_tokens: int, seconds: float, context_tokens: int) -> None:
+        """One prefill of `num_tokens` new tokens that took `seconds`, ending at a context of
+        `context_tokens` (checked by the caller)."""
+        per_token = seconds / num_tokens
+        bucket = _bucket(context_tokens)
+        old = self._prefill.get(bucket)
+        self._prefill[bucket] = per_token if old is None else old + SMOOTHING * (per_token - old)
+
+    def prefill_seconds_per_token(self, context_tokens: int) -> float | None:
+        """The estimate at `context_tokens`: its own bucket's, else the nearest bucket's
+        (the shorter one on a tie: it underestimates the cost of recomputing, so the cache
+        errs towards reading).  None before any prefill was reported."""
+        prefill = self._prefill
+        if not prefill:
+            return None
+        want = _bucket(context_tokens)
+        best = min(prefill, key=lambda b: (abs(b - want), b))
+        return prefill[best]
+
+    def recompute_is_cheaper(self, read_bytes: int, tokens: int, context_tokens: int) -> bool:
+        """Whether prefilling `tokens` at `context_tokens` is faster than reading
+        `read_bytes` from disk.  False (read) while either estimate is missing."""
+        rate = self.disk_bytes_per_second
+        per_token = self.prefill_seconds_per_token(context_tokens)
+        if rate is None or per_token is None:
+            return False
+        read_seconds = read_bytes / rate if rate > 0 else math.inf
+        return tokens * per_token < read_seconds

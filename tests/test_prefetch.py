@@ -1,0 +1,288 @@
+"""Prefetch for queued requests, and cost-aware onboarding (issue 12), on the bare core.
+
+Every step goes through the harness, which checks the command contract (one transfer per
+slot, reads of the content the slot holds) and runs ``check_invariants()`` -- whose pool
+accounting fails on any host page or slot that is leaked or owned twice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from statekv import UsageError
+from statekv.messages import CopyHostToGpu, FreeSlot, PrefetchSlot, ReadSlot
+from tests.harness import Executor, fresh_tokens, make
+
+
+def on_disk(**overrides: object) -> tuple[Executor, list[int]]:
+    """A cache whose two full blocks of `doc` are on disk, and nothing else is cached."""
+    ex = make(**{"gpu_blocks": 4, "host_blocks": 2, "disk_blocks": 4, **overrides})
+    doc = fresh_tokens(5)  # two full blocks and one token
+    ex.spill([doc])
+    assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]
+    assert ex.stats().host_free_pages == 2
+    return ex, doc
+
+
+# ---------------------------------------------------------------------- prefetch
+
+
+def test_a_prefetch_turns_a_disk_hit_into_a_host_hit() -> None:
+    ex, doc = on_disk()
+    start = len(ex.log)
+    started = ex.prefetch("q", doc)
+    assert (started.started_tokens, started.shared_tokens, started.unfetched_tokens) == (4, 0, 0)
+    prefetches = [c for c in ex.log[start:] if isinstance(c, PrefetchSlot)]
+    assert len(prefetches) == 2 and len({c.host_page for c in prefetches}) == 2
+    assert ex.tiers(doc) == ["PREFETCHING", "PREFETCHING"]
+    assert ex.stats().host_free_pages == 0
+    ex.land_prefetch()
+    ex.land_prefetch()
+    assert ex.tiers(doc) == ["PREFETCHED", "PREFETCHED"]
+
+    start = len(ex.log)
+    match = ex.add("q", doc)
+    assert match.ready and (match.host_tokens, match.disk_tokens) == (4, 0)
+    kinds = [type(c) for c in ex.log[start:]]
+    assert kinds.count(CopyHostToGpu) == 2 and kinds.count(FreeSlot) == 2
+    assert ReadSlot not in kinds
+    stats = ex.stats()
+    assert (stats.prefetches, stats.prefetches_completed, stats.prefetch_hits) == (2, 2, 2)
+    assert stats.hit_blocks_host == 2 and stats.onboards == 0
+    assert stats.host_free_pages == 2 and stats.prefetching_requests == 0
+    assert stats.disk_empty_slots == 4  # the content left the disk as an onboard would
+
+
+def test_leaving_the_queue_gives_the_pages_back_and_the_content_stays_on_disk() -> None:
+    ex, doc = on_disk()
+    ex.prefetch("q", doc)
+    ex.land_prefetch()
+    ex.land_prefetch()
+    ex.release("q")
+    assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]
+    stats = ex.stats()
+    assert stats.prefetches_cancelled == 2 and stats.prefetched_blocks == 0
+    assert stats.host_free_pages == 2 and stats.prefetching_requests == 0
+    assert not ex.cache.has_request("q")
+    # The slots were never rewritten: a later request reads them back as usual.
+    match = ex.add("r", doc)
+    assert match.disk_tokens == 4
+    ex.land_read()
+    ex.land_read()
+    assert ex.cache.is_ready("r")
+
+
+def test_a_release_during_the_prefetch_keeps_the_page_until_the_read_lands() -> None:
+    ex, doc = on_disk()
+    ex.prefetch("q", doc)
+    ex.release("q")  # both reads still in flight: their pages stay theirs
+    assert ex.tiers(doc) == ["PREFETCHING", "PREFETCHING"]
+    assert ex.stats().host_free_pages == 0
+    ex.land_prefetch()
+    ex.land_prefetch()
+    assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]
+    stats = ex.stats()
+    assert stats.host_free_pages == 2 and stats.prefetches_cancelled == 2
+
+
+def test_host_pressure_reclaims_the_newest_prefetched_page_first() -> None:
+    ex, doc = on_disk()
+    ex.prefetch("q", doc)
+    ex.land_prefetch()  # block 0 lands first
+    ex.land_prefetch()  # block 1: the newest
+    other = fresh_tokens(3)
+    ex.serve("o", other)  # one cached GPU block
+    offloads = ex.stats().host_offloads
+    ex.churn("c")  # evicts it: its host page is a reclaimed prefetched page
+    stats = ex.stats()
+    assert stats.prefetches_reclaimed == 1 and stats.host_offloads == offloads + 1
+    assert ex.tiers(doc) == ["PREFETCHED", "ON_DISK"]
+    assert ex.tiers(other) == ["ON_HOST"]
+    # The queued request is admitted anyway: one host hit, one onboard.
+    match = ex.add("q", doc)
+    assert (match.host_tokens, match.disk_tokens) == (2, 2)
+
+
+def test_with_reclaim_last_host_victims_go_before_prefetched_pages() -> None:
+    ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=4, spill_mode="retained_only",
+              reclaim_prefetched_first=False)
+    doc = fresh_tokens(5)
+    ex.spill([doc], ttl=100.0)  # retained: the spill mode writes it
+    ex.prefetch("q", doc[:3])  # one block: one host page, the other stays free
+    ex.drain()
+    other = fresh_tokens(3)
+    ex.serve("o", other)
+    ex.churn("c1")  # its GPU victim takes the free host page
+    assert ex.tiers(other) == ["ON_HOST"]
+    ex.serve("o2", fresh_tokens(3))
+    ex.churn("c2")  # the next victim evicts the host victim (dropped), not the prefetch
+    stats = ex.stats()
+    assert stats.prefetches_reclaimed == 0 and stats.gate_drops == 1
+    assert ex.tiers(doc) == ["PREFETCHED", "ON_DISK"]
+    assert ex.tiers(other) == [None]
+
+
+def test_an_admission_while_the_prefetch_is_in_flight_takes_it_over() -> None:
+    ex, doc = on_disk()
+    ex.prefetch("q", doc)
+    start = len(ex.log)
+    match = ex.add("q", doc)
+    assert not match.ready and match.disk_tokens == 4
+    assert not any(isinstance(c, ReadSlot) for c in ex.log[start:])  # no second read
+    assert ex.stats().prefetches_taken_over == 2
+    start = len(ex.log)
+    ex.land_prefetch()
+    ex.land_prefetch()
+    assert ex.cache.is_ready("q")
+    assert [type(c) for c in ex.log[start:]].count(CopyHostToGpu) == 2
+    stats = ex.stats()
+    assert stats.host_free_pages == 2 and stats.onboards_completed == 2
+    assert ex.tiers(doc) == ["ON_GPU", "ON_GPU"]
+
+
+def test_a_failed_prefetch_is_never_served() -> None:
+    ex, doc = on_disk()
+    ex.prefetch("q", doc)
+    ex.land_prefetch(ok=False)
+    ex.land_prefetch()
+    assert ex.tiers(doc) == [None, "PREFETCHED"]  # block 1 is orphaned from its prefix
+    stats = ex.stats()
+    assert stats.prefetch_failures == 1 and stats.io_errors == 1
+    assert ex.add("q", doc).matched_tokens == 0  # recomputes from the start
+    assert ex.tiers(doc) == [None, "ON_DISK"]
+    assert ex.stats().host_free_pages == 2
+
+
+def test_a_second_call_starts_what_the_first_could_not() -> None:
+    ex, doc = on_disk()
+    hold = ex.prefetch("q", doc[:3])  # one block: one host page
+    assert hold.started_tokens == 2
+    again = ex.prefetch("q", doc)
+    assert (again.started_tokens, again.shared_tokens) == (2, 2)
+    ex.drain()
+    ex.release("q")
+    assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]
+    assert ex.stats().host_free_pages == 2
+
+
+def test_two_queued_requests_share_a_prefetch() -> None:
+    ex, doc = on_disk()
+    ex.prefetch("q1", doc)
+    shared = ex.prefetch("q2", [*doc[:4], 7, 7])
+    assert (shared.started_tokens, shared.shared_tokens) == (0, 4)
+    ex.drain()
+    ex.release("q1")
+    assert ex.tiers(doc) == ["PREFETCHED", "PREFETCHED"]  # q2 still wants them
+    ex.release("q2")
+    assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]
+    assert ex.stats().host_free_pages == 2
+
+
+def test_prefetch_rejects_bad_calls_and_changes_nothing() -> None:
+    ex, doc = on_disk()
+    ex.prefetch("q", doc)
+    ex.add("a", fresh_tokens(3))
+    before = ex.stats()
+    for rid in ("a", ""):
+        with pytest.raises(UsageError) as info:
+            ex.cache.prefetch(rid, doc, now=ex.now)
+        assert info.value.field == "request_id"
+    with pytest.raises(UsageError) as info:
+        ex.cache.prefetch("z", [], now=ex.now)
+    assert info.value.field == "token_ids"
+    with pytest.raises(UsageError) as info:
+        ex.cache.prefetch("z", doc, now=math.nan)
+    assert info.value.field == "now"
+    assert ex.stats() == before
+    ex.cache.check_invariants()
+
+
+# ---------------------------------------------------------------------- cost-aware onboarding
+
+
+def slow_disk_fast_model(ex: Executor) -> None:
+    block_bytes = ex.cache.config.block_bytes
+    ex.cache.report_disk_read(block_bytes, 1.0)  # one block a second
+    ex.cache.report_prefill(4, 0.0004, context_tokens=5)  # 0.1 ms a token
+
+
+def test_a_slow_disk_is_not_read_when_recomputing_is_faster() -> None:
+    ex, doc = on_disk()
+    slow_disk_fast_model(ex)
+    start = len(ex.log)
+    match = ex.add("r", doc)
+    assert match.matched_tokens == 0 and match.skipped_disk_tokens == 4 and match.ready
+    assert not any(isinstance(c, ReadSlot) for c in ex.log[start:])
+    stats = ex.stats()
+    assert stats.onboards_skipped_as_too_slow == 2
+    assert stats.onboard_tokens_skipped_as_too_slow == 4
+    assert stats.onboards == 0
+    assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]  # the content stays cached
+
+
+def test_a_fast_disk_is_read() -> None:
+    ex, doc = on_disk()
+    ex.cache.report_disk_read(ex.cache.config.block_bytes * 1000, 0.001)
+    ex.cache.report_prefill(4, 0.0004, context_tokens=5)
+    match = ex.add("r", doc)
+    assert match.disk_tokens == 4 and match.skipped_disk_tokens == 0
+    assert ex.stats().onboards_skipped_as_too_slow == 0
+
+
+def test_without_estimates_or_with_the_switch_off_disk_hits_are_read() -> None:
+    ex, doc = on_disk()
+    ex.cache.report_disk_read(ex.cache.config.block_bytes, 1.0)  # no prefill rate yet
+    assert ex.add("r", doc).disk_tokens == 4
+    off, doc2 = on_disk(cost_aware_onboarding=False)
+    slow_disk_fast_model(off)
+    assert off.add("r", doc2).disk_tokens == 4
+    assert off.stats().onboards_skipped_as_too_slow == 0
+
+
+def test_the_cut_keeps_the_hits_before_a_slow_run() -> None:
+    ex = make(gpu_blocks=4, host_blocks=1, reserved_host_blocks=1, disk_blocks=4)
+    doc = fresh_tokens(7)
+    ex.serve("a", doc)
+    ex.churn("c1", 2)
+    ex.churn("c2", 3)
+    ex.drain()
+    assert ex.tiers(doc) == ["RELEASED", "ON_HOST", "ON_DISK"]
+    slow_disk_fast_model(ex)
+    match = ex.add("b", [*doc[:6], 42, 43])
+    assert (match.gpu_tokens, match.host_tokens, match.disk_tokens) == (2, 2, 0)
+    assert match.skipped_disk_tokens == 2
+    assert ex.cache.request_status("b").num_computed_tokens == 4
+
+
+def test_prefetched_blocks_are_host_hits_whatever_the_disk_rate() -> None:
+    ex, doc = on_disk()
+    slow_disk_fast_model(ex)
+    ex.prefetch("q", doc)  # hidden behind the queue: worth it even on a slow disk
+    ex.drain()
+    match = ex.add("q", doc)
+    assert match.host_tokens == 4 and match.skipped_disk_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda c: c.report_disk_read(-1, 1.0), "num_bytes"),
+        (lambda c: c.report_disk_read(1.5, 1.0), "num_bytes"),
+        (lambda c: c.report_disk_read(100, math.nan), "seconds"),
+        (lambda c: c.report_disk_read(100, 0.0), "seconds"),
+        (lambda c: c.report_disk_read(100, -2.0), "seconds"),
+        (lambda c: c.report_prefill(0, 1.0, context_tokens=4), "num_tokens"),
+        (lambda c: c.report_prefill(4, math.inf, context_tokens=4), "seconds"),
+        (lambda c: c.report_prefill(4, 1.0, context_tokens=0), "context_tokens"),
+        (lambda c: c.report_prefill(4, 1.0, context_tokens=True), "context_tokens"),
+    ],
+)
+def test_bad_measurements_are_typed_errors_naming_the_field(call: object, field: str) -> None:
+    ex, _doc = on_disk()
+    before = ex.cache.cost_estimates()
+    with pytest.raises(UsageError) as info:
+        call(ex.cache)  # type: ignore[operator]
+    assert info.value.field == field
+    assert ex.cache.cost_estimates() == before
