@@ -352,8 +352,25 @@ class BlockingCache(CacheAPI):
         self._stop: trio.Event | None = None
         self.close_report: CloseReport | None = None
         self._thread = threading.Thread(target=self._main, name="statekv-trio", daemon=True)
-        self._thread.start()
-        self._ready.wait()
+        try:
+            self._thread.start()  # waits for the thread to run: interruptible too
+            self._ready.wait()
+        except BaseException:
+            # Interrupted (Ctrl-C) while the trio thread opens the cache: left running, that
+            # daemon thread would still be in the store's open (torch buffers, file syncs)
+            # when the interpreter exits, which aborted the process ("terminate called
+            # without an active exception").  Let it finish opening, then close it.  An
+            # interrupt inside start() may come before or after the thread was launched: one
+            # that is not running a second later never was.
+            waited = 0
+            while not self._ready.wait(0.01):
+                waited = 0 if self._thread.is_alive() else waited + 1
+                if waited > 100:
+                    break
+            if self._ready.is_set():
+                with suppress(BaseException):
+                    self.close(drain=False)
+            raise
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
