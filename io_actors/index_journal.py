@@ -19,8 +19,8 @@ argument; the short form:
 * Reads verify every header and payload anyway (key, CRC, MAC): a stale record can only
   cause a failed read (the request recomputes), never wrong bytes.
 
-File ``index.v1`` in the slot directory: a HEAD record, then SLOT / FREE records, then at a
-clean close a SEAL.  Fixed-size records (integers little-endian)::
+File ``index.v1`` in the slot directory: a HEAD record, then SLOT / FREE records, and a SEAL
+at each clean close (an open that keeps the file as it is appends after the seal).  Fixed-size records (integers little-endian)::
 
     offset 0    magic        8s   b"STKVINDX"
            8    version      u32  INDEX_VERSION
@@ -44,7 +44,8 @@ clean close a SEAL.  Fixed-size records (integers little-endian)::
 
 The journal is used at open only when it is *complete*: a valid HEAD naming this config
 fingerprint and this very data file (inode, size, slot geometry), every whole record valid
-and of this config (with a MAC key: every record signed), a SEAL only as the last record.
+and of this config (with a MAC key: every record signed), every SEAL counting the records
+before it.
 Only the last append can be torn by a crash: records failing their checksum at the end of
 the file are ignored and counted.  Anything else -- missing, torn in the middle, another
 fingerprint, another data file, unsigned under a MAC key -- falls back to the header scan,
