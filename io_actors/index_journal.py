@@ -20,7 +20,8 @@ argument; the short form:
   cause a failed read (the request recomputes), never wrong bytes.
 
 File ``index.v1`` in the slot directory: a HEAD record, then SLOT / FREE records, and a SEAL
-at each clean close (an open that keeps the file as it is appends after the seal).  Fixed-size records (integers little-endian)::
+at each clean close (an open that keeps the file as it is appends after the seal).
+Fixed-size records (integers little-endian)::
 
     offset 0    magic        8s   b"STKVINDX"
            8    version      u32  INDEX_VERSION
