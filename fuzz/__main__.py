@@ -130,7 +130,7 @@ def run_once(profile: Profile, machines: list[str], seed: int, totals: Totals,
         found = report.totals()
         echo(f"kill9: {found}")
         if (found["wrong_bytes"] or found["unknown_keys"] or found["lost"]
-                or found["deadline_errors"]):
+                or found["deadline_errors"] or found["stale_index_entries"]):
             failures.mkdir(parents=True, exist_ok=True)
             (failures / f"kill9-seed{seed}.txt").write_text(repr(report.checks[-1]) + "\n")
             raise AssertionError(f"kill -9 loop (seed {seed}) found {found}")

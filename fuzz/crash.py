@@ -43,6 +43,7 @@ from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, 
 from io_actors.backends.posix import PosixSlotStore, Recovery
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, CacheAPI
+from io_actors.index_journal import INDEX_FILE
 from io_actors.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
 from io_actors.memory import page_aligned_buffer
 from io_actors.retention_journal import RetentionRecord
@@ -218,6 +219,15 @@ class Check:
     served_blocks: int
     """Matched blocks a cache opened on the directory handed to requests (all checked)."""
     recovery: Recovery
+    stale: int = 0
+    """Slots the reopen restored (from the index journal) that a header scan of the same
+    directory does not restore under the same key: must be 0 after a crash (the journal
+    never names bytes that were not written, nor a slot written again since)."""
+    scan: Recovery | None = None
+    """What a header scan of the same directory found, right after the reopen."""
+    scan_torn: int = 0
+    """Slots that scan restored whose read fails its checks (torn by the crash): the
+    journal must not have restored them (they are never served either way)."""
     deadlines_checked: int = 0
     """Restored slots whose deadline was checked against the ledger (DeadlineLedger)."""
     deadline_errors: tuple[str, ...] = ()
@@ -226,7 +236,8 @@ class Check:
 
     @property
     def ok(self) -> bool:
-        return not (self.wrong_bytes or self.unknown_keys or self.lost or self.deadline_errors)
+        return not (self.wrong_bytes or self.unknown_keys or self.lost or self.deadline_errors
+                    or self.stale)
 
 
 def check_directory(
@@ -269,6 +280,23 @@ def check_directory(
         deadline_errors = ledger.check(recovery) if ledger is not None else []
     finally:
         store.close()
+    # The same directory through the header scan (the reopen above rewrote the journal:
+    # remove it, and the scan rewrites it again for the cache below).
+    (directory / INDEX_FILE).unlink(missing_ok=True)
+    store = PosixSlotStore(directory, core)
+    scan_torn = 0
+    try:
+        scan = store.recovery
+        assert scan.index.source == "scan", scan.index
+        for entry in scan.slots:
+            try:
+                store.read(entry.slot, entry.key, dst)
+            except TransferFailed:
+                scan_torn += 1
+    finally:
+        store.close()
+    scanned = {(s.slot, s.key) for s in scan.slots}
+    stale = sum(1 for s in recovery.slots if (s.slot, s.key) not in scanned)
     served = 0
     with BlockingCache(config) as cache:
         for i, prompt in enumerate(all_prompts if serve is None else serve):
@@ -278,7 +306,8 @@ def check_directory(
         cache.check_invariants()
     return Check(restored=len(recovery.slots), verified=verified, torn=torn, wrong_bytes=wrong,
                  unknown_keys=unknown, landed=len(landed or {}), lost=lost,
-                 served_blocks=served, recovery=recovery,
+                 served_blocks=served, recovery=recovery, stale=stale, scan=scan,
+                 scan_torn=scan_torn,
                  deadlines_checked=len(recovery.slots) if ledger is not None else 0,
                  deadline_errors=tuple(deadline_errors))
 
@@ -337,6 +366,9 @@ class Enumeration:
     journal_appends: int
     """Retention journal appends of the scripted workload (one crash point each, torn at a
     seeded byte: often inside a record)."""
+    index_appends: int = 0
+    """Index journal appends of the scripted workload (before and after slot writes, the
+    seal at close; one crash point each, torn at a seeded byte)."""
     checks: tuple[Check, ...]
     wrong_bytes_while_running: int
 
@@ -348,10 +380,12 @@ def enumerate_crashes(base: Path, *, seed: int = 0, every: int = 1) -> Enumerati
     counting, wrong, _log = scripted_workload(base / "count", FaultPlan())
     writes = counting.calls(Op.WRITE)
     appends = counting.calls(Op.JOURNAL)
+    index_appends = counting.calls(Op.INDEX)
     checks = []
     all_prompts = script_prompts()
     points = [(Op.WRITE, k) for k in range(1, writes + 1, every)]
     points += [(Op.JOURNAL, k) for k in range(1, appends + 1, every)]
+    points += [(Op.INDEX, k) for k in range(1, index_appends + 1, every)]
     for op, k in points:
         directory = base / f"crash-{op.value}{k}"
         plan = FaultPlan(rules=(FaultRule(op=op, fault=Fault.CRASH, nth=k),), seed=seed)
@@ -362,7 +396,8 @@ def enumerate_crashes(base: Path, *, seed: int = 0, every: int = 1) -> Enumerati
         ledger.read(log)
         checks.append(check_directory(workload_config(directory), all_prompts,
                                       landed_slots(log), ledger=ledger))
-    return Enumeration(writes=writes, journal_appends=appends, checks=tuple(checks),
+    return Enumeration(writes=writes, journal_appends=appends, index_appends=index_appends,
+                       checks=tuple(checks),
                        wrong_bytes_while_running=wrong)
 
 
@@ -429,6 +464,8 @@ class WriteLog:
         return self._inner.read_many(reads)
 
     def discard(self, slot: SlotId) -> None:
+        """Logged (D): the slot's content left the cache, so it need not be found again."""
+        os.write(self._fd, f"D {slot}\n".encode())
         self._inner.discard(slot)
 
     def close(self) -> None:
@@ -448,7 +485,7 @@ def landed_slots(log: Path) -> dict[SlotId, BlockHash]:
             parts = line.split()
             if parts[:1] in (["j"], ["J"]):
                 continue  # journal appends: DeadlineLedger reads them
-            if len(parts) in (2, 4) and parts[0] == "W":
+            if len(parts) in (2, 4) and parts[0] in {"W", "D"}:
                 last[SlotId(int(parts[1]))] = None
             elif len(parts) in (3, 4) and parts[0] == "L" and len(parts[2]) == 64:
                 last[SlotId(int(parts[1]))] = BlockHash(bytes.fromhex(parts[2]))
@@ -578,6 +615,10 @@ class KillReport:
             "journal_records_applied": sum(c.recovery.journal.applied for c in self.checks),
             "journal_records_torn": sum(c.recovery.journal.torn for c in self.checks),
             "deadline_errors": sum(len(c.deadline_errors) for c in self.checks),
+            "reopened_from_index_journal": sum(c.recovery.index.source == "journal"
+                                               for c in self.checks),
+            "index_records_torn": sum(c.recovery.index.torn for c in self.checks),
+            "stale_index_entries": sum(c.stale for c in self.checks),
         }
 
 
@@ -640,10 +681,11 @@ def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float 
     return KillReport(kills=len(checks), checks=tuple(checks))
 
 
-def summary(check: Check) -> dict[str, int]:
+def summary(check: Check) -> dict[str, object]:
     fields = attrs.asdict(check, recurse=False)
     fields["reclaimed"] = check.recovery.reclaimed
-    del fields["recovery"]
+    fields["index"] = check.recovery.index.source
+    del fields["recovery"], fields["scan"]
     return fields
 
 
@@ -656,7 +698,8 @@ def main(argv: list[str]) -> int:
                            on_check=lambda n, c: print(n, summary(c), flush=True))
     print(report.totals())
     totals = report.totals()
-    bad = totals["wrong_bytes"] or totals["unknown_keys"] or totals["lost"]
+    bad = (totals["wrong_bytes"] or totals["unknown_keys"] or totals["lost"]
+           or totals["stale_index_entries"])
     return 0 if not (bad or totals["deadline_errors"]) else 1
 
 

@@ -43,6 +43,7 @@ from io_actors.backends import open_slot_store, public_config_error
 from io_actors.backends.posix import Recovery
 from io_actors.config import StateKVConfig
 from io_actors.gate import CompletionGate, OpenGate
+from io_actors.gc_pause import gc_paused
 from io_actors.interfaces import SlotStore
 from io_actors.memory import KVPools, TorchCopyEngine
 from io_actors.reader_pool import ReaderPool
@@ -98,22 +99,24 @@ def restore_from_disk(
     recovery = getattr(store, "recovery", None)
     if not isinstance(recovery, Recovery):
         return None
-    core.restore(
-        [
-            RestoredBlock(
-                key=found.key, parent_key=BlockHash(found.meta.parent), slot=found.slot,
-                depth=found.meta.depth, reuse_count=found.meta.reuse_count,
-                expiry=found.meta.expiry, written_at=found.meta.written_at,
-                sequence=found.meta.sequence,
-            )
-            for found in recovery.slots
-        ],
-        now=now,
-    )
+    with gc_paused():  # a few kept objects per slot: see io_actors/gc_pause.py
+        core.restore(
+            [
+                RestoredBlock(
+                    key=found.key, parent_key=BlockHash(found.meta.parent), slot=found.slot,
+                    depth=found.meta.depth, reuse_count=found.meta.reuse_count,
+                    expiry=found.meta.expiry, written_at=found.meta.written_at,
+                    sequence=found.meta.sequence,
+                )
+                for found in recovery.slots
+            ],
+            now=now,
+        )
     if recovery.slots or recovery.reclaimed or recovery.old_files:
         log.info(
-            "disk index rebuilt: %d blocks restored; reclaimed %d foreign, %d corrupt, "
-            "%d unauthenticated, %d duplicate, %d beyond capacity slots; %d old files",
+            "disk index rebuilt from %s: %d blocks restored; reclaimed %d foreign, %d corrupt,"
+            " %d unauthenticated, %d duplicate, %d beyond capacity slots; %d old files",
+            "the index journal" if recovery.index.source == "journal" else "the slot headers",
             len(recovery.slots), recovery.foreign, recovery.corrupt, recovery.unauthenticated,
             recovery.duplicates, recovery.beyond_capacity, recovery.old_files,
         )
@@ -395,8 +398,25 @@ class BlockingCache(CacheAPI):
         self._stop: trio.Event | None = None
         self.close_report: CloseReport | None = None
         self._thread = threading.Thread(target=self._main, name="statekv-trio", daemon=True)
-        self._thread.start()
-        self._ready.wait()
+        try:
+            self._thread.start()  # waits for the thread to run: interruptible too
+            self._ready.wait()
+        except BaseException:
+            # Interrupted (Ctrl-C) while the trio thread opens the cache: left running, that
+            # daemon thread would still be in the store's open (torch buffers, file syncs)
+            # when the interpreter exits, which aborted the process ("terminate called
+            # without an active exception").  Let it finish opening, then close it.  An
+            # interrupt inside start() may come before or after the thread was launched: one
+            # that is not running a second later never was.
+            waited = 0
+            while not self._ready.wait(0.01):
+                waited = 0 if self._thread.is_alive() else waited + 1
+                if waited > 100:
+                    break
+            if self._ready.is_set():
+                with suppress(BaseException):
+                    self.close(drain=False)
+            raise
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:

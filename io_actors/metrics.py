@@ -203,6 +203,12 @@ class StateKVCollector(Collector):
                              "Retention journal records replayed at open, by outcome: applied "
                              "(a lengthened deadline restored), stale (the slot was reused), "
                              "or ignored (torn, unauthenticated, foreign).")
+            families.add("restore_from_index_journal", GAUGE, {},
+                         int(recovery.index.source == "journal"),
+                         "1 when the open rebuilt the disk index from the index journal, 0 "
+                         "when it scanned the slot headers (or had nothing to rebuild).")
+            families.add("restore_index_records_torn", GAUGE, {}, recovery.index.torn,
+                         "Index journal records torn by a crash at its end, ignored at open.")
         families.add("retention_backlog", GAUGE, {}, stats.retention_backlog,
                      "Lengthened deadlines waiting for their journal append.")
         if stats.store is not None:
@@ -217,6 +223,12 @@ class StateKVCollector(Collector):
             families.add("retention_journal_compactions", COUNTER, {},
                          stats.store.journal_compactions,
                          "Run-time rewrites of the retention journal.")
+            families.add("index_records_journaled", COUNTER, {}, stats.store.index_records,
+                         "Records appended to the index journal (landed spills, freed slots, "
+                         "seals).")
+            families.add("index_journal_failures", COUNTER, {}, stats.store.index_failures,
+                         "Index journal appends that failed (the journal is then off until "
+                         "the next open, which scans the slot headers).")
         yield from families
 
 

@@ -38,13 +38,11 @@ holds more than ``COMPACT_FACTOR`` records per slot: then it is rewritten with o
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import logging
 import math
 import os
-import stat
 import struct
 import threading
 import zlib
@@ -54,6 +52,7 @@ from typing import Final
 
 import attrs
 
+from io_actors.record_file import RecordFile, check_record_file
 from io_actors.slot_format import CONFIG_FINGERPRINT_SIZE, KEY_SIZE, MAC_SIZE
 from statekv.errors import ConfigError, TransferFailed, UsageError
 
@@ -62,8 +61,6 @@ _log = logging.getLogger(__name__)
 JOURNAL_VERSION: Final = 1
 JOURNAL_FILE: Final = f"retention.v{JOURNAL_VERSION}"
 """Name of the journal inside a store's directory."""
-_NEW_FILE: Final = JOURNAL_FILE + ".new"
-"""A journal being rewritten: renamed over JOURNAL_FILE only once complete and synced."""
 RECORD_SIZE: Final = 128
 MAGIC: Final = b"STKVRETN"
 FLAG_MAC: Final = 1
@@ -198,11 +195,7 @@ def replay(
 def check_journal_file(path: Path, info: os.stat_result) -> None:
     """raises: ConfigError("directory") unless `path` is a regular file of the effective user
     that no one else may write (another user could forge deadlines: keep content forever)."""
-    from io_actors.backends.posix import check_private  # one owner of the ownership rule
-
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError("directory", f"{path} is not a regular file (a link or a device)")
-    check_private(path, info)
+    check_record_file(path, info)
 
 
 class RetentionJournal:
@@ -218,54 +211,30 @@ class RetentionJournal:
     ) -> None:
         if len(config) != CONFIG_FINGERPRINT_SIZE:
             raise UsageError("config", f"must be {CONFIG_FINGERPRINT_SIZE} bytes")
-        self._directory = directory
         self._dir_fd = dir_fd
-        self._path = directory / JOURNAL_FILE
+        self._file = RecordFile(directory, dir_fd, JOURNAL_FILE, RECORD_SIZE)
         self._slots = slots
         self._config = config
         self._mac_key = mac_key
         self._sync = sync
         self._lock = threading.Lock()
-        self._fd = -1
-        self._size = 0
         self._live: dict[int, dict[bytes, float]] = {}
         """slot -> key -> latest deadline: what a rewrite keeps."""
         self._appended = 0
         self._append_failures = 0
         self._compactions = 0
-        self._broken = False
-        """An append left the file in a state only a rewrite repairs (a failed truncate)."""
         self._open = False
 
     @property
     def path(self) -> Path:
-        return self._path
+        return self._file.path
 
     # --- open -----------------------------------------------------------------------------
 
     def vet(self) -> bytes | None:
         """The journal's bytes (None when there is none); refuses a file of another user or
         writable by others.  Reads nothing else and changes nothing."""
-        try:
-            info = os.lstat(self._path)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot inspect {self._path}: {exc}") from None
-        check_journal_file(self._path, info)
-        try:
-            fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot open {self._path}: {exc}") from None
-        try:
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot read {self._path}: {exc}") from None
-        finally:
-            os.close(fd)
-        return b"".join(chunks)
+        return self._file.vet()
 
     def start(self, keep: Iterable[RetentionRecord]) -> None:
         """Rewrite the journal with `keep` only (atomically); without records to keep, remove
@@ -277,48 +246,19 @@ class RetentionJournal:
         for record in records:
             self._live.setdefault(record.slot, {})[record.key] = record.expiry
         try:
-            # Left by a crash during a rewrite: never renamed, so never part of the journal.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._directory / _NEW_FILE)
+            self._file.remove_leftover()
             if records:
-                self._fd = self._rewrite(records)
-            elif os.path.lexists(self._path):
-                os.unlink(self._path)
-                os.fsync(self._dir_fd)
+                self._rewrite(records)
+            else:
+                self._file.remove()
         except OSError as exc:
-            raise ConfigError("directory", f"cannot rewrite {self._path}: {exc}") from None
+            raise ConfigError("directory", f"cannot rewrite {self.path}: {exc}") from None
         self._open = True
 
-    def _rewrite(self, records: Sequence[RetentionRecord]) -> int:
-        """Write `records` to a new file, fsync it, rename it over the journal, fsync the
-        directory; returns a descriptor open for appends.  Always synced: a rename of an
-        unsynced file can come back empty after a power loss, losing every record."""
-        new = self._directory / _NEW_FILE
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(new, flags, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            data = b"".join(pack_record(r, self._config, self._mac_key) for r in records)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-            os.replace(new, self._path)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(new)
-            raise
-        os.close(fd)
-        try:
-            os.fsync(self._dir_fd)
-        except OSError as exc:
-            # The rename happened: the journal in place is the new one, whose records are
-            # the old ones' live subset; only its survival of a power loss is in doubt.
-            _log.warning("%s: directory sync after a rewrite failed (%s)", self._path, exc)
-        appender = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
-        self._size = len(data)
-        return appender
+    def _rewrite(self, records: Sequence[RetentionRecord]) -> None:
+        self._file.replace(
+            b"".join(pack_record(r, self._config, self._mac_key) for r in records)
+        )
 
     # --- run time -------------------------------------------------------------------------
 
@@ -333,65 +273,31 @@ class RetentionJournal:
         data = b"".join(pack_record(r, self._config, self._mac_key) for r in records)
         with self._lock:
             if not self._open:
-                raise UsageError("journal", f"{self._path} is closed")
-            if self._fd < 0:
+                raise UsageError("journal", f"{self.path} is closed")
+            file = self._file
+            if file.fd < 0:
                 try:
-                    self._fd = self._create()
+                    file.create(sync=self._sync)
                 except OSError as exc:
                     self._append_failures += len(records)
                     raise TransferFailed("retention journal", f"cannot create: {exc}") from exc
-            if self._broken:
+            if file.broken:
                 self._compact_locked()
-                if self._broken:
+                if file.broken:
                     self._append_failures += len(records)
                     raise TransferFailed("retention journal", "a torn append could not be "
                                          "cut off, nor the journal rewritten")
             try:
-                written = os.write(self._fd, data)
-                if written == len(data) and self._sync:
-                    os.fdatasync(self._fd)
+                file.append(data, sync=self._sync)
             except OSError as exc:
-                self._undo_locked()
                 self._append_failures += len(records)
                 raise TransferFailed("retention journal", f"append failed: {exc}") from exc
-            if written != len(data):
-                self._undo_locked()
-                self._append_failures += len(records)
-                raise TransferFailed(
-                    "retention journal", f"short append: {written} of {len(data)} bytes"
-                )
-            self._size += written
             self._appended += len(records)
             for record in records:
                 keys = self._live.setdefault(record.slot, {})
                 keys[record.key] = max(keys.get(record.key, -math.inf), record.expiry)
-            if self._size // RECORD_SIZE > COMPACT_FACTOR * self._slots + 64:
+            if file.size // RECORD_SIZE > COMPACT_FACTOR * self._slots + 64:
                 self._compact_locked()
-
-    def _create(self) -> int:
-        """The journal for the first append (the directory entry synced under "data")."""
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(self._path, flags, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            size = os.fstat(fd).st_size
-            if size % RECORD_SIZE:
-                os.ftruncate(fd, size - size % RECORD_SIZE)
-                size -= size % RECORD_SIZE
-            if self._sync:
-                os.fsync(self._dir_fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._size = size
-        return fd
-
-    def _undo_locked(self) -> None:
-        """Cut a partial append off (records must stay at multiples of RECORD_SIZE)."""
-        try:
-            os.ftruncate(self._fd, self._size)
-        except OSError:
-            self._broken = True
 
     def slot_written(self, slot: int, key: bytes) -> None:
         """A write of `key` to `slot` returned: records of other keys there are inert now."""
@@ -404,15 +310,11 @@ class RetentionJournal:
         keep = [RetentionRecord(slot=slot, key=key, expiry=expiry)
                 for slot, keys in sorted(self._live.items()) for key, expiry in keys.items()]
         try:
-            fd = self._rewrite(keep)
+            self._rewrite(keep)
         except OSError as exc:
             # Still correct, only longer: the next append tries again.
-            _log.warning("%s: cannot compact (%s)", self._path, exc)
+            _log.warning("%s: cannot compact (%s)", self.path, exc)
             return
-        if self._fd >= 0:
-            os.close(self._fd)
-        self._fd = fd
-        self._broken = False
         self._compactions += 1
 
     def statistics(self) -> JournalStatistics:
@@ -425,7 +327,4 @@ class RetentionJournal:
         """Nothing is written at close: what was appended is already where it belongs."""
         with self._lock:
             self._open = False
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-
+            self._file.close()

@@ -20,6 +20,7 @@ import torch
 from io_actors.backends.posix import DATA_FILE, PosixSlotStore
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
+from io_actors.index_journal import INDEX_FILE
 from io_actors.memory import page_aligned_buffer
 from io_actors.slot_format import HEADER_SIZE, MacMismatch, SlotHeader, SlotMeta, payload_checksum
 from statekv.config import CacheConfig, KVLayout
@@ -141,7 +142,7 @@ def test_a_grow_that_does_not_fit_restores_the_file(tmp_path: Path) -> None:
 def test_a_half_created_file_of_a_failed_open_is_removed(tmp_path: Path) -> None:
     (tmp_path / (DATA_FILE + ".new")).write_bytes(b"x" * 100)
     PosixSlotStore(tmp_path, config()).close()
-    assert listing(tmp_path) == [DATA_FILE]
+    assert listing(tmp_path) == [INDEX_FILE, DATA_FILE]
 
 
 # --- typed errors before anything changes -------------------------------------------------------
@@ -160,7 +161,7 @@ def test_an_older_format_file_is_reclaimed(tmp_path: Path) -> None:
     store = PosixSlotStore(tmp_path, config())
     assert store.recovery.old_files == 1
     store.close()
-    assert listing(tmp_path) == [DATA_FILE]
+    assert listing(tmp_path) == [INDEX_FILE, DATA_FILE]
 
 
 def test_a_foreign_data_file_is_refused_and_left_alone(tmp_path: Path) -> None:
@@ -273,6 +274,7 @@ def test_a_slot_forged_with_valid_checksums_is_never_served_under_a_mac(tmp_path
 def test_under_a_mac_unsigned_slots_are_reclaimed_and_a_wrong_key_fails(tmp_path: Path) -> None:
     written(tmp_path, {0: 0})
     written(tmp_path, {1: 1}, mac_key=MAC_KEY)
+    (tmp_path / INDEX_FILE).unlink()  # the header scan is what looks at slot 0 again
     store = PosixSlotStore(tmp_path, config(), mac_key=MAC_KEY)
     assert [s.slot for s in store.recovery.slots] == [1]
     assert store.recovery.unauthenticated == 1

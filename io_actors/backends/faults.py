@@ -46,6 +46,24 @@ POISON: Final = 0xA5
 """Byte value a failed read leaves in its destination (a real failed read leaves garbage)."""
 
 
+class _Crash(BaseException):
+    """The simulated process died inside the inner store: nothing after reaches the disk.
+
+    A BaseException so that no handler of the inner store (which would cut a torn append
+    back, or give the index journal up) runs, as none would in a process that died."""
+
+
+@runtime_checkable
+class _IndexAccess(Protocol):
+    """A store that keeps an index journal (PosixSlotStore)."""
+
+    def observe_index(
+        self, observer: Callable[[str, Path, int, int], None] | None
+    ) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
 class _JournalAccess(Protocol):
     """A store that can say where its retention journal is (PosixSlotStore)."""
 
@@ -67,6 +85,10 @@ class Op(enum.Enum):
     READ = "read"
     JOURNAL = "journal"
     """Appends to the retention journal (``persist_retention``), numbered on their own."""
+    INDEX = "index"
+    """Appends to the index journal, numbered on their own: the inner store makes them
+    inside its writes (before and after the slot's bytes), its discards' records with the
+    next append, and a seal at close (``observe_index``)."""
 
 
 class Fault(enum.Enum):
@@ -96,8 +118,9 @@ class Fault(enum.Enum):
     """Write: the process dies during this write.  A seeded subset of the slot's 4 KiB
     pages lands (possibly all, possibly none), the call raises, and every later call of
     any operation raises without touching the disk: nothing after a crash reaches it.
-    Journal: a seeded prefix of the append lands (possibly all, possibly none, often
-    ending inside a record), then the same."""
+    Journal and index: a seeded prefix of the append lands (possibly all, possibly none,
+    often ending inside a record), then the same.  A crash during a slot write also loses
+    the index record the write would have appended after its bytes landed."""
 
 
 _APPLIES_TO: Final[dict[Fault, frozenset[Op]]] = {
@@ -110,7 +133,7 @@ _APPLIES_TO: Final[dict[Fault, frozenset[Op]]] = {
     Fault.TORN_WRITE_SILENT: frozenset({Op.WRITE}),
     Fault.BIT_FLIP: frozenset({Op.WRITE}),
     Fault.SLOW: frozenset({Op.READ, Op.WRITE, Op.JOURNAL}),
-    Fault.CRASH: frozenset({Op.WRITE, Op.JOURNAL}),
+    Fault.CRASH: frozenset({Op.WRITE, Op.JOURNAL, Op.INDEX}),
 }
 NEEDS_RAW_ACCESS: Final = frozenset(
     {Fault.SHORT_WRITE, Fault.TORN_WRITE, Fault.TORN_WRITE_SILENT, Fault.BIT_FLIP, Fault.CRASH}
@@ -253,10 +276,14 @@ class FaultyStore:
         self._plan = plan
         self._sleep = sleep
         self._lock = threading.Lock()
-        self._counts = {Op.WRITE: 0, Op.READ: 0, Op.JOURNAL: 0}
+        self._counts = {Op.WRITE: 0, Op.READ: 0, Op.JOURNAL: 0, Op.INDEX: 0}
         self._discards = 0
         self._injected: list[str] = []
         self._crashed_at: int | None = None
+        self._tearing = False
+        """A CRASH write is in the inner store: its post-write index record never lands."""
+        if isinstance(inner, _IndexAccess):
+            inner.observe_index(self._index_appended)
 
     @property
     def inner(self) -> SlotStore:
@@ -280,6 +307,20 @@ class FaultyStore:
                 injected=tuple(self._injected),
             )
 
+    def _index_appended(self, what: str, path: Path, before: int, after: int) -> None:
+        """The inner store appended to its index journal: maybe crash in the middle."""
+        if what == "landed" and self._tearing:
+            os.truncate(path, before)
+            raise _Crash
+        call, rule = self._next(Op.INDEX)
+        if rule is None or rule.fault is not Fault.CRASH:
+            return
+        with self._lock:
+            self._crashed_at = call
+        kept = self._rng(Op.INDEX, call).randrange(after - before + 1)
+        os.truncate(path, before + kept)
+        raise _Crash
+
     def _next(self, op: Op) -> tuple[int, FaultRule | None]:
         with self._lock:
             self._counts[op] += 1
@@ -302,7 +343,11 @@ class FaultyStore:
         if self._crashed_at is not None:
             raise TransferFailed(f"slot {slot}", "the process crashed (injected)")
         if rule is None:
-            self._inner.write(slot, key, src, meta)
+            try:
+                self._inner.write(slot, key, src, meta)
+            except _Crash:
+                raise TransferFailed(f"slot {slot}", "the process crashed during its index "
+                                     "journal append (injected)") from None
             return
         self._faulty_write(slot, key, src, meta, call, rule)
 
@@ -330,7 +375,14 @@ class FaultyStore:
 
         def flush() -> None:
             if run:
-                for n, outcome in zip(run, plain_call([items[n] for n in run]), strict=True):
+                try:
+                    outcomes = plain_call([items[n] for n in run])
+                except _Crash:
+                    # The call never returned: none of its slots counts as landed.
+                    outcomes = [TransferFailed(f"slot {items[n].slot}", "the process "
+                                               "crashed during this batch (injected)")
+                                for n in run]
+                for n, outcome in zip(run, outcomes, strict=True):
                     out[n] = outcome
                 run.clear()
 
@@ -431,7 +483,13 @@ class FaultyStore:
         """Write for real, then put back the old bytes of the pages that did not land."""
         extent = self._extent(slot)
         before = _raw_read(extent)
-        self._inner.write(slot, key, src, meta)
+        self._tearing = fault is Fault.CRASH
+        try:
+            self._inner.write(slot, key, src, meta)
+        except _Crash:
+            pass  # the write's own index record, cut off (the crash came before it)
+        finally:
+            self._tearing = False
         pages = extent.nbytes // ALIGN
         if fault is Fault.CRASH:
             # Any subset may have reached the disk, all of it or none included.
@@ -520,7 +578,17 @@ class FaultyStore:
         self._inner.discard(slot)
 
     def close(self) -> None:
-        self._inner.close()
+        """After a CRASH the inner store is abandoned: a dead process seals nothing."""
+        inner = self._inner
+        if self._crashed_at is not None and isinstance(inner, _IndexAccess):
+            inner.abandon()
+            return
+        try:
+            inner.close()
+        except _Crash:
+            # The crash struck the close's own append (the index journal's seal).
+            if isinstance(inner, _IndexAccess):
+                inner.abandon()
 
 
 def _raw_read(extent: SlotExtent) -> bytes:

@@ -52,6 +52,7 @@ from io_actors.backends.posix import (
     check_block_tensor,
 )
 from io_actors.gpu_checksum import payload_checksums_cuda, warm_up
+from io_actors.index_journal import Observer
 from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.retention_journal import RetentionRecord
 from io_actors.slot_format import (
@@ -315,7 +316,7 @@ class KvikioSlotStore:
         return out
 
     def discard(self, slot: SlotId) -> None:
-        """A no-op, for the reasons of :meth:`PosixSlotStore.discard`."""
+        """The wrapped store's (:meth:`PosixSlotStore.discard`: no I/O)."""
         self._host.discard(slot)
 
     def close(self) -> None:
@@ -328,6 +329,20 @@ class KvikioSlotStore:
                 self._cond.wait()
         self._file.close()
         self._host.close()
+
+    def abandon(self) -> None:
+        """As :meth:`close`, writing nothing more (:meth:`PosixSlotStore.abandon`)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            while self._in_flight:
+                self._cond.wait()
+        self._file.close()
+        self._host.abandon()
+
+    def observe_index(self, observer: Observer | None) -> None:
+        self._host.observe_index(observer)
 
     def statistics(self) -> SlotStoreStatistics:
         """The wrapped store's counters, device reads included."""
@@ -348,4 +363,6 @@ class KvikioSlotStore:
             retention_records=host.retention_records,
             retention_failures=host.retention_failures,
             journal_compactions=host.journal_compactions,
+            index_records=host.index_records,
+            index_failures=host.index_failures,
         )

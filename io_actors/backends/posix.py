@@ -53,6 +53,15 @@ from typing import Final
 import attrs
 import torch
 
+from io_actors.gc_pause import gc_paused
+from io_actors.index_journal import (
+    IndexFound,
+    IndexJournal,
+    IndexJournalStatistics,
+    IndexReplay,
+    Observer,
+    identity,
+)
 from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.memory import page_aligned_buffer
 from io_actors.retention_journal import (
@@ -251,6 +260,11 @@ class Recovery:
     journal: JournalReplay = attrs.field(factory=JournalReplay)
     """What replaying the retention journal found: deadlines lengthened after their slot
     was written (applied to `slots`), and the records ignored, by why."""
+    index: IndexReplay = attrs.field(factory=IndexReplay)
+    """How the index was rebuilt: from the index journal (no header scan), or by the scan
+    (and why the journal was not used).  With the journal, the slots the scan would have
+    reclaimed are not looked at: their counts above stay 0 (the open that wrote them
+    counted them)."""
 
     @property
     def reclaimed(self) -> int:
@@ -290,6 +304,11 @@ class SlotStoreStatistics:
     """Lengthened deadlines whose append failed (kept in memory only)."""
     journal_compactions: int = 0
     """Run-time rewrites of the retention journal (it holds a bounded number of records)."""
+    index_records: int = 0
+    """Records appended to the index journal (landed spills, freed slots, the seal)."""
+    index_failures: int = 0
+    """Index journal appends that failed (the journal is then off until the next open,
+    which scans the headers)."""
 
 
 def host_view(tensor: torch.Tensor) -> memoryview:
@@ -412,17 +431,33 @@ class PosixSlotStore:
         self._dir_fd = -1
         self._fd = -1
         journal: RetentionJournal | None = None
+        index: IndexJournal | None = None
         try:
             self._dir_fd = self._lock_directory()
             journal = RetentionJournal(
                 self._directory, self._dir_fd, slots=self._slots, config=self._config_fp,
                 mac_key=self._mac_key, sync=sync_writes,
             )
+            index = IndexJournal(
+                self._directory, self._dir_fd, slots=self._slots, config=self._config_fp,
+                mac_key=self._mac_key, sync=sync_writes,
+            )
             # Vetted before anything changes on disk, like the data file.
             records = journal.vet()
-            self._fd, recovery = self._open_data_file(preallocate, persist)
+            index_data = index.vet()
+            with gc_paused():
+                self._fd, recovery, found = self._open_data_file(
+                    preallocate, persist, index, index_data if persist else None
+                )
             self._recovery = self._replay(journal, recovery, records if persist else None)
+            file_id = self._file_id(os.fstat(self._fd))
+            if found is None or not index.resume(found, file_id):
+                index.start(
+                    [(e.slot, bytes(e.key), e.meta) for e in self._recovery.slots], file_id
+                )
         except BaseException:
+            if index is not None:
+                index.abandon()
             if journal is not None:
                 journal.close()
             if self._fd >= 0:
@@ -432,6 +467,7 @@ class PosixSlotStore:
             _remove_created(created)
             raise
         self._journal = journal
+        self._index = index
         self._direct = direct_io and self._enable_direct_io()
         self._cond = threading.Condition()
         self._closed = False
@@ -503,7 +539,15 @@ class PosixSlotStore:
                 leftover = True
         return older, leftover
 
-    def _open_data_file(self, preallocate: bool, persist: bool) -> tuple[int, Recovery]:
+    def _file_id(self, info: os.stat_result) -> bytes:
+        return identity(inode=info.st_ino, size=info.st_size, slot_bytes=self._slot_bytes,
+                        payload_len=self._payload_len)
+
+    def _open_data_file(
+        self, preallocate: bool, persist: bool, index: IndexJournal, index_data: bytes | None,
+    ) -> tuple[int, Recovery, IndexFound | None]:
+        """The data file, opened (and resized), what its index holds, and the index journal
+        it was read from (None when the headers were scanned, or nothing was read)."""
         older, leftover = self._entries()
         try:
             info: os.stat_result | None = os.lstat(self._path)
@@ -519,10 +563,11 @@ class PosixSlotStore:
             check_private(self._path, info)
         fd = -1
         recovery = Recovery(slots=())
+        found: IndexFound | None = None
         if info is not None and persist:
             fd = self._open_existing()
             try:
-                recovery = self._scan(fd, info.st_size)
+                recovery, found = self._rebuild(fd, info, index, index_data)
                 self._resize(fd, info, preallocate)
             except BaseException:
                 os.close(fd)
@@ -543,7 +588,7 @@ class PosixSlotStore:
         if leftover and info is not None and persist:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._directory / _NEW_FILE)
-        return fd, attrs.evolve(recovery, old_files=len(older))
+        return fd, attrs.evolve(recovery, old_files=len(older)), found
 
     def _replay(
         self, journal: RetentionJournal, recovery: Recovery, records: bytes | None
@@ -662,6 +707,41 @@ class PosixSlotStore:
         except OSError as exc:
             raise ConfigError("directory", f"cannot resize {self._path}: {exc}") from None
 
+    def _rebuild(
+        self, fd: int, info: os.stat_result, index: IndexJournal, index_data: bytes | None,
+    ) -> tuple[Recovery, IndexFound | None]:
+        """The index of an existing data file: from the index journal when it is complete
+        and names this file (one sequential read), else from the slot headers (a read per
+        slot), with the reason logged."""
+        self._check_first_block(fd, info.st_size)
+        found, replay = index.read(index_data, self._file_id(info))
+        if found is None:
+            if info.st_size // self._slot_bytes:
+                _log.warning("%s: index rebuilt from the slot headers: %s", self._path,
+                             replay.reason)
+            return attrs.evolve(self._scan(fd, info.st_size), index=replay), None
+        if replay.torn:
+            _log.warning("%s: %d torn index record(s) at the end ignored (an append torn "
+                         "by a crash)", index.path, replay.torn)
+        return Recovery(
+            slots=tuple(RecoveredSlot(slot=SlotId(slot), key=BlockHash(key), meta=meta)
+                        for slot, key, meta in found.entries),
+            duplicates=replay.duplicates, beyond_capacity=replay.beyond_capacity,
+            index=replay,
+        ), found
+
+    def _check_first_block(self, fd: int, size: int) -> None:
+        """raises: ConfigError("directory") when the file is not a statekv data file (its
+        first header block is neither empty nor a slot header), before anything changes."""
+        if size < HEADER_SIZE:
+            return
+        first = os.pread(fd, HEADER_SIZE, 0)
+        if any(first) and not first.startswith(MAGIC):
+            raise ConfigError(
+                "directory", f"{self._path} is not a statekv slot file (foreign or corrupt: "
+                "its first header block is not a slot header); move it away"
+            )
+
     def _scan(self, fd: int, size: int) -> Recovery:
         """Read every slot header of an existing data file: the index rebuild's input.
 
@@ -674,12 +754,6 @@ class PosixSlotStore:
         nslots = size // self._slot_bytes
         if nslots == 0:
             return Recovery(slots=())
-        first = os.pread(fd, HEADER_SIZE, 0)
-        if any(first) and not first.startswith(MAGIC):
-            raise ConfigError(
-                "directory", f"{self._path} is not a statekv slot file (foreign or corrupt: "
-                "its first header block is not a slot header); move it away"
-            )
         with contextlib.suppress(OSError, AttributeError):
             # One header per slot, far apart: read-ahead would only read payloads.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -825,12 +899,15 @@ class PosixSlotStore:
             raise UsageError("meta", f"must be a SlotMeta or None, got {meta!r:.80}")
         what = f"slot {slot}"
         with self._transfer() as buffer:
+            self._index.before_write([slot])
             try:
                 self._write(slot, key, src, meta, buffer, what)
             except TransferFailed:
                 with self._cond:
                     self._write_failures += 1
                 raise
+            if meta is not None:
+                self._index.landed([(slot, bytes(key), meta)])
             with self._cond:
                 self._writes += 1
         self._journal.slot_written(slot, key)
@@ -924,12 +1001,18 @@ class PosixSlotStore:
         items = self._check_batch("writes", writes, "src")
         out: BatchOutcome = [None] * len(items)
         with self._batch() as headers:
+            self._index.before_write([item.slot for item in items])
             for run, direct in self._runs(items):
                 if direct:
                     self._write_run(items, run, headers, out)
                 else:
                     self._each(items, run, out, lambda item, buffer, what: self._write(
                         item.slot, item.key, item.buffer, item.meta, buffer, what))
+            # After the writes returned (and were synced, under sync_writes): a record never
+            # names bytes that were not written.
+            self._index.landed([(item.slot, bytes(item.key), item.meta)
+                                for item, outcome in zip(items, out, strict=True)
+                                if outcome is None and item.meta is not None])
         self._count(out, write=True)
         for item, outcome in zip(items, out, strict=True):
             if outcome is None:
@@ -1147,19 +1230,33 @@ class PosixSlotStore:
             return SlotHeader.unpack(buffer.header, what=what)
 
     def discard(self, slot: SlotId) -> None:
-        """A no-op, deliberately.
+        """Forget the slot's content in the index journal; no I/O, and the bytes stay.
 
         The bytes left behind cannot be served wrongly: a later read must name the key they
         were written under, and a key is a content hash, so bytes found under the right key
-        with a valid checksum are the right KV.  Invalidating here would cost a write per
-        eviction and, run from a worker thread, could land after the slot's next write and
-        destroy it; punching a hole would turn the next write into an allocating one (half
-        the overwrite rate measured above).
+        with a valid checksum are the right KV.  Invalidating them here would cost a write
+        per eviction and, run from a worker thread, could land after the slot's next write
+        and destroy it; punching a hole would turn the next write into an allocating one
+        (half the overwrite rate measured above).  The index journal's FREE record is held
+        in memory and appended by the next append (a writer thread) or the close.
         """
         self._check_slot(slot)
+        # The index journal forgets the slot (its FREE record goes with the next append):
+        # a reopened cache does not resurrect content the cache had let go, whose later
+        # deadlines (lengthened while it was elsewhere) the slot's header would not have.
+        self._index.discard(slot)
 
     def close(self) -> None:
-        """Wait for transfers in flight, then release the lock and the descriptor."""
+        """Wait for transfers in flight, seal the index journal (a clean close), then
+        release the lock and the descriptors."""
+        self._close(seal=True)
+
+    def abandon(self) -> None:
+        """Close as a process that died would leave the directory: nothing more is written
+        (no index journal seal, no discards appended).  For fault injection."""
+        self._close(seal=False)
+
+    def _close(self, *, seal: bool) -> None:
         with self._cond:
             if self._closed:
                 return
@@ -1168,12 +1265,28 @@ class PosixSlotStore:
                 self._cond.wait()
             self._free_buffers.clear()
             self._free_headers.clear()
-        self._journal.close()
-        os.close(self._fd)
-        os.close(self._dir_fd)  # releases the directory lock
+        try:
+            if seal:
+                self._index.close()
+            else:
+                self._index.abandon()
+        finally:
+            self._journal.close()
+            os.close(self._fd)
+            os.close(self._dir_fd)  # releases the directory lock
+
+    def observe_index(self, observer: Observer | None) -> None:
+        """Call `observer` after each index journal append (fault injection tears them)."""
+        self._index.observer = observer
+
+    @property
+    def index_path(self) -> Path:
+        """The index journal."""
+        return self._index.path
 
     def statistics(self) -> SlotStoreStatistics:
         journal: JournalStatistics = self._journal.statistics()
+        index: IndexJournalStatistics = self._index.statistics()
         with self._cond:
             return SlotStoreStatistics(
                 writes=self._writes,
@@ -1188,6 +1301,8 @@ class PosixSlotStore:
                 retention_records=journal.appended,
                 retention_failures=journal.append_failures,
                 journal_compactions=journal.compactions,
+                index_records=index.appended,
+                index_failures=index.failures,
             )
 
     # --- helpers ----------------------------------------------------------------------------
