@@ -54,6 +54,7 @@ from fuzz.core_machine import (
 )
 from fuzz.driver import CLOSE_TIMEOUT, Driver, LiveRequest, SystemSpec, system_specs
 from fuzz.gate import FuzzGate
+from fuzz.memory_probe import MemoryProbe
 from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from fuzz.waiters import Waiters
@@ -93,11 +94,13 @@ class SystemMachine(RuleBasedStateMachine):
     """Where the KV pools live ("cuda" in the GPU profile)."""
     backend: ClassVar[str] = "posix"
     """The slot store under the fault layer ("kvikio" in the GPU profile, when installed)."""
-
     def __init__(self) -> None:
         super().__init__()
         Counts.examples += 1
         self.driver: Driver | None = None
+        self.memory_probe: MemoryProbe | None = None
+        """What the leak check measures (None: the CUDA allocator's count where the pools are
+        on CUDA, nothing on the CPU; tests plant :func:`fuzz.memory_probe.live_pool_bytes`)."""
         self.trace: TraceRecorder | None = None
         self.changed = threading.Condition()
         self.gate = FuzzGate(self.notify)
@@ -123,7 +126,7 @@ class SystemMachine(RuleBasedStateMachine):
     def open(self, spec: SystemSpec) -> None:
         self.driver = Driver(spec, device=self.device, backend=self.backend, gate=self.gate,
                              on_commands=self.on_commands, notify=self.notify,
-                             rescue=self.gate.open)
+                             rescue=self.gate.open, memory_probe=self.memory_probe)
         self.trace = self.driver.trace
         self._waiters = Waiters(self.driver, self.notify)
         note(f"writers={spec.writers} readers={spec.readers}")
@@ -640,6 +643,10 @@ class SystemMachine(RuleBasedStateMachine):
              else "closed with nothing to drop")
         spec = d.spec
         d.clean_up()
+        # The closed cache must be unreachable before the next one measures its baseline:
+        # the closer still held it, pools and all, and the GPU profile's leak check then saw
+        # the new cache "give back" the old one's 32 KiB ("leaked: -32768 bytes").
+        del closer, d
         self.driver = None
         self.gate = FuzzGate(self.notify)
         self.write_batches.clear()

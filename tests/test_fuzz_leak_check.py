@@ -16,6 +16,7 @@ import pytest
 from fuzz import memory_probe, planted
 from fuzz.driver import Driver
 from fuzz.memory_probe import live_pool_bytes
+from fuzz.system_machine import SystemMachine
 from tests.test_fuzz_races import BASE
 
 
@@ -55,3 +56,17 @@ def test_the_warm_up_runs_once_per_process_and_shape() -> None:
     one_cache_life()
     spec = attrs.evolve(BASE, gpu=4, host=1, reserved_host=0, disk=4)
     assert not memory_probe.warm_up(spec, "cpu", "posix")
+
+
+def test_a_cache_closed_mid_work_is_not_counted_against_the_next_one() -> None:
+    """close_with_work_in_flight opens a fresh cache: the closed one must be unreachable by
+    then, or the fresh cache's baseline counts its pools and the teardown's check sees memory
+    "given back" (the GPU profile's "leaked: -32768 bytes")."""
+    one_cache_life()  # warmed
+    m = SystemMachine()
+    m.memory_probe = live_pool_bytes
+    m.open(attrs.evolve(BASE, gpu=4, host=1, reserved_host=0, disk=1))
+    m.close_with_work_in_flight()
+    m.close_with_work_in_flight()
+    m.system_agrees_with_the_spec()
+    m.teardown()
