@@ -29,8 +29,8 @@ in the window / requests that arrived in it) over what the server did inside it.
 the time it waited, and its run's TTFT p99 is flagged as a lower bound (``--drain-s`` is
 above the SLO, so such a p99 is a certain miss).
 
-**Rates** are multiples of the case's *recompute capacity*, calibrated in the same run: the
-model's prefill rate at the case's context over the tokens of a request computed in full
+**Rates** are multiples of the case's *recompute capacity* (or given in requests/s with
+``--rates-rps``), calibrated in the same run: the model's prefill rate at the case's context over the tokens of a request computed in full
 (serving.recompute_capacity): about where (a) saturates; configurations that reuse saturate
 higher.  With ``--search climb`` (the default) each configuration climbs every other rate of
 ``--rates`` until TTFT p99 misses the SLO, then runs the rate just below that miss: the knee
@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-user history lengths in tokens, comma-separated")
     p.add_argument("--rates", type=_csv(positive_number), default=list(DEFAULT_RATES),
                    help="offered rates as multiples of the calibrated recompute capacity")
+    p.add_argument("--rates-rps", type=_csv(positive_number), default=None,
+                   help="offered rates in requests/s instead (the same for every case)")
     p.add_argument("--search", choices=("climb", "grid"), default="climb",
                    help="climb: every other rate up to the first miss, then the rate below "
                         "it; grid: every rate for every configuration")
@@ -448,9 +450,9 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                 f"({'O_DIRECT' if disk.direct else 'buffered'}); pools gpu/host/disk "
                 f"{blocks[0]}/{blocks[1]}/{blocks[2]} blocks of {args.block_size} tokens")
             for history in args.histories:
-                cases.append(_run_case(args, model, model_name, history, blocks, kv_token,
-                                       disk, multiples, drain, path, header, cases, bar,
-                                       disk_dir, str(device), left, OpenChatWorkload))
+                _run_case(args, model, model_name, history, blocks, kv_token, disk,
+                          multiples, drain, path, header, cases, bar, disk_dir, str(device),
+                          left, OpenChatWorkload)
             del model
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -483,6 +485,8 @@ def _run_case(args: argparse.Namespace, model: Any, model_name: str, history: in
     prompt = mean_prompt_tokens(base)
     warmup = base.num_users if args.warmup_requests is None else int(args.warmup_requests)
     working_set = base.num_users * user_kv_bytes(args, history, kv_token)
+    if args.rates_rps is not None:
+        multiples = [r / capacity for r in sorted(args.rates_rps)]
     rates = [{"capacity_multiple": m, "requests_per_s": m * capacity,
               "input_tok_per_s": m * capacity * prompt} for m in multiples]
     case: dict[str, Any] = {
