@@ -33,8 +33,9 @@ above the SLO, so such a p99 is a certain miss).
 ``--rates-rps``), calibrated in the same run: the model's prefill rate at the case's context
 over the tokens of a request computed in full (serving.recompute_capacity): about where (a)
 saturates; configurations that reuse saturate higher.  With ``--search climb`` (the
-default) each configuration climbs every other rate of ``--rates`` until TTFT p99 misses the SLO, then runs the rate just below that miss: the knee
-to one step of the grid for about half the runs.  ``--search grid`` runs every rate.
+default) each configuration climbs every other rate of ``--rates`` until TTFT p99 misses
+the SLO, then runs the rate just below that miss: the knee to one step of the grid for
+about half the runs.  ``--search grid`` runs every rate.
 
 **Goodput** of a configuration is the highest rate it ran at which TTFT p99 is within the SLO
 (``--slo-ttft-p99`` seconds) *and every lower rate it ran met it too*, no interpolation.  Its
