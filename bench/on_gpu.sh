@@ -2,11 +2,13 @@
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
 #   bench/on_gpu.sh tests io demo e2e fuzz tp rebuild sweep
-# sweep: the offered-load sweep of bench/sweep.py, one layer shape per call (SWEEP_MODELS,
-# default 70b-class, about 7 minutes; SWEEP_MODELS=8b-class for the second shape), histories
-# SWEEP_HISTORIES, rates SWEEP_RATES (multiples of the calibrated capacity), SWEEP_ARGS
-# appended (a flag given again there wins); the plots are drawn afterwards where matplotlib
-# is: python -m bench.sweep --plot FILE.
+# sweep: the open-loop offered-load sweep of bench/sweep.py, one layer shape per call
+# (SWEEP_MODELS, default 70b-class with 2 layers; SWEEP_MODELS=8b-class SWEEP_LAYERS=4 for
+# the second shape), histories SWEEP_HISTORIES, rates SWEEP_RATES (multiples of the
+# calibrated recompute capacity; the sweep's own grid when unset), SWEEP_ARGS appended (a
+# flag given again there wins).  It stops itself cleanly at --deadline-s 530, inside the
+# 560 s limit, keeping what it measured; the plots are drawn afterwards where matplotlib is:
+# python -m bench.sweep --plot FILE.
 set -uo pipefail
 OUT=${OUT:-/tmp/statekv-gpu-out}
 mkdir -p "$OUT"
@@ -40,10 +42,16 @@ for step in "$@"; do
     e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
     sweep) SWEEP_MODELS=${SWEEP_MODELS:-70b-class}
+        # 2 layers of 70B-class (8 KiB of KV per token) with 0.5 GiB pools and 128-token
+        # (1 MiB) blocks hold the same tokens and move the same block size as 4 layers with
+        # 1 GiB and 64-token blocks, at twice the request rate: twice the requests per second
+        # of device time.  8B-class: SWEEP_LAYERS=4 SWEEP_POOL_GIB=1 SWEEP_BLOCK=64.
         run sweep ${SWEEP_S:-560} python3 -m bench.sweep --machine h200 --dir "$DISK/sweep" \
         --models "$SWEEP_MODELS" --tag "${SWEEP_MODELS//,/-}" \
-        --histories "${SWEEP_HISTORIES:-4096,16384}" --rates "${SWEEP_RATES:-0.25,0.5,1,2}" \
-        --layers 4 --gpu-gib 1 --host-gib 1 --pressure 1.5 --rounds 3 --block-size 64 \
+        --histories "${SWEEP_HISTORIES:-4096,16384}" ${SWEEP_RATES:+--rates "$SWEEP_RATES"} \
+        --layers "${SWEEP_LAYERS:-2}" --gpu-gib "${SWEEP_POOL_GIB:-0.5}" \
+        --host-gib "${SWEEP_POOL_GIB:-0.5}" --block-size "${SWEEP_BLOCK:-128}" \
+        --pressure 1.5 --rounds 3 --duration-s 8 --min-requests 24 --deadline-s 530 \
         ${SWEEP_ARGS:-} ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     fuzz) run fuzz ${FUZZ_S:-120} python3 -m fuzz --profile gpu ;;

@@ -21,10 +21,10 @@ from typing import NoReturn
 
 import torch
 
-from models.chat_run import Budgets, RunResult, run_workload, ttft_summary
+from models.chat_run import Budgets, RunResult, percentile, run_workload, ttft_summary
 from models.config import ModelConfig
 from models.model import Chunk, PagedDecoder
-from models.workloads import ChatWorkloadConfig
+from models.workloads import ChatWorkload, ChatWorkloadConfig, OpenChatWorkload
 
 CONFIGS = ("a", "b", "c", "d", "e")
 NAMES = {
@@ -158,6 +158,13 @@ def full_reuse_capacity(config: ChatWorkloadConfig, prefill_tok_per_s: float) ->
     return prefill_tok_per_s / (mean_new + 4 * c.answer_tokens)
 
 
+def recompute_capacity(config: ChatWorkloadConfig, prefill_tok_per_s: float) -> float:
+    """Requests/s the model could serve recomputing every prompt in full (configuration
+    (a)'s ceiling; decoding priced as in full_reuse_capacity).  Every configuration that
+    reuses saturates above it, so the sweep's rates are multiples of it."""
+    return prefill_tok_per_s / (mean_prompt_tokens(config) + 4 * config.answer_tokens)
+
+
 def mean_prompt_tokens(config: ChatWorkloadConfig) -> float:
     """Mean prompt length over a conversation's rounds (round r repeats rounds 0..r-1)."""
     c = config
@@ -190,13 +197,14 @@ def budgets_for(key: str, args: argparse.Namespace, blocks: tuple[int, int, int]
     )
 
 
-def run_config(model: PagedDecoder, key: str, workload: ChatWorkloadConfig, budgets: Budgets, *,
+def run_config(model: PagedDecoder, key: str,
+               workload: ChatWorkloadConfig | OpenChatWorkload, budgets: Budgets, *,
                device: str, disk_dir: Path, args: argparse.Namespace,
-               progress: Callable[[int, int], None] | None = None) -> RunResult:
-    """Serve `workload` under configuration `key` (the disk tier's policies from `args`)."""
-    from models.workloads import ChatWorkload
-
-    chat = ChatWorkload(workload)
+               progress: Callable[[int, int], None] | None = None,
+               stop_at: float | None = None) -> RunResult:
+    """Serve `workload` under configuration `key` (the disk tier's policies from `args`): a
+    config is served as the closed-loop ChatWorkload, an OpenChatWorkload as it is."""
+    chat = ChatWorkload(workload) if isinstance(workload, ChatWorkloadConfig) else workload
     return run_workload(
         model, chat, budgets, device=device, disk_dir=disk_dir / key,
         batch_invariant=False, salt_every_request=key == "a", synchronous_io=key == "e",
@@ -204,7 +212,7 @@ def run_config(model: PagedDecoder, key: str, workload: ChatWorkloadConfig, budg
         prefetch_ahead=args.prefetch_ahead if key in "de" else 0,
         cost_aware_onboarding=not args.no_cost_aware,
         reclaim_prefetched_first=args.reclaim_prefetched == "first",
-        progress=progress, total=chat.total_requests,
+        progress=progress, total=chat.total_requests, stop_at=stop_at,
     )
 
 
@@ -239,6 +247,63 @@ def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
         "io_errors": run.cache.cache.io_errors,
     }
 
+
+
+def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
+                   ) -> dict[str, float | int | bool]:
+    """An open-loop run's figures over its steady-state window.
+
+    The window runs from the arrival of request `warmup` (the first measured one; earlier ones
+    warm the cache up) to the last arrival, or to the end of the run if it was stopped before.
+    Latencies are over the requests that arrived in the window; one that had no first token
+    when the run stopped counts with the time it had waited (a lower bound, flagged).
+    Throughputs count what the server did inside the window: requests finished, prompt
+    tokens of requests whose first token came, output tokens of requests finished.
+    ``sustained_vs_offered`` is requests finished in the window over requests that arrived
+    in it: about 1.0 when the server keeps up, below when it falls behind.
+    """
+    if not 0 <= warmup < len(arrival_times) - 1:
+        raise ValueError(f"warmup {warmup} leaves no window in {len(arrival_times)} arrivals")
+    stop = run.seconds
+    start, end = arrival_times[warmup], min(arrival_times[-1], stop)
+    span = end - start
+    everyone = [*run.results, *run.unfinished]
+    measured = [r for r in everyone if r.arrival >= start]
+    ttfts = sorted(r.ttft if r.ttft is not None else stop - r.arrival for r in measured)
+    censored = sum(1 for r in measured if r.ttft is None)
+    inside = [r for r in run.results if r.finished is not None and start <= r.finished < end]
+    arrived = sum(1 for t in arrival_times if start <= t < end)
+    prefilled = sum(r.prompt_tokens for r in everyone
+                    if r.first_token is not None and start <= r.first_token < end)
+    offered = sum(r.prompt_tokens for r in everyone if start <= r.arrival < end)
+    finished = [r for r in measured if r.finished is not None]
+    gaps = [(r.finished - r.first_token) / (len(r.output) - 1) for r in finished
+            if r.first_token is not None and r.finished is not None and len(r.output) > 1]
+    nan = float("nan")
+    return {
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else nan,
+        "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_p99_lower_bound": censored > 0,
+        "itl_p50_s": statistics.median(gaps) if gaps else nan,
+        "window_s": span,
+        "arrived_requests_per_s": arrived / span if span > 0 else nan,
+        "sustained_requests_per_s": len(inside) / span if span > 0 else nan,
+        "sustained_vs_offered": len(inside) / arrived if arrived else nan,
+        "input_tok_per_s": prefilled / span if span > 0 else nan,
+        "offered_input_tok_per_s": offered / span if span > 0 else nan,
+        "output_tok_per_s": sum(len(r.output) for r in inside) / span if span > 0 else nan,
+        "tokens_gpu": sum(r.gpu_tokens for r in measured),
+        "tokens_host": sum(r.host_tokens for r in measured),
+        "tokens_disk": sum(r.disk_tokens for r in measured),
+        "tokens_computed": sum(r.recomputed_tokens for r in measured),
+        "requests": len(everyone),
+        "warmup_requests": warmup,
+        "measured_requests": len(measured),
+        "unfinished": len(run.unfinished),
+        "no_first_token": censored,
+        "seconds": run.seconds,
+        "io_errors": run.cache.cache.io_errors,
+    }
 
 
 # ---------------------------------------------------------------------- results files

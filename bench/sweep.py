@@ -1,42 +1,54 @@
 """Offered-load sweep: TTFT, throughput and goodput of configurations a-e, light to overload.
 
     python -m bench.sweep --models 70b-class,8b-class --histories 4096,16384 \\
-        --rates 0.25,0.5,1,2 [--slo-ttft-p99 2] [--configs abcde]
+        [--rates 0.25,0.35,...,4] [--duration-s 12] [--slo-ttft-p99 2] [--configs abcde] \\
+        [--deadline-s 540]
     python -m bench.sweep --plot bench/results/sweep-h200-YYYYMMDD.json
 
 As vLLM's serving benchmark and LMBenchmark do it: for each layer shape and history length
-(a *case*), the same seeded multi-round chat (bench/serving.py, models/workloads.py) is
-served by each configuration of bench/e2e.py (a no reuse, b GPU-only prefix cache, c GPU +
-host, d GPU + host + disk, e the same disk tier with synchronous I/O), at the same pool
-sizes, once per offered rate.  Requests arrive by a seeded Poisson process; the chat is
-closed loop (a user's next round waits for its previous answer), so at overload the rate
-that actually arrived can fall below the offered one: both are recorded.
+(a *case*), one seeded multi-round chat is served by each configuration of bench/e2e.py (a no
+reuse, b GPU-only prefix cache, c GPU + host, d GPU + host + disk, e the same disk tier with
+synchronous I/O), at the same pool sizes, at a ladder of offered rates.
 
-Rates are given as multiples of the case's *capacity*, calibrated in the same run: the
-model's prefill rate (tokens/s at the case's context length) divided by the tokens a request
-costs when everything earlier in its conversation is reused (serving.full_reuse_capacity).
-A configuration that recomputes more saturates at a lower multiple; that is the knee the
-sweep shows.  Each rate is recorded in requests/s and in input tokens/s.
+**Open loop.**  Arrivals come from a seeded Poisson process fixed before the run
+(models.workloads.OpenChatWorkload): the load offered does not wait on the server.  Each
+arrival is the next round of the free user who asked longest ago, so a user's rounds never
+overlap; when every user waits for an answer a new user joins.  At a given rate every
+configuration gets the same arrival times, and the same requests as long as it keeps up
+(``busy_skips`` and ``joined_for_load`` count where a run's requests left that common
+schedule).  The pool has enough users for a KV working set of ``--pressure`` times GPU +
+host (or ``--users``).
 
-For every configuration and rate: TTFT p50 / p99, ITL p50 (median of each request's mean
-gap between output tokens), input and output tokens/s sustained, prompt tokens by the tier
-they came from.
+**Steady state.**  A run offers ``max(--min-requests, rate x --duration-s)`` requests (at most
+``--max-requests``).  The first ``--warmup-requests`` (default: one per pool user, the cold
+first round of each conversation) warm the cache up and are not measured; the window runs
+from the next arrival to the last one.  TTFT p50/p99 and ITL p50 are over the requests that
+arrived in the window; input/output tokens/s and ``sustained_vs_offered`` (requests finished
+in the window / requests that arrived in it) over what the server did inside it.  A run stops
+``--drain-s`` after its last arrival: a request without its first token by then counts with
+the time it waited, and its run's TTFT p99 is flagged as a lower bound (``--drain-s`` is
+above the SLO, so such a p99 is a certain miss).
 
-**Goodput** of a configuration is the highest offered rate of the sweep at which TTFT p99 is
-within the SLO (``--slo-ttft-p99`` seconds) *and every lower rate of the sweep met it too*:
-the rate just before the first miss, with no interpolation between rates.  Its status says
-how to read it: ``below_next`` (the next swept rate missed: the knee lies between them),
-``every_rate`` (no rate missed: goodput is at least the highest rate swept), ``never_met``
-(the lowest rate already missed: no goodput is recorded, and none appears among the
-figures).  A rate whose TTFT p99 could not be measured (no request finished) counts as a
-miss.
+**Rates** are multiples of the case's *recompute capacity* (or given in requests/s with
+``--rates-rps``), calibrated in the same run: the model's prefill rate at the case's context
+over the tokens of a request computed in full (serving.recompute_capacity): about where (a)
+saturates; configurations that reuse saturate higher.  With ``--search climb`` (the
+default) each configuration climbs every other rate of ``--rates`` until TTFT p99 misses
+the SLO, then runs the rate just below that miss: the knee to one step of the grid for
+about half the runs.  ``--search grid`` runs every rate.
+
+**Goodput** of a configuration is the highest rate it ran at which TTFT p99 is within the SLO
+(``--slo-ttft-p99`` seconds) *and every lower rate it ran met it too*, no interpolation.  Its
+status: ``below_next`` (the next rate missed: the knee lies between them), ``every_rate``
+(no rate missed: goodput is at least the highest rate), ``never_met`` (the lowest rate
+already missed: no goodput figure).  A configuration whose climb was cut short has none.
 
 The results file (shared/BENCH_FORMAT.md, ``sweep-<machine>-<date>.json`` in ``--out``) is
-rewritten after every run, so a run cut short keeps what it measured.  It records per case
-the disk's raw O_DIRECT read rate and the model's prefill rate measured in this run, every
-run's figures, and the goodput table.  One PNG per case (TTFT p99 and sustained throughput
-against offered load, one line per configuration) is drawn next to it when matplotlib is
-installed, or later from the file with ``--plot``.
+rewritten after every run, so a run cut short (``--deadline-s``, or a kill) keeps what it
+measured.  It records per case the disk's raw O_DIRECT read rate and the model's prefill
+rate measured in this run, every run's figures, and the goodput table.  One PNG per case
+(TTFT p99 and sustained throughput against offered load, one line per configuration) is
+drawn next to it when matplotlib is installed, or later from the file with ``--plot``.
 """
 
 from __future__ import annotations
@@ -71,8 +83,9 @@ from bench.serving import (
     positive_number,
     prefill_rate,
     pyplot,
+    recompute_capacity,
     run_config,
-    summarize,
+    steady_summary,
 )
 from models.config import PRESETS
 from statekv.errors import UsageError
@@ -152,14 +165,36 @@ def _tag(text: str) -> str:
     return text
 
 
+DEFAULT_RATES: Final = (0.25, 0.35, 0.5, 0.71, 1.0, 1.41, 2.0, 2.83, 4.0)
+"""Multiples of the recompute capacity, sqrt(2) apart: light load to past full reuse."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
+    n1 = int_at_least(1)
     p.add_argument("--models", type=_csv(_preset), default=["70b-class", "8b-class"],
                    help="layer shapes (models/config.py presets), comma-separated")
     p.add_argument("--histories", type=_csv(int_at_least(0)), default=[4096, 16384],
                    help="per-user history lengths in tokens, comma-separated")
-    p.add_argument("--rates", type=_csv(positive_number), default=[0.25, 0.5, 1.0, 2.0],
-                   help="offered rates as multiples of the calibrated capacity")
+    p.add_argument("--rates", type=_csv(positive_number), default=list(DEFAULT_RATES),
+                   help="offered rates as multiples of the calibrated recompute capacity")
+    p.add_argument("--rates-rps", type=_csv(positive_number), default=None,
+                   help="offered rates in requests/s instead (the same for every case)")
+    p.add_argument("--search", choices=("climb", "grid"), default="climb",
+                   help="climb: every other rate up to the first miss, then the rate below "
+                        "it; grid: every rate for every configuration")
+    p.add_argument("--duration-s", type=positive_number, default=12.0,
+                   help="seconds of arrivals per run (rate x this many requests)")
+    p.add_argument("--min-requests", type=n1, default=40,
+                   help="requests per run at least, warm-up included")
+    p.add_argument("--max-requests", type=n1, default=2000,
+                   help="requests per run at most (overload runs)")
+    p.add_argument("--warmup-requests", type=int_at_least(0), default=None,
+                   help="first requests of a run not measured (default: the pool's users)")
+    p.add_argument("--drain-s", type=positive_number, default=None,
+                   help="a run stops this long after its last arrival (default: 2 x SLO)")
+    p.add_argument("--deadline-s", type=positive_number, default=None,
+                   help="stop cleanly this long after the start, keeping what was measured")
     p.add_argument("--slo-ttft-p99", type=positive_number, default=2.0,
                    help="goodput's SLO: TTFT p99 in seconds")
     p.add_argument("--disk-probe-mib", type=positive_number, default=2048.0,
@@ -235,22 +270,37 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def missed(p99: float | None, slo: float) -> bool:
+    """TTFT p99 over the SLO, or not measured (nothing in the window got a first token)."""
+    return p99 is None or math.isnan(p99) or p99 > slo
+
+
+def climb_order(n: int) -> list[int]:
+    """Rate indices a climbing configuration tries, lowest first: every other one, and the
+    highest."""
+    order = list(range(0, n, 2))
+    if order[-1] != n - 1:
+        order.append(n - 1)
+    return order
+
+
 def goodput_rows(case: dict[str, Any], slo: float) -> dict[str, dict[str, Any]]:
-    """Goodput of every configuration of a case, in requests/s and input tokens/s."""
-    rates = case["rates"]
+    """Goodput of every configuration whose search is complete, over the rates it ran, in
+    requests/s and input tokens/s."""
     table: dict[str, dict[str, Any]] = {}
+    done = case.get("search_done", {})
     for key, runs in case["runs"].items():
-        if len(runs) < len(rates):
-            continue  # cut short: the sweep of this configuration is incomplete
-        g = goodput([r["requests_per_s"] for r in rates], [r["ttft_p99_s"] for r in runs], slo)
-        row: dict[str, Any] = {"status": g.status, "rate_index": g.index,
+        if not runs or not done.get(key, False):
+            continue  # cut short: the search of this configuration is incomplete
+        g = goodput([r["requests_per_s"] for r in runs], [r["ttft_p99_s"] for r in runs], slo)
+        row: dict[str, Any] = {"status": g.status, "run_index": g.index,
                                "requests_per_s": None, "input_tok_per_s": None,
                                "capacity_multiple": None}
         if g.index is not None:
-            rate = rates[g.index]
-            row.update(requests_per_s=rate["requests_per_s"],
-                       input_tok_per_s=rate["input_tok_per_s"],
-                       capacity_multiple=rate["capacity_multiple"])
+            run = runs[g.index]
+            row.update(requests_per_s=run["requests_per_s"],
+                       input_tok_per_s=run["input_tok_per_s"],
+                       capacity_multiple=run["capacity_multiple"])
         table[key] = row
     return table
 
@@ -271,7 +321,7 @@ def figures(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             out[f"{name}_goodput_{key}"] = {
                 "value": round(row["requests_per_s"], 4), "unit": "requests/s",
                 "limit": round(capacity, 4),
-                "limit_name": "full-reuse capacity from the prefill rate, same run",
+                "limit_name": "recompute capacity from the prefill rate, same run",
                 "ratio": round(row["requests_per_s"] / capacity, 3),
                 "lower_bound": row["status"] == "every_rate",
             }
@@ -287,17 +337,39 @@ def figures(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def estimate_seconds(requests: int, rates_rps: Sequence[float], prefill_tok_per_s: float,
-                     full_cost: float, reuse_cost: float, configs: str) -> float:
-    """A rough floor on a case's wall time, printed to help size a run: each run lasts at
-    least as long as its arrivals and as its compute at the calibrated prefill rate, in
-    tokens per request ((a)-(c) priced as recomputing every prompt, (d)-(e) as reusing
-    everything)."""
+def requests_for(rate: float, args: argparse.Namespace, warmup: int) -> int:
+    """Requests a run at `rate` offers: --duration-s of arrivals, within the bounds, and
+    always a window of at least two arrivals after the warm-up."""
+    wanted = max(int(args.min_requests), round(rate * float(args.duration_s)))
+    return max(warmup + 2, min(int(args.max_requests), wanted))
+
+
+def run_seconds(rate: float, requests: int, *, overloaded: bool, drain: float) -> float:
+    """A rough wall time of one run: its arrivals, then a drain when overloaded, and about a
+    second to set the tiers up."""
+    return requests / rate + (drain if overloaded else 0.5) + 1.0
+
+
+def estimate_seconds(rates_rps: Sequence[float], knees_rps: dict[str, float],
+                     args: argparse.Namespace, warmup: int, drain: float) -> float:
+    """A case's wall time if each configuration's knee lies at `knees_rps` (a guess made
+    before measuring: printed to size a run, never recorded as a result)."""
     total = 0.0
-    for key in configs:
-        cost = reuse_cost if key in "de" else full_cost
-        for rate in rates_rps:
-            total += max(requests / rate, requests * cost / prefill_tok_per_s)
+    for knee in knees_rps.values():
+        if args.search == "grid":
+            tried = list(range(len(rates_rps)))
+        else:
+            tried = []
+            for i in climb_order(len(rates_rps)):
+                tried.append(i)
+                if rates_rps[i] > knee:
+                    if i > 0 and i - 1 not in tried:
+                        tried.append(i - 1)
+                    break
+        for i in tried:
+            rate = rates_rps[i]
+            total += run_seconds(rate, requests_for(rate, args, warmup),
+                                 overloaded=rate > knee, drain=drain)
     return total
 
 
@@ -315,6 +387,10 @@ def write_results(path: Path, header: dict[str, Any], cases: list[dict[str, Any]
     tmp.replace(path)
 
 
+class _Deadline(Exception):
+    """The next run would end past --deadline-s."""
+
+
 def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     import torch
 
@@ -322,7 +398,9 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     from io_actors.embed import resolve_device
     from models.config import preset
     from models.model import PagedDecoder
+    from models.workloads import OpenChatWorkload
 
+    began = time.perf_counter()
     device = resolve_device(args.device)
     today = dt.date.today()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -330,9 +408,19 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     path: Path = args.out / f"sweep-{args.machine}-{today:%Y%m%d}{tag}.json"
     disk_dir = args.dir or Path("/tmp/statekv-sweep")
     disk_dir.mkdir(parents=True, exist_ok=True)
-    rates = sorted(args.rates)
+    multiples = sorted(args.rates)
+    slo: float = args.slo_ttft_p99
+    drain: float = args.drain_s if args.drain_s is not None else 2 * slo
+    if drain <= slo:
+        raise SweepError(f"argument --drain-s: must be above --slo-ttft-p99 ({slo:g} s), so "
+                         f"that a request cut off by the drain is a certain miss; got {drain:g}")
     header = {"bench": "sweep", "machine": args.machine, "date": today.isoformat(),
-              "commit": git_commit(), "command": "python -m bench.sweep " + " ".join(argv)}
+              "commit": git_commit(), "command": "python -m bench.sweep " + " ".join(argv),
+              "method": {"arrivals": "open loop, seeded Poisson (OpenChatWorkload)",
+                         "search": args.search, "duration_s": args.duration_s,
+                         "min_requests": args.min_requests, "max_requests": args.max_requests,
+                         "drain_s": drain, "deadline_s": args.deadline_s},
+              "cut_short": None}
     for model_name in args.models:  # every case checked before the first run
         blocks = pool_blocks(preset(model_name, num_layers=args.layers), args.block_size,
                              args.gpu_gib, args.host_gib, args.disk_gib)
@@ -340,115 +428,189 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
             check_fits(args, history, blocks[0])
     cases: list[dict[str, Any]] = []
     disable = {"auto": None, "always": False, "never": True}[args.progress]
-    total_runs = len(args.models) * len(args.histories) * len(args.configs) * len(rates)
-    bar = tqdm(total=total_runs, desc="sweep", unit="run", disable=disable, position=0)
+    bar = tqdm(desc="sweep", unit="run", disable=disable, position=0)
     say = tqdm.write
-    for model_name in args.models:
-        model_config = preset(model_name, num_layers=args.layers)
-        started = time.perf_counter()
-        model = PagedDecoder(model_config, device=device)
-        kv_token = model_config.kv_bytes_per_token()
-        blocks = pool_blocks(model_config, args.block_size, args.gpu_gib, args.host_gib,
-                             args.disk_gib)
-        disk = raw_read_rate(disk_dir, block_bytes=kv_token * args.block_size,
-                             threads=args.readers,
-                             total_bytes=max(1, int(args.disk_probe_mib * 2**20)))
-        say(f"{model_name} x{args.layers} layers on {device}: built in "
-            f"{time.perf_counter() - started:.1f} s; disk read {disk.gb_per_s:.2f} GB/s "
-            f"({'O_DIRECT' if disk.direct else 'buffered'}); pools gpu/host/disk "
-            f"{blocks[0]}/{blocks[1]}/{blocks[2]} blocks of {args.block_size} tokens")
-        for history in args.histories:
-            context = args.system_tokens + history
-            tps = prefill_rate(model, args.block_size, CALIBRATION_CHUNK, context)
-            case_args = argparse.Namespace(**{**vars(args),
-                                              "users": users_for(args, history, kv_token)})
-            base = chat_config(case_args, model_config.vocab_size, 1.0, history_tokens=history)
-            capacity = full_reuse_capacity(base, tps)
-            prompt = mean_prompt_tokens(base)
-            requests = base.num_users * args.rounds
-            working_set = base.num_users * user_kv_bytes(args, history, kv_token)
-            case: dict[str, Any] = {
-                "case": case_name(model_name, args.layers, history), "model": model_name,
-                "layers": args.layers, "history_tokens": history,
-                "context_tokens": context, "users": base.num_users, "rounds": args.rounds,
-                "requests": requests, "kv_bytes_per_token": kv_token,
-                "block_size": args.block_size,
-                "pool_blocks": {"gpu": blocks[0], "host": blocks[1], "disk": blocks[2]},
-                "disk_tier_policies": {"prefetch_ahead": args.prefetch_ahead,
-                                       "reclaim_prefetched": args.reclaim_prefetched,
-                                       "cost_aware_onboarding": not args.no_cost_aware},
-                "working_set_gib": working_set / 2**30,
-                "disk_read_gb_per_s": disk.gb_per_s, "disk_read_direct": disk.direct,
-                "prefill_tok_per_s": tps,
-                "recompute_us_per_token": 1e6 / tps,
-                "read_us_per_token": kv_token / (disk.gb_per_s * 1e9) * 1e6,
-                "capacity_requests_per_s": capacity,
-                "rates": [{"capacity_multiple": m, "requests_per_s": m * capacity,
-                           "input_tok_per_s": m * capacity * prompt} for m in rates],
-                "runs": {key: [] for key in args.configs},
-            }
-            cases.append(case)
-            full_cost = prompt + 4 * args.answer_tokens
-            reuse_cost = tps / capacity
-            floor = estimate_seconds(requests, [r["requests_per_s"] for r in case["rates"]],
-                                     tps, full_cost, reuse_cost, args.configs)
-            say(f"{case['case']}: prefill {tps:,.0f} tok/s at context {context} "
-                f"({case['recompute_us_per_token']:.1f} us/token vs disk read "
-                f"{case['read_us_per_token']:.1f}); capacity {capacity:.2f} requests/s; "
-                f"{requests} requests; working set {case['working_set_gib']:.2f} GiB vs "
-                f"GPU+host {args.gpu_gib + args.host_gib:.2f} GiB; at least {floor:.0f} s")
-            # Rates outer, ascending: a run cut short still compares every configuration at
-            # the rates it reached, and the slowest (overloaded) runs come last.
-            for rate in case["rates"]:
-                for key in args.configs:
-                    bar.set_description(f"{case['case']} ({key}) x{rate['capacity_multiple']:g}")
-                    inner = tqdm(total=requests, desc="requests", unit="req", leave=False,
-                                 disable=disable, position=1)
 
-                    def tick(done: int, _total: int, inner: tqdm[Any] = inner) -> None:
-                        inner.update(done - inner.n)
+    def left() -> float:
+        return math.inf if args.deadline_s is None else (
+            args.deadline_s - (time.perf_counter() - began))
 
-                    workload = chat_config(case_args, model_config.vocab_size,
-                                           rate["requests_per_s"], history_tokens=history)
-                    run = run_config(model, key, workload, budgets_for(key, args, blocks),
-                                     device=str(device), disk_dir=disk_dir, args=args,
-                                     progress=tick)
-                    inner.close()
-                    s: dict[str, Any] = summarize(run, rate["input_tok_per_s"])
-                    last = max((r.arrival for r in run.results), default=0.0)
-                    s["arrived_requests_per_s"] = len(run.results) / last if last else None
-                    s["capacity_multiple"] = rate["capacity_multiple"]
-                    s["requests_per_s"] = rate["requests_per_s"]
-                    case["runs"][key].append(s)
-                    write_results(path, header, cases, args.slo_ttft_p99)
-                    bar.update()
-                    say(f"  x{rate['capacity_multiple']:<5g} ({key}) {NAMES[key]:<28} TTFT "
-                        f"p50 {s['ttft_p50_s']:7.3f} s p99 {s['ttft_p99_s']:7.3f} s  ITL p50 "
-                        f"{s['itl_p50_s'] * 1e3:6.1f} ms  in {s['input_tok_per_s']:9,.0f} "
-                        f"tok/s ({s['sustained_vs_offered']:.2f}x offered)  out "
-                        f"{s['output_tok_per_s']:7,.0f} tok/s  gpu/host/disk/computed "
-                        f"{s['tokens_gpu']}/{s['tokens_host']}/{s['tokens_disk']}/"
-                        f"{s['tokens_computed']}  [{s['seconds']:.1f} s]")
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    try:
+        for model_name in args.models:
+            model_config = preset(model_name, num_layers=args.layers)
+            started = time.perf_counter()
+            model = PagedDecoder(model_config, device=device)
+            kv_token = model_config.kv_bytes_per_token()
+            blocks = pool_blocks(model_config, args.block_size, args.gpu_gib, args.host_gib,
+                                 args.disk_gib)
+            disk = raw_read_rate(disk_dir, block_bytes=kv_token * args.block_size,
+                                 threads=args.readers,
+                                 total_bytes=max(1, int(args.disk_probe_mib * 2**20)))
+            say(f"{model_name} x{args.layers} layers on {device}: built in "
+                f"{time.perf_counter() - started:.1f} s; disk read {disk.gb_per_s:.2f} GB/s "
+                f"({'O_DIRECT' if disk.direct else 'buffered'}); pools gpu/host/disk "
+                f"{blocks[0]}/{blocks[1]}/{blocks[2]} blocks of {args.block_size} tokens")
+            for history in args.histories:
+                _run_case(args, model, model_name, history, blocks, kv_token, disk,
+                          multiples, drain, path, header, cases, bar, disk_dir, str(device),
+                          left, OpenChatWorkload)
+            del model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    except _Deadline as stop:
+        header["cut_short"] = str(stop)
+        say(f"stopped: {stop}")
+        write_results(path, header, cases, slo)
     bar.close()
     for case in cases:
-        say(goodput_text(case, args.slo_ttft_p99))
+        say(goodput_text(case, slo))
+    say(f"sweep took {time.perf_counter() - began:.0f} s")
     return path
 
 
+def _run_case(args: argparse.Namespace, model: Any, model_name: str, history: int,
+              blocks: tuple[int, int, int], kv_token: int, disk: Any, multiples: list[float],
+              drain: float, path: Path, header: dict[str, Any], cases: list[dict[str, Any]],
+              bar: tqdm[Any], disk_dir: Path, device: str, left: Callable[[], float],
+              open_chat: Any) -> dict[str, Any]:
+    """Calibrate one case, then climb (or sweep) its rates for every configuration; the
+    case is appended to `cases` before its first run, so the file always holds it."""
+    say = tqdm.write
+    slo: float = args.slo_ttft_p99
+    context = args.system_tokens + history
+    tps = prefill_rate(model, args.block_size, CALIBRATION_CHUNK, context)
+    case_args = argparse.Namespace(**{**vars(args),
+                                      "users": users_for(args, history, kv_token)})
+    base = chat_config(case_args, model.config.vocab_size, 1.0, history_tokens=history)
+    capacity = recompute_capacity(base, tps)
+    prompt = mean_prompt_tokens(base)
+    warmup = base.num_users if args.warmup_requests is None else int(args.warmup_requests)
+    working_set = base.num_users * user_kv_bytes(args, history, kv_token)
+    if args.rates_rps is not None:
+        multiples = [r / capacity for r in sorted(args.rates_rps)]
+    rates = [{"capacity_multiple": m, "requests_per_s": m * capacity,
+              "input_tok_per_s": m * capacity * prompt} for m in multiples]
+    case: dict[str, Any] = {
+        "case": case_name(model_name, args.layers, history), "model": model_name,
+        "layers": args.layers, "history_tokens": history,
+        "context_tokens": context, "users": base.num_users, "rounds": args.rounds,
+        "warmup_requests": warmup, "kv_bytes_per_token": kv_token,
+        "block_size": args.block_size,
+        "pool_blocks": {"gpu": blocks[0], "host": blocks[1], "disk": blocks[2]},
+        "disk_tier_policies": {"prefetch_ahead": args.prefetch_ahead,
+                               "reclaim_prefetched": args.reclaim_prefetched,
+                               "cost_aware_onboarding": not args.no_cost_aware},
+        "working_set_gib": working_set / 2**30,
+        "disk_read_gb_per_s": disk.gb_per_s, "disk_read_direct": disk.direct,
+        "prefill_tok_per_s": tps,
+        "recompute_us_per_token": 1e6 / tps,
+        "read_us_per_token": kv_token / (disk.gb_per_s * 1e9) * 1e6,
+        "capacity_requests_per_s": capacity,
+        "full_reuse_requests_per_s": full_reuse_capacity(base, tps),
+        "rates": rates,
+        "runs": {key: [] for key in args.configs},
+        "search_done": {key: False for key in args.configs},
+    }
+    cases.append(case)
+    rps = [r["requests_per_s"] for r in rates]
+    # The guess behind the estimate: (d) and (e) at the full-reuse ceiling, the rest at the
+    # recompute one.
+    knees = {k: case["full_reuse_requests_per_s"] if k in "de" else capacity
+             for k in args.configs}
+    estimate = estimate_seconds(rps, knees, args, warmup, drain)
+    say(f"{case['case']}: prefill {tps:,.0f} tok/s at context {context} "
+        f"({case['recompute_us_per_token']:.1f} us/token vs disk read "
+        f"{case['read_us_per_token']:.1f}); recompute capacity {capacity:.2f} requests/s "
+        f"(full reuse {case['full_reuse_requests_per_s']:.2f}); {base.num_users} users, "
+        f"{warmup} warm-up requests; working set {case['working_set_gib']:.2f} GiB vs GPU+host "
+        f"{args.gpu_gib + args.host_gib:.2f} GiB; estimated {estimate:.0f} s"
+        + ("" if left() == math.inf else f" ({left():.0f} s left before --deadline-s)"))
+
+    def run_at(key: str, index: int) -> bool:
+        """Run configuration `key` at rate `index`; True when it missed the SLO."""
+        rate = rates[index]
+        rate_rps: float = rate["requests_per_s"]
+        requests = requests_for(rate_rps, args, warmup)
+        workload = open_chat(
+            chat_config(case_args, model.config.vocab_size, rate_rps, history_tokens=history),
+            num_requests=requests)
+        last = workload.arrival_times[-1]
+        budget = left()
+        if budget < min(run_seconds(rate_rps, requests, overloaded=False, drain=drain),
+                        last + drain + 1.0):
+            raise _Deadline(f"--deadline-s reached before {case['case']} ({key}) "
+                            f"x{rate['capacity_multiple']:g}")
+        bar.set_description(f"{case['case']} ({key}) x{rate['capacity_multiple']:g}")
+        inner = tqdm(total=requests, desc="requests", unit="req", leave=False,
+                     disable=bar.disable, position=1)
+
+        def tick(done: int, _total: int) -> None:
+            inner.update(done - inner.n)
+
+        run = run_config(model, key, workload, budgets_for(key, args, blocks),
+                         device=device, disk_dir=disk_dir, args=args, progress=tick,
+                         stop_at=min(last + drain, budget - 1.0))
+        inner.close()
+        s: dict[str, Any] = steady_summary(run, workload.arrival_times, warmup)
+        s.update(rate_index=index, capacity_multiple=rate["capacity_multiple"],
+                 requests_per_s=rate_rps, users_started=workload.users_started,
+                 busy_skips=workload.busy_skips, joined_for_load=workload.joined_for_load)
+        runs = case["runs"][key]
+        runs.append(s)
+        runs.sort(key=lambda r: r["rate_index"])
+        bar.update()
+        miss = missed(_finite(s["ttft_p99_s"]), slo)
+        say(f"  x{rate['capacity_multiple']:<5g} ({key}) {NAMES[key]:<28} TTFT p50 "
+            f"{s['ttft_p50_s']:7.3f} s p99 {'>=' if s['ttft_p99_lower_bound'] else '  '}"
+            f"{s['ttft_p99_s']:7.3f} s{' MISS' if miss else '     '}  ITL p50 "
+            f"{s['itl_p50_s'] * 1e3:6.1f} ms  in {s['input_tok_per_s']:9,.0f} tok/s  "
+            f"{s['sustained_vs_offered']:.2f}x offered  out {s['output_tok_per_s']:7,.0f} "
+            f"tok/s  gpu/host/disk/computed {s['tokens_gpu']}/{s['tokens_host']}/"
+            f"{s['tokens_disk']}/{s['tokens_computed']}  {s['measured_requests']} measured "
+            f"[{s['seconds']:.1f} s]")
+        return miss
+
+    def record() -> None:
+        write_results(path, header, cases, slo)
+
+    if args.search == "grid":
+        for index in range(len(rates)):  # rates outer: a cut keeps every config compared
+            for key in args.configs:
+                run_at(key, index)
+                record()
+        for key in args.configs:
+            case["search_done"][key] = True
+    else:
+        for index in climb_order(len(rates)):
+            for key in args.configs:
+                if case["search_done"][key]:
+                    continue
+                tried = {r["rate_index"] for r in case["runs"][key]}
+                if run_at(key, index):
+                    if index > 0 and index - 1 not in tried:
+                        record()
+                        run_at(key, index - 1)  # the knee to one step of the grid
+                    case["search_done"][key] = True
+                elif index == len(rates) - 1:
+                    case["search_done"][key] = True
+                record()
+    return case
+
+
 def goodput_text(case: dict[str, Any], slo: float) -> str:
-    lines = [f"goodput, {case['case']} (TTFT p99 <= {slo:g} s; capacity "
+    lines = [f"goodput, {case['case']} (TTFT p99 <= {slo:g} s; recompute capacity "
              f"{case['capacity_requests_per_s']:.2f} requests/s):"]
-    for key, row in case["goodput"].items():
-        if row["requests_per_s"] is None:
+    for key in case["runs"]:
+        row = case.get("goodput", {}).get(key)
+        if row is None:
+            lines.append(f"  ({key}) {NAMES[key]:<28} not measured: its search was cut short")
+        elif row["requests_per_s"] is None:
             lines.append(f"  ({key}) {NAMES[key]:<28} none: the lowest rate missed the SLO")
-            continue
-        at_least = "at least " if row["status"] == "every_rate" else ""
-        lines.append(f"  ({key}) {NAMES[key]:<28} {at_least}{row['requests_per_s']:.2f} "
-                     f"requests/s ({row['capacity_multiple']:g}x capacity, "
-                     f"{row['input_tok_per_s']:,.0f} input tok/s)")
+        else:
+            at_least = "at least " if row["status"] == "every_rate" else ""
+            lines.append(f"  ({key}) {NAMES[key]:<28} {at_least}{row['requests_per_s']:.2f} "
+                         f"requests/s ({row['capacity_multiple']:g}x capacity, "
+                         f"{row['input_tok_per_s']:,.0f} input tok/s)")
     return "\n".join(lines)
 
 
@@ -478,21 +640,26 @@ def plot(results: dict[str, Any], stem: Path) -> list[Path]:
             (line,) = ax1.plot(x, p99, marker="o", label=label)
             ax2.plot(x, [r["input_tok_per_s"] for r in runs], marker="o", label=label,
                      color=line.get_color())
+            bounds = [i for i, r in enumerate(runs) if r.get("ttft_p99_lower_bound")]
+            if bounds:  # a request had no first token when the run stopped: p99 at least
+                ax1.plot([x[i] for i in bounds], [p99[i] for i in bounds], linestyle="none",
+                         marker="^", markersize=10, markerfacecolor="none",
+                         color=line.get_color())
             row = case.get("goodput", {}).get(key)
-            if row and row["rate_index"] is not None:
-                at = row["rate_index"]
+            at = row.get("run_index") if row else None
+            if at is not None:
                 ax1.plot([x[at]], [p99[at]], marker="*", markersize=16, color=line.get_color())
         ax1.axhline(slo, color="black", linestyle=":", label=f"SLO {slo:g} s")
         ax1.set_yscale("log")
         ax1.set_ylabel("TTFT p99 (s)")
-        ax1.set_title("time to first token (star: goodput)")
+        ax1.set_title("time to first token (star: goodput; open triangle: at least)")
         ax2.plot(offered, [r["input_tok_per_s"] for r in case["rates"]], color="black",
                  linestyle=":", label="offered")
         ax2.set_ylabel("input tokens/s sustained")
         ax2.set_title("throughput")
         for ax in (ax1, ax2):
             ax.set_xscale("log")
-            ax.set_xlabel(f"offered requests/s (capacity "
+            ax.set_xlabel(f"offered requests/s (recompute capacity "
                           f"{case['capacity_requests_per_s']:.2f}/s)")
             ax.grid(True, which="both", alpha=0.3)
             ax.xaxis.set_major_formatter(plain)

@@ -48,6 +48,8 @@ class RunResult:
     cache: SystemStatistics
     loop: LoopStatistics
     seconds: float
+    unfinished: tuple[RequestResult, ...] = ()
+    """Requests that had arrived but not finished when the run was stopped (`stop_at`)."""
 
     def by_id(self) -> dict[str, RequestResult]:
         return {r.request_id: r for r in self.results}
@@ -72,6 +74,7 @@ def run_workload(
     trace: TraceSink | None = None,
     progress: Callable[[int, int], None] | None = None,
     total: int | None = None,
+    stop_at: float | None = None,
 ) -> RunResult:
     """Serve every request of `workload`; closed-loop workloads get their answers back.
 
@@ -80,6 +83,8 @@ def run_workload(
     prefetch their disk blocks while they wait; `cost_aware_onboarding` lets the cache
     recompute disk hits that are slower to read than to prefill;
     `reclaim_prefetched_first` is StateKVConfig's (which pages host pressure takes first).
+    `stop_at` (seconds from the start): stop serving then, even with requests in flight or
+    still to arrive; those that had arrived are returned as `unfinished`.
     """
     if disk_dir is not None:
         disk_dir.mkdir(parents=True, exist_ok=True)
@@ -99,12 +104,16 @@ def run_workload(
             reclaim_prefetched_first=reclaim_prefetched_first,
         )
         done: list[RequestResult] = []
+        unfinished: list[RequestResult] = []
         with BlockingCache(config, trace=trace, synchronous_io=synchronous_io) as cache:
             loop = ServingLoop(model, cache, max_step_tokens=max_step_tokens,
                                prefill_chunk=prefill_chunk, max_running=max_running,
                                batch_invariant=batch_invariant, prefetch_ahead=prefetch_ahead)
             started = time.perf_counter()
             while not (workload.done() and loop.idle):
+                if stop_at is not None and loop.now() >= stop_at:
+                    unfinished = loop.abandon()
+                    break
                 for req in workload.poll(loop.now()):
                     salt = f"{req.request_id}" if salt_every_request else req.cache_salt
                     loop.submit(ServeRequest(
@@ -128,7 +137,8 @@ def run_workload(
             cache_stats = cache.statistics()
             cache.check_invariants()
             loop_stats = loop.statistics()
-    return RunResult(results=tuple(done), cache=cache_stats, loop=loop_stats, seconds=seconds)
+    return RunResult(results=tuple(done), cache=cache_stats, loop=loop_stats, seconds=seconds,
+                     unfinished=tuple(unfinished))
 
 
 def identical_outputs(a: RunResult, b: RunResult) -> tuple[int, int]:

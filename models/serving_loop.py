@@ -227,6 +227,19 @@ class ServingLoop:
         self.cache.release(request_id)
         return True
 
+    def abandon(self) -> list[RequestResult]:
+        """Cancel every request the loop holds and return what each got so far (a request
+        still waiting has no admission time, one still prefilling no first token): a run
+        stopped at a deadline reports its unfinished requests instead of losing them."""
+        now = self.now()
+        out = [RequestResult(request_id=req.request_id, prompt_tokens=len(req.prompt),
+                             arrival=req.arrival)
+               for req in self._waiting if req.arrival <= now]
+        out += [run.result for run in self._running.values()]
+        for rid in [req.request_id for req in self._waiting] + list(self._running):
+            self.cancel(rid)
+        return out
+
     @property
     def idle(self) -> bool:
         return not self._waiting and not self._running

@@ -15,6 +15,11 @@ round of a user is its previous prompt, the answer the model produced, and a new
 so it cannot be issued before that answer is complete.  A seeded Poisson process schedules
 rounds (round-robin over users); a round whose user is still waiting for its previous answer
 arrives when that answer completes.  RAG is *open loop*: every request is known up front.
+
+:class:`OpenChatWorkload` is the same chat with *open-loop arrivals*, as vLLM's serving
+benchmark offers load: arrival times are a seeded Poisson process fixed in advance, and each
+arrival is given to a user who is free (its previous answer is complete), so a user's rounds
+never overlap and yet no arrival waits on the server; when no user is free, a new user joins.
 """
 
 from __future__ import annotations
@@ -202,15 +207,25 @@ class ChatWorkloadConfig:
 class ChatSession:
     """One user's conversation: its growing context, one prompt per round."""
 
-    def __init__(self, config: ChatWorkloadConfig, user: int, system_prompt: array[int]) -> None:
+    def __init__(self, config: ChatWorkloadConfig, user: int, system_prompt: array[int], *,
+                 rounds: int | None = None, any_user: bool = False) -> None:
+        """`rounds`: this conversation's length (default the config's num_rounds);
+        `any_user`: the user id may lie beyond num_users (an open pool's joining users)."""
         if not isinstance(config, ChatWorkloadConfig):
             raise ConfigError("config", f"must be a ChatWorkloadConfig, got {config!r}")
-        if isinstance(user, bool) or not isinstance(user, int) or not (
-            0 <= user < config.num_users
+        if isinstance(user, bool) or not isinstance(user, int) or user < 0 or (
+            not any_user and user >= config.num_users
         ):
             raise ConfigError("user", f"must be in [0, {config.num_users}), got {user!r}")
+        if rounds is None:
+            rounds = config.num_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or not (
+            1 <= rounds <= config.num_rounds
+        ):
+            raise ConfigError("rounds", f"must be in [1, {config.num_rounds}], got {rounds!r}")
         self.config = config
         self.user = user
+        self.num_rounds = rounds
         self._context = array("I", system_prompt)
         self._context.extend(
             _tokens(_rng(config.seed, "history", user), config.user_history_tokens,
@@ -221,7 +236,7 @@ class ChatSession:
 
     @property
     def rounds_left(self) -> int:
-        return self.config.num_rounds - self.rounds_issued
+        return self.num_rounds - self.rounds_issued
 
     @property
     def awaiting_answer(self) -> bool:
@@ -235,7 +250,7 @@ class ChatSession:
         """
         c = self.config
         if self.rounds_left == 0:
-            raise UsageError("user", f"user {self.user} has no rounds left ({c.num_rounds})")
+            raise UsageError("user", f"user {self.user} has no rounds left ({self.num_rounds})")
         if self.rounds_issued == 0:
             if previous_answer is not None:
                 raise UsageError("previous_answer", "round 0 has no previous answer: pass None")
@@ -334,6 +349,149 @@ class ChatWorkload:
 
     def next_arrival(self) -> float | None:
         return self._due[0][0] if self._due else None
+
+    def done(self) -> bool:
+        return self._completed == self.total_requests
+
+
+class OpenChatWorkload:
+    """Multi-round chat with open-loop arrivals; implements Workload.
+
+    `num_requests` arrival times are drawn up front from a seeded Poisson process at the
+    config's `arrival_rate`, independent of completions, so the load offered is the load
+    served whenever the server keeps up, and keeps arriving when it does not.
+
+    Who asks: a queue of users ordered by when each last asked (the initial pool of
+    `num_users` first, by id).  An arrival goes to the first user in the queue whose previous
+    answer is complete, and that user moves to the back: round-robin over the pool, as
+    LMBenchmark's users take turns, while the server keeps up.  The order depends only on the
+    arrival schedule, so every server that keeps up sees the same requests; a user passed
+    over because it still waits for an answer is counted (`busy_skips`).  When every user
+    waits, a new user joins and asks its first round (`joined_for_load`): sessions grow under
+    overload, as they do when users keep arriving at a busy service.  A user who asked its
+    last round leaves and a new user takes its place at the back, so the pool keeps its size.
+
+    Initial user i plays ``num_rounds - i % num_rounds`` rounds (later users all of them), so
+    that users leave and join at an even pace instead of in waves of the whole pool.
+    """
+
+    def __init__(self, config: ChatWorkloadConfig, *, num_requests: int,
+                 name: str = "chat") -> None:
+        if not isinstance(config, ChatWorkloadConfig):
+            raise ConfigError("config", f"must be a ChatWorkloadConfig, got {config!r}")
+        if isinstance(num_requests, bool) or not isinstance(num_requests, int) \
+                or num_requests < 1:
+            raise ConfigError("num_requests", f"must be an integer >= 1, got {num_requests!r}")
+        self.config = config
+        self.name = _check_name(name)
+        c = config
+        self.system_prompt: tuple[int, ...] = tuple(
+            _tokens(_rng(c.seed, "system"), c.system_prompt_tokens, c.vocab_size)
+        )
+        self._system = array("I", self.system_prompt)
+        rng = _rng(c.seed, "open-arrivals")
+        t = 0.0
+        times: list[float] = []
+        for _ in range(num_requests):
+            t += rng.expovariate(c.arrival_rate)
+            times.append(t)
+        self.arrival_times: tuple[float, ...] = tuple(times)
+        """When each request arrives, in seconds from the start: the schedule."""
+        self._sessions: dict[int, ChatSession] = {}
+        self._queue: list[int] = []
+        for u in range(c.num_users):
+            self._join(u, rounds=c.num_rounds - u % c.num_rounds)
+        self._next_user = c.num_users
+        self._busy: set[int] = set()
+        self._answers: dict[int, array[int]] = {}
+        self._in_flight: dict[str, int] = {}
+        self._next = 0
+        self._completed = 0
+        self.busy_skips = 0
+        """Arrivals that passed over the longest-waiting user because it was still waiting
+        for an answer (0 whenever the server keeps up)."""
+        self.joined_for_load = 0
+        """Users that joined because every user was waiting for an answer."""
+        self.users_started = 0
+        """Users that asked at least one round."""
+
+    def _join(self, user: int, *, rounds: int | None = None) -> None:
+        self._sessions[user] = ChatSession(self.config, user, self._system, rounds=rounds,
+                                           any_user=True)
+        self._queue.append(user)
+
+    @property
+    def total_requests(self) -> int:
+        return len(self.arrival_times)
+
+    def request_id(self, user: int, round_: int) -> str:
+        return f"{self.name}-u{user}-r{round_}"
+
+    def _pick(self) -> int:
+        for position, user in enumerate(self._queue):
+            if user not in self._busy:
+                if position:
+                    self.busy_skips += 1
+                del self._queue[position]
+                return user
+        self.joined_for_load += 1
+        user = self._next_user
+        self._next_user += 1
+        self._sessions[user] = ChatSession(self.config, user, self._system, any_user=True)
+        return user
+
+    def poll(self, now: float) -> list[WorkloadRequest]:
+        now = _check_now(now)
+        c = self.config
+        out: list[WorkloadRequest] = []
+        while self._next < len(self.arrival_times) and self.arrival_times[self._next] <= now:
+            arrival = self.arrival_times[self._next]
+            self._next += 1
+            user = self._pick()
+            session = self._sessions[user]
+            round_ = session.rounds_issued
+            prompt = session.next_prompt(self._answers.pop(user, None))
+            rid = self.request_id(user, round_)
+            self._in_flight[rid] = user
+            self._busy.add(user)
+            self.users_started += round_ == 0
+            if session.rounds_left:
+                self._queue.append(user)
+            else:  # its last round: a new user takes its place at the back
+                self._join(self._next_user)
+                self._next_user += 1
+            out.append(WorkloadRequest(
+                request_id=rid, arrival=arrival, prompt=prompt, max_new_tokens=c.answer_tokens,
+                ttl_seconds=self._ttl(user), priority=c.priority,
+                cache_salt=f"{self.name}-user-{user}" if c.per_user_salt else None,
+                user=user, round=round_,
+            ))
+        return out
+
+    def _ttl(self, user: int) -> float | None:
+        # Per user, from the seed alone: users join without bound, so no shuffled list.
+        c = self.config
+        retained = _rng(c.seed, "retained", user).random() < c.retained_fraction
+        return c.ttl_seconds if retained else None
+
+    def complete(self, request_id: str, answer: Sequence[int], *, now: float) -> None:
+        _check_now(now)
+        user = self._in_flight.get(request_id)
+        if user is None:
+            raise UsageError("request_id", f"{request_id!r} is not an issued, unanswered request")
+        tokens = _check_answer(answer, self.config.vocab_size)
+        del self._in_flight[request_id]
+        self._busy.discard(user)
+        self._completed += 1
+        session = self._sessions[user]
+        session.answered()
+        if session.rounds_left:
+            self._answers[user] = tokens
+        else:
+            del self._sessions[user]  # done: its context is no longer needed
+
+    def next_arrival(self) -> float | None:
+        return self.arrival_times[self._next] if self._next < len(self.arrival_times) else None
 
     def done(self) -> bool:
         return self._completed == self.total_requests

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench.sweep import Goodput, figures, goodput, goodput_rows, main
+from bench.sweep import Goodput, climb_order, figures, goodput, goodput_rows, main
 from statekv.errors import UsageError
 
 # ---------------------------------------------------------------------- goodput
@@ -54,13 +54,14 @@ def test_goodput_rejects_bad_input(rates: list[float], p99: list[float], slo: fl
     assert err.value.field == field
 
 
-def _case(p99: dict[str, list[float]]) -> dict[str, Any]:
+def _case(p99: dict[str, list[float]], done: str = "abcde") -> dict[str, Any]:
     rates = [0.5, 1.0, 2.0]
     return {
         "case": "x", "capacity_requests_per_s": 10.0,
-        "rates": [{"capacity_multiple": m, "requests_per_s": 10 * m,
-                   "input_tok_per_s": 1000 * m} for m in rates],
-        "runs": {k: [{"ttft_p99_s": v} for v in vs] for k, vs in p99.items()},
+        "runs": {k: [{"ttft_p99_s": v, "capacity_multiple": m, "requests_per_s": 10 * m,
+                      "input_tok_per_s": 1000 * m} for m, v in zip(rates, vs, strict=False)]
+                 for k, vs in p99.items()},
+        "search_done": {k: k in done for k in p99},
         "disk_read_gb_per_s": 2.0, "prefill_tok_per_s": 5e4,
     }
 
@@ -71,7 +72,7 @@ def test_goodput_table_and_figures() -> None:
     case["goodput"] = goodput_rows(case, 2.0)
     assert case["goodput"]["a"]["status"] == "never_met"
     assert case["goodput"]["a"]["requests_per_s"] is None
-    assert case["goodput"]["c"] == {"status": "below_next", "rate_index": 0,
+    assert case["goodput"]["c"] == {"status": "below_next", "run_index": 0,
                                     "requests_per_s": 5.0, "input_tok_per_s": 500.0,
                                     "capacity_multiple": 0.5}
     assert case["goodput"]["d"]["requests_per_s"] == 10.0
@@ -94,8 +95,14 @@ def test_no_goodput_ratio_without_the_denominators_knee() -> None:
 
 
 def test_a_configuration_cut_short_has_no_goodput() -> None:
-    case = _case({"c": [0.5, 1.0, 1.5], "d": [0.5]})
+    case = _case({"c": [0.5, 1.0, 1.5], "d": [0.5]}, done="c")
     assert set(goodput_rows(case, 2.0)) == {"c"}
+
+
+def test_the_climb_tries_every_other_rate_and_the_highest() -> None:
+    assert climb_order(1) == [0]
+    assert climb_order(5) == [0, 2, 4]
+    assert climb_order(6) == [0, 2, 4, 5]
 
 
 # ---------------------------------------------------------------------- the CLI
@@ -119,6 +126,14 @@ def test_a_configuration_cut_short_has_no_goodput() -> None:
     (["--progress", "sometimes"], "--progress"),
     (["--tag", "a/b"], "--tag"),
     (["--pressure", "0"], "--pressure"),
+    (["--duration-s", "0"], "--duration-s"),
+    (["--min-requests", "0"], "--min-requests"),
+    (["--max-requests", "x"], "--max-requests"),
+    (["--warmup-requests", "-1"], "--warmup-requests"),
+    (["--drain-s", "nan"], "--drain-s"),
+    (["--deadline-s", "-5"], "--deadline-s"),
+    (["--search", "bisect"], "--search"),
+    (["--rates-rps", "1,-1"], "--rates-rps"),
 ])
 def test_bad_flags_get_one_line_naming_the_flag(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
@@ -155,21 +170,43 @@ def test_plot_of_a_bad_file_is_one_line(content: str | None, tmp_path: Path,
     assert len(err.splitlines()) == 1 and "--plot" in err, err
 
 
+def test_a_drain_within_the_slo_is_one_line(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*TINY, "--drain-s", "1", "--out", str(tmp_path), "--dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--drain-s" in err, err
+
+
 # ---------------------------------------------------------------------- end to end
 
+# Rates in requests/s (the calibrated capacity of a tiny model on a loaded CPU swings 2x
+# from run to run, and the loop runs far below it anyway, bound by per-step overheads): 2/s
+# is light load (each request a few ms of work) and 600/s is over ten times what the loop
+# serves here (about 40/s).  The overload run offers 600 requests within about a second and stops
+# 3 s (the drain) after its last arrival: they cannot all get a first token in that time
+# unless the loop served four times faster than here, so its p99 is above the 1.5 s SLO,
+# while the light run's requests take milliseconds.  Both outcomes rest on orders of
+# magnitude, not on timing.
 TINY = [
-    "--models", "tiny", "--layers", "2", "--histories", "48", "--rates", "2,0.5",
+    "--models", "tiny", "--layers", "2", "--histories", "48", "--rates-rps", "600,2",
     "--configs", "dc", "--users", "4", "--rounds", "2", "--system-tokens", "16",
     "--question-tokens", "8", "--answer-tokens", "4", "--block-size", "4",
     "--gpu-gib", "0.00005", "--host-gib", "0.00003", "--disk-gib", "0.001",
     "--readers", "2", "--writers", "2", "--disk-probe-mib", "1", "--device", "cpu",
-    "--machine", "cpu", "--progress", "never",
+    "--machine", "cpu", "--progress", "never", "--slo-ttft-p99", "1.5", "--drain-s", "3",
+    "--duration-s", "4", "--min-requests", "16", "--max-requests", "600",
 ]
 RUN_KEYS = {
-    "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "input_tok_per_s", "output_tok_per_s",
-    "offered_input_tok_per_s", "sustained_vs_offered", "tokens_gpu", "tokens_host",
-    "tokens_disk", "tokens_computed", "requests", "seconds", "io_errors",
-    "arrived_requests_per_s", "capacity_multiple", "requests_per_s",
+    "ttft_p50_s", "ttft_p99_s", "ttft_p99_lower_bound", "itl_p50_s", "input_tok_per_s",
+    "output_tok_per_s", "offered_input_tok_per_s", "sustained_vs_offered",
+    "sustained_requests_per_s", "arrived_requests_per_s", "window_s", "tokens_gpu",
+    "tokens_host", "tokens_disk", "tokens_computed", "requests", "warmup_requests",
+    "measured_requests", "unfinished", "no_first_token", "seconds", "io_errors",
+    "rate_index", "capacity_multiple", "requests_per_s", "users_started", "busy_skips",
+    "joined_for_load",
 }
 
 
@@ -179,34 +216,47 @@ def test_a_small_sweep_end_to_end(tmp_path: Path) -> None:
     (path,) = out.glob("sweep-cpu-*.json")
     results = json.loads(path.read_text())
     for key in ("bench", "machine", "date", "commit", "command", "figures", "cases",
-                "goodput_table", "slo_ttft_p99_s"):
+                "goodput_table", "slo_ttft_p99_s", "method"):
         assert key in results, key
     assert results["bench"] == "sweep" and results["machine"] == "cpu"
-    assert results["slo_ttft_p99_s"] == 2.0
+    assert results["slo_ttft_p99_s"] == 1.5 and results["cut_short"] is None
     (case,) = results["cases"]
     assert case["case"] == "tiny-x2-h48"
     assert case["disk_read_gb_per_s"] > 0 and case["prefill_tok_per_s"] > 0
     assert results["figures"]["tiny-x2-h48_disk_read_raw"]["value"] > 0
     assert results["figures"]["tiny-x2-h48_prefill_rate"]["value"] > 0
     # Rates sorted ascending, in requests/s and input tokens/s, from the same capacity.
-    multiples = [r["capacity_multiple"] for r in case["rates"]]
-    assert multiples == [0.5, 2.0]
+    assert [r["requests_per_s"] for r in case["rates"]] == pytest.approx([2, 600])
     for r in case["rates"]:
         assert r["requests_per_s"] == pytest.approx(r["capacity_multiple"]
                                                     * case["capacity_requests_per_s"])
-        assert r["input_tok_per_s"] > r["requests_per_s"]
+    assert case["warmup_requests"] == 4  # one per pool user
     assert set(case["runs"]) == {"c", "d"}
     for key, runs in case["runs"].items():
-        assert len(runs) == 2
+        assert [r["rate_index"] for r in runs] == [0, 1]
+        light, heavy = runs
         for run in runs:
             assert set(run) >= RUN_KEYS, RUN_KEYS - set(run)
-            assert run["requests"] == 8 and run["io_errors"] == 0
+            assert run["io_errors"] == 0 and run["warmup_requests"] == 4
             assert run["ttft_p99_s"] >= run["ttft_p50_s"] > 0
-        # The table agrees with the goodput function over the recorded runs.
-        expected = goodput([r["requests_per_s"] for r in case["rates"]],
-                           [r["ttft_p99_s"] for r in runs], 2.0)
-        assert case["goodput"][key]["status"] == expected.status
-        assert case["goodput"][key]["rate_index"] == expected.index
+        # Light load: every request served, and the window sustains what was offered.
+        assert light["requests"] == 16  # --min-requests: 2/s x 4 s is fewer
+        assert light["unfinished"] == 0 and light["busy_skips"] == 0
+        assert light["measured_requests"] == light["requests"] - 4
+        assert 0.8 <= light["sustained_vs_offered"] <= 1.2, light
+        assert light["ttft_p99_s"] <= 1.5
+        # Overload: it fell behind; requests cut off by the drain make p99 a lower bound.
+        assert heavy["requests"] == 600 and heavy["unfinished"] > 0
+        assert heavy["sustained_vs_offered"] < 0.5
+        assert heavy["ttft_p99_s"] > 1.5 and heavy["ttft_p99_lower_bound"]
+        assert heavy["joined_for_load"] > 0  # every user busy: new users joined
+        # The knee lies inside the sweep: goodput is the light rate.
+        row = case["goodput"][key]
+        assert row["status"] == "below_next" and row["run_index"] == 0
+        assert row["requests_per_s"] == pytest.approx(case["rates"][0]["requests_per_s"])
+        expected = goodput([r["requests_per_s"] for r in runs],
+                           [r["ttft_p99_s"] for r in runs], 1.5)
+        assert (row["status"], row["run_index"]) == (expected.status, expected.index)
     assert case["runs"]["c"][0]["tokens_disk"] == 0  # (c) has no disk tier
     assert {(row["case"], row["config"]) for row in results["goodput_table"]} == {
         ("tiny-x2-h48", "c"), ("tiny-x2-h48", "d")}
@@ -216,3 +266,15 @@ def test_a_small_sweep_end_to_end(tmp_path: Path) -> None:
     png.unlink()
     assert main(["--plot", str(path)]) == 0
     assert png.stat().st_size > 10_000
+
+
+def test_a_deadline_stops_cleanly_and_keeps_what_was_measured(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    argv = [*TINY, "--configs", "c", "--rates-rps", "2", "--deadline-s", "1",
+            "--out", str(out), "--dir", str(tmp_path / "disk")]
+    assert main(argv) == 0
+    (path,) = out.glob("sweep-cpu-*.json")
+    results = json.loads(path.read_text())
+    assert "--deadline-s" in results["cut_short"]
+    (case,) = results["cases"]
+    assert case["runs"]["c"] == [] and results["goodput_table"] == []

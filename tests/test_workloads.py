@@ -258,3 +258,36 @@ def test_bad_poll_time_and_name_are_refused() -> None:
     with pytest.raises(ConfigError) as config_info:
         RagWorkload(rag_config(), name="")
     assert config_info.value.field == "name"
+
+
+# ---------------------------------------------------------------------------- open-loop chat
+
+
+def test_open_chat_arrivals_do_not_wait_on_answers() -> None:
+    from models.workloads import OpenChatWorkload
+
+    cfg = chat_config(num_users=3, num_rounds=2)
+    fast, slow = (OpenChatWorkload(cfg, num_requests=12) for _ in range(2))
+    assert fast.arrival_times == slow.arrival_times  # seeded, fixed before the run
+    end = fast.arrival_times[-1]
+    # `fast` answers each request at once; `slow` never answers: arrivals come on time anyway.
+    got_fast = []
+    for t in fast.arrival_times:
+        for r in fast.poll(t):
+            got_fast.append(r)
+            fast.complete(r.request_id, [1, 2], now=t)
+    got_slow = slow.poll(end)
+    assert [r.arrival for r in got_fast] == [r.arrival for r in got_slow] == list(
+        fast.arrival_times)
+    assert fast.done() and not slow.done()
+    # Round-robin over the pool while the server keeps up; initial user i plays 2 - i % 2
+    # rounds, and a user who asked its last round is replaced at the back.
+    assert [(r.user, r.round) for r in got_fast[:6]] == [
+        (0, 0), (1, 0), (2, 0), (0, 1), (3, 0), (2, 1)]
+    assert fast.busy_skips == 0 and fast.joined_for_load == 0
+    # Nobody answers: no user ever has two rounds in flight; new users join instead.
+    assert all(r.round == 0 for r in got_slow)
+    # the pool of 3 and the replacement of user 1 (one round) ask first, then 8 join
+    assert len({r.user for r in got_slow}) == 12 and slow.joined_for_load == 12 - 4
+    with pytest.raises(ConfigError):
+        OpenChatWorkload(cfg, num_requests=0)
