@@ -20,6 +20,7 @@ difference; TTFT (first token minus arrival) then includes the hop through the r
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 import traceback
@@ -148,11 +149,9 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
         pass  # the router went away or was interrupted: it cleans up
     except BaseException as exc:
         lines = traceback.format_exception_only(type(exc), exc)
-        try:
+        with contextlib.suppress(OSError):
             conn.send(Failed(index=spec.index, error=lines[-1].strip(),
                              detail=traceback.format_exc()))
-        except OSError:
-            pass
     finally:
         conn.close()
 

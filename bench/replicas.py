@@ -90,7 +90,7 @@ from bench.sweep import goodput
 from models.chat_run import percentile
 from models.config import PRESETS
 from models.serving_loop import RequestResult
-from models.workloads import ChatWorkload, ChatWorkloadConfig
+from models.workloads import ChatWorkload
 
 MODES: Final = ("shared", "local")
 """The two configurations: one shared tier for every replica, or none."""
@@ -450,7 +450,7 @@ def summarize(outcome: RunOutcome, *, offered_rps: float,
 
 
 def fetch_probe(cluster: LocalRedisCluster, spec: ReplicaSpec, kv_bytes_per_token: int, *,
-                seconds: float) -> dict[str, float] | None:
+                seconds: float) -> dict[str, Any] | None:
     """The shared tier's verified fetch rate for this model's blocks, and redis-benchmark's
     GET rate for values of the same size, on the same cluster (bench/remote.py's method).
     None where redis-benchmark is not installed."""
