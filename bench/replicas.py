@@ -441,6 +441,15 @@ def summarize(outcome: RunOutcome, *, offered_rps: float,
         "fell_back": sum(r.fell_back for r in results),
         "seconds": seconds,
     }
+    # What the slowest first tokens waited on: p99 of a few dozen requests is one or two of
+    # them, so the file says which, and where their prompts came from.
+    slowest = sorted(outcome.results, key=lambda ir: -(ir[1].ttft or 0.0))[:3]
+    row["slowest"] = [{
+        "request_id": r.request_id, "replica": i, "ttft_s": r.ttft,
+        "parked_s": r.parked_seconds, "queued_s": (r.admitted or r.arrival) - r.arrival,
+        "prompt": r.prompt_tokens, "gpu": r.gpu_tokens, "host": r.host_tokens,
+        "disk": r.disk_tokens, "remote": r.remote_tokens, "computed": r.recomputed_tokens,
+    } for i, r in slowest]
     for key in outcome.counters[0] if outcome.counters else ():
         row[key] = sum(c.get(key, 0) for c in outcome.counters)
     return row
