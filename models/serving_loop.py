@@ -107,6 +107,8 @@ class RequestResult:
     gpu_tokens: int = 0
     host_tokens: int = 0
     disk_tokens: int = 0
+    remote_tokens: int = 0
+    """Prompt tokens matched in the shared tier (fetched while the request was parked)."""
     recomputed_tokens: int = 0
     """Prompt tokens computed by the model (not taken from the cache)."""
     parked_seconds: float = 0.0
@@ -338,7 +340,7 @@ class ServingLoop:
             result = RequestResult(
                 request_id=req.request_id, prompt_tokens=len(req.prompt), arrival=req.arrival,
                 admitted=now, gpu_tokens=match.gpu_tokens, host_tokens=match.host_tokens,
-                disk_tokens=match.disk_tokens,
+                disk_tokens=match.disk_tokens, remote_tokens=match.remote_tokens,
             )
             run = _Running(req=req, result=result, tokens=list(req.prompt),
                            computed=match.matched_tokens, matched=match.matched_tokens)
