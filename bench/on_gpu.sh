@@ -54,7 +54,11 @@ for step in "$@"; do
         --pressure 1.5 --rounds 3 --duration-s 8 --min-requests 24 --deadline-s 530 \
         ${SWEEP_ARGS:-} ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
-    fuzz) run fuzz ${FUZZ_S:-120} python3 -m fuzz --profile gpu ;;
+    # The whole gpu profile runs past one call's 10 minutes on the H200 (its system machine
+    # alone did not finish 300 examples in 7.5 minutes): FUZZ_MACHINES=system in one call,
+    # FUZZ_MACHINES=core,threads,kill9 in another.
+    fuzz) run fuzz ${FUZZ_S:-120} python3 -m fuzz --profile gpu \
+        ${FUZZ_MACHINES:+--machines "$FUZZ_MACHINES"} ;;
     rebuild) run rebuild ${REBUILD_S:-300} python3 -m bench.rebuild --machine h200 \
         --slots ${REBUILD_SLOTS:-100000} --dir "$DISK/rebuild" --write ;;
     *) echo "unknown step $step" ;;

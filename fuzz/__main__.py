@@ -35,6 +35,8 @@ from fuzz.steps import fuzz_rule
 from fuzz.thread_soak import SoakResult, soak_round
 
 MACHINES = ("core", "system", "threads", "kill9")
+PROGRESS_EVERY = 60.0
+"""Seconds between the progress lines of a machine's run."""
 
 
 class _Floor(RuleBasedStateMachine):
@@ -108,12 +110,13 @@ class Totals:
 def run_once(profile: Profile, machines: list[str], seed: int, totals: Totals,
              failures: Path, echo: Callable[[str], None]) -> None:
     if "core" in machines:
-        result = run_machine(CoreVsSpec, profile.core, failure_dir=failures, seed=seed)
+        result = run_machine(CoreVsSpec, profile.core, failure_dir=failures, seed=seed,
+                             progress_every=PROGRESS_EVERY)
         echo(result.line())
         totals.add_machine("core", result)
     if "system" in machines:
         result = run_machine(profile.system_machine, profile.system, failure_dir=failures,
-                             seed=seed)
+                             seed=seed, progress_every=PROGRESS_EVERY)
         echo(result.line())
         totals.add_machine("system", result)
     if "threads" in machines:

@@ -11,6 +11,7 @@ time:
 
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -64,8 +65,13 @@ def run_machine(
     failure_dir: Path,
     seed: int | None = None,
     echo: Callable[[str], None] = default_reporter,
+    progress_every: float | None = None,
 ) -> RunResult:
-    """Run `machine` under `config`; on failure write the report and trace, then re-raise."""
+    """Run `machine` under `config`; on failure write the report and trace, then re-raise.
+
+    With `progress_every`, a line of examples and steps so far is echoed every that many
+    seconds: a run cut off by a time limit (the GPU machine's calls are) then still says how
+    far it got, and a slow run can be told from a hung one."""
     latest: list[RuleBasedStateMachine] = []
 
     def factory() -> RuleBasedStateMachine:
@@ -84,6 +90,16 @@ def run_machine(
 
     steps0, examples0, operations0 = Counts.steps, Counts.examples, Counts.operations
     start = time.perf_counter()
+    done = threading.Event()
+
+    def progress(every: float) -> None:
+        while not done.wait(every):
+            echo(f"  {machine.__name__} so far: {Counts.examples - examples0:,} examples, "
+                 f"{Counts.steps - steps0:,} steps in {time.perf_counter() - start:.0f} s")
+
+    if progress_every is not None:
+        threading.Thread(target=progress, args=(progress_every,), name="fuzz-progress",
+                         daemon=True).start()
     try:
         with with_reporter(report):
             # Documented to take any factory returning a machine; typed as a class.
@@ -93,6 +109,8 @@ def run_machine(
         write_failure(failure_dir, machine.__name__, lines, exc,
                       latest[0] if latest else None, seed)
         raise
+    finally:
+        done.set()
     return RunResult(
         machine=machine.__name__, examples=Counts.examples - examples0,
         steps=Counts.steps - steps0, operations=Counts.operations - operations0,
