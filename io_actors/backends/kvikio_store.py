@@ -321,25 +321,25 @@ class KvikioSlotStore:
 
     def close(self) -> None:
         """Wait for device reads in flight, then close the kvikio handle and the file."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            while self._in_flight:
-                self._cond.wait()
-        self._file.close()
-        self._host.close()
+        if self._stop_reads():
+            self._host.close()
 
     def abandon(self) -> None:
         """As :meth:`close`, writing nothing more (:meth:`PosixSlotStore.abandon`)."""
+        if self._stop_reads():
+            self._host.abandon()
+
+    def _stop_reads(self) -> bool:
+        """Refuse new device reads, wait for those in flight, close the kvikio handle; False
+        if the store was already closed (nothing to do)."""
         with self._cond:
             if self._closed:
-                return
+                return False
             self._closed = True
             while self._in_flight:
                 self._cond.wait()
         self._file.close()
-        self._host.abandon()
+        return True
 
     def observe_index(self, observer: Observer | None) -> None:
         self._host.observe_index(observer)
