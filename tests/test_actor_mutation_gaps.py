@@ -1,0 +1,224 @@
+"""Tests that answer mutants of the actors which survived the rest of the suite
+(fuzz/README.md, "Mutation testing"): the worker pools' counters, thread names and crash
+paths, and what closing does with a thread that is still busy.
+
+The pools are driven directly, in trio, with an executor of the test's own: `Worker` is the
+pools' seam (the writer and reader pools pass theirs), and only through it can a test make a
+thread block, raise, or report a failed transfer at a moment it chooses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import trio
+
+from io_actors.gate import OpenGate
+from io_actors.worker_threads import WorkerCrashed, WorkerThreads
+from statekv.ids import TransferId
+from statekv.messages import (
+    BatchFinished,
+    Completion,
+    SlotWriteFailed,
+    SlotWritten,
+    TransferOutcome,
+)
+
+Job = tuple[str, int]
+"""("ok" | "fail" | "crash" | "block", transfer): what the executor does with the job."""
+
+
+class Executor:
+    """Reports each job as its kind says; "block" jobs wait for `release`."""
+
+    def __init__(self, index: int, started: list[int], release: threading.Event,
+                 closed: list[int]) -> None:
+        self.index = index
+        self._release = release
+        self._closed = closed
+        started.append(index)
+
+    def execute(self, job: Job) -> Completion:
+        kind, transfer = job
+        if kind == "crash":
+            raise ValueError(f"job {transfer} is broken")
+        if kind == "block":
+            self._release.wait(10)
+        outcome: TransferOutcome = (
+            SlotWriteFailed(transfer=TransferId(transfer), cause="no space")
+            if kind == "fail" else SlotWritten(transfer=TransferId(transfer))
+        )
+        return BatchFinished(outcomes=(outcome, SlotWritten(transfer=TransferId(transfer + 1))))
+
+    def close(self) -> None:
+        self._closed.append(self.index)
+
+
+class Harness:
+    def __init__(self, workers: int = 2, queue_depth: int = 4, *,
+                 broken: bool = False) -> None:
+        self.started: list[int] = []
+        self.closed: list[int] = []
+        self.release = threading.Event()
+        self.reported: list[Completion] = []
+
+        def make(index: int) -> Executor:
+            if broken:
+                raise OSError(f"no staging buffer for worker {index}")
+            return Executor(index, self.started, self.release, self.closed)
+
+        async def report(completion: Completion) -> None:
+            self.reported.append(completion)
+
+        self.pool: WorkerThreads[Job] = WorkerThreads(
+            "tester", workers=workers, queue_depth=queue_depth, make_worker=make,
+            gate=OpenGate(), report=report,
+        )
+
+    def statistics(self) -> tuple[int, int, int, int, int, int]:
+        s = self.pool.statistics()
+        return (s.workers, s.queued, s.in_flight, s.completed, s.failed, s.dropped_at_close)
+
+    async def until(self, condition: object) -> None:
+        with trio.fail_after(10):
+            while not condition():  # type: ignore[operator]
+                await trio.sleep(0.001)
+
+
+def _pool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("statekv-tester-")]
+
+
+def test_pool_statistics_count_each_transfer_and_each_dropped_job() -> None:
+    h = Harness(workers=1, queue_depth=1)
+    assert h.statistics() == (1, 0, 0, 0, 0, 0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.pool.run)
+            # Every thread is named after its pool and is a daemon: it must never keep the
+            # interpreter alive, and a leak check finds it by name.
+            threads = _pool_threads()
+            assert sorted(t.name for t in threads) == ["statekv-tester-0"]
+            assert all(t.daemon for t in threads)
+            await h.pool.submit(("ok", 10))
+            await h.pool.submit(("fail", 20))
+            await h.until(lambda: len(h.reported) == 2)
+            await h.until(lambda: h.pool.busy == 0)
+            assert h.statistics() == (1, 0, 0, 3, 1, 0)
+            assert h.started == [0]
+            # One job blocks the thread, one waits in the pump for it, one in the queue.
+            await h.pool.submit(("block", 30))
+            await h.until(lambda: h.statistics()[2] == 1)
+            await h.pool.submit(("ok", 40))
+            h.pool.submit_nowait(("ok", 50))
+            assert h.statistics()[1:3] == (2, 1)
+            # A submit that waits for room and is cancelled is not counted.
+            with trio.move_on_after(0.05):
+                await h.pool.submit(("ok", 60))
+            assert h.statistics()[1:3] == (2, 1)
+            assert h.pool.busy == 3
+            dropped = h.pool.close_queue(drop_queued=True)
+            assert dropped == [("ok", 50)]
+            assert h.statistics()[1:] == (1, 1, 3, 1, 1)
+            h.release.set()
+        # The pump had taken job 40 before the close: it runs.
+        assert h.statistics() == (1, 0, 0, 7, 1, 1)
+        assert h.closed == [0]
+
+    trio.run(main)
+    assert _pool_threads() == []
+
+
+def test_submit_nowait_counts_every_job() -> None:
+    h = Harness(workers=1, queue_depth=4)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.pool.run)
+            await h.pool.submit(("block", 1))
+            await h.until(lambda: h.statistics()[2] == 1)
+            for transfer in (10, 20, 30):
+                h.pool.submit_nowait(("ok", transfer))
+            assert h.pool.busy == 4
+            h.release.set()
+            await h.until(lambda: h.pool.busy == 0)
+            assert h.statistics() == (1, 0, 0, 8, 0, 0)
+            h.pool.close_queue(drop_queued=False)
+
+    trio.run(main)
+
+
+def test_a_worker_that_raises_stops_the_pool_loudly(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness(workers=2)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.pool.run)
+            await h.pool.submit(("crash", 7))
+            await trio.sleep_forever()
+
+    # A group or the error itself, depending on trio's nurseries: the leaves are checked.
+    with (caplog.at_level(logging.ERROR, logger="io_actors.worker_threads"),
+          pytest.raises(BaseException) as info):
+        trio.run(main)
+    crashes = [exc for exc in _leaves(info.value) if isinstance(exc, WorkerCrashed)]
+    assert len(crashes) == 1
+    assert str(crashes[0]) == "a tester worker crashed"
+    assert isinstance(crashes[0].__cause__, ValueError)
+    assert str(crashes[0].__cause__) == "job 7 is broken"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("tester worker ") and m.endswith(" crashed on ('crash', 7)")
+               for m in messages), messages
+    assert h.reported == []
+    assert _pool_threads() == []
+
+
+# The thread re-raises the executor's error after logging it (threading.excepthook prints it).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_cannot_start_is_logged_and_the_pool_still_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = Harness(workers=2, broken=True)
+
+    async def main() -> None:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(h.pool.run)
+                h.pool.close_queue(drop_queued=True)
+
+    with caplog.at_level(logging.ERROR, logger="io_actors.worker_threads"):
+        trio.run(main)
+    messages = sorted(r.getMessage() for r in caplog.records)
+    assert messages == ["tester worker 0 could not start", "tester worker 1 could not start"]
+    assert _pool_threads() == []
+
+
+def test_cancelling_the_pool_still_waits_for_its_busy_thread() -> None:
+    """A thread owns its staging buffer and stream: the pool's run must not return (even
+    when cancelled) while a thread still executes a job."""
+    h = Harness(workers=1)
+
+    async def main() -> None:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(h.pool.run)
+                await h.pool.submit(("block", 1))
+                await h.until(lambda: h.statistics()[2] == 1)
+                threading.Timer(0.2, h.release.set).start()
+                started = time.monotonic()
+                scope.cancel()
+        assert time.monotonic() - started >= 0.15
+        assert _pool_threads() == []
+        assert h.closed == [0]
+
+    trio.run(main)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
