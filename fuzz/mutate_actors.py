@@ -35,6 +35,8 @@ _ACTOR_TESTS = [
     "tests/test_io_faults.py",
     "tests/test_prefetch_actors.py",
     "tests/test_actor_mutation_gaps.py",
+    "tests/test_persistence.py",
+    "tests/test_retention_journal.py",
 ]
 # The tests that reach each module (run in full for every mutant the module's functions
 # are seen in: mutmut 3.8 records calls from every thread of the test process).
@@ -42,10 +44,8 @@ TESTS: dict[str, list[str]] = {
     "io_actors/worker_threads.py": _ACTOR_TESTS,
     "io_actors/writer_pool.py": _ACTOR_TESTS,
     "io_actors/reader_pool.py": _ACTOR_TESTS,
-    "io_actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_retention_journal.py",
-                               "tests/test_spill_modes.py"],
-    "io_actors/embed.py": [*_ACTOR_TESTS, "tests/test_retention_journal.py",
-                           "tests/test_persistence.py"],
+    "io_actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_spill_modes.py"],
+    "io_actors/embed.py": _ACTOR_TESTS,
     "io_actors/backends/posix.py": [
         "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
         "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",

@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import trio
 
+from io_actors.embed import BlockingCache
 from io_actors.gate import OpenGate
 from io_actors.worker_threads import WorkerCrashed, WorkerThreads
 from statekv.ids import TransferId
@@ -26,6 +28,8 @@ from statekv.messages import (
     SlotWritten,
     TransferOutcome,
 )
+from tests.io_helpers import serve, small_config, wait_quiet, wait_ready
+from tests.test_io_actors import churn
 
 Job = tuple[str, int]
 """("ok" | "fail" | "crash" | "block", transfer): what the executor does with the job."""
@@ -222,3 +226,26 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
     return [exc]
+
+
+def test_the_cache_runs_named_pools_whose_counts_match_the_cores(tmp_path: Path) -> None:
+    prompt = list(range(13))
+    with BlockingCache(small_config(tmp_path, writers=2, readers=3)) as cache:
+        names = sorted(t.name for t in threading.enumerate()
+                       if t.name.startswith(("statekv-writer-", "statekv-reader-")))
+        assert names == ["statekv-reader-0", "statekv-reader-1", "statekv-reader-2",
+                         "statekv-writer-0", "statekv-writer-1"]
+        serve(cache, "first", prompt)
+        churn(cache, 6)
+        cache.add_request("again", prompt)
+        wait_ready(cache, "again")
+        cache.release("again")
+        wait_quiet(cache)
+        stats = cache.statistics()
+        assert stats.writer is not None and stats.reader is not None
+        assert (stats.writer.workers, stats.reader.workers) == (2, 3)
+        assert stats.cache.spills_completed > 0
+        assert stats.writer.completed == stats.cache.spills_completed
+        assert stats.reader.completed == stats.cache.onboards_completed == 3
+        assert stats.writer.failed == stats.reader.failed == 0
+        assert stats.spill_backlog == 0
