@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from io_actors.backends.posix import PosixSlotStore
 from io_actors.embed import BlockingCache
 from io_actors.gate import OpenGate
 from io_actors.worker_threads import WorkerCrashed, WorkerThreads
+from statekv.errors import UsageError
 from statekv.ids import TransferId
 from statekv.messages import (
     BatchFinished,
@@ -249,3 +251,47 @@ def test_the_cache_runs_named_pools_whose_counts_match_the_cores(tmp_path: Path)
         assert stats.reader.completed == stats.cache.onboards_completed == 3
         assert stats.writer.failed == stats.reader.failed == 0
         assert stats.spill_backlog == 0
+
+
+def test_a_crashed_writer_stops_the_cache_loudly_instead_of_hanging_its_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store that raises something other than an I/O error is a bug: the cache must stop
+    and say so.  It used to hang instead: close waited for ever for the crashed job's report,
+    which the stopped pool would never send."""
+    config = small_config(tmp_path)
+    directory = config.rank_directory()
+    assert directory is not None
+    store = PosixSlotStore(directory, config.core_config(), direct_io=False)
+
+    def broken(writes: object) -> object:
+        raise RuntimeError("a bug in the store")
+
+    monkeypatch.setattr(store, "write_many", broken)
+    raised: list[BaseException] = []
+
+    def scenario() -> None:
+        cache = BlockingCache(config, store=store)
+        try:
+            # New prompts push blocks to disk; the first spill crashes the writer, and once
+            # the cache has stopped, calls are refused.
+            deadline = time.monotonic() + 10
+            with pytest.raises(UsageError, match="closed"):
+                for i in range(10**6):
+                    serve(cache, f"r{i}", [i * 100 + t for t in range(17)])
+                    assert time.monotonic() < deadline, "the cache kept serving"
+        finally:
+            try:
+                cache.close()
+            except BaseException as exc:
+                raised.append(exc)
+
+    thread = threading.Thread(target=scenario, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the cache hung after its writer crashed"
+    store.close()
+    assert len(raised) == 1
+    crashes = [exc for exc in _leaves(raised[0]) if isinstance(exc, WorkerCrashed)]
+    assert [str(exc) for exc in crashes] == ["a writer worker crashed"]
+    assert isinstance(crashes[0].__cause__, RuntimeError)
