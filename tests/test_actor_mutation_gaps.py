@@ -10,6 +10,7 @@ thread block, raise, or report a failed transfer at a moment it chooses.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.backends.posix import PosixSlotStore
 from io_actors.embed import BlockingCache
 from io_actors.gate import OpenGate
@@ -26,9 +28,11 @@ from statekv.ids import TransferId
 from statekv.messages import (
     BatchFinished,
     Completion,
+    SlotReadFailed,
     SlotWriteFailed,
     SlotWritten,
     TransferOutcome,
+    outcomes,
 )
 from tests.io_helpers import serve, small_config, wait_quiet, wait_ready
 from tests.test_io_actors import churn
@@ -295,3 +299,63 @@ def test_a_crashed_writer_stops_the_cache_loudly_instead_of_hanging_its_close(
     crashes = [exc for exc in _leaves(raised[0]) if isinstance(exc, WorkerCrashed)]
     assert [str(exc) for exc in crashes] == ["a writer worker crashed"]
     assert isinstance(crashes[0].__cause__, RuntimeError)
+
+
+class RecordingGate:
+    """Reports every completion at once, and keeps it."""
+
+    def __init__(self) -> None:
+        self.seen: list[Completion] = []
+
+    async def hold(self, completion: Completion) -> None:
+        self.seen.append(completion)
+
+
+def test_a_failed_transfer_reports_and_logs_its_cause(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = small_config(tmp_path, gpu=4, host=1, reserved_host=1, disk=16, writers=1,
+                          readers=1)
+    directory = config.rank_directory()
+    assert directory is not None
+    plan = FaultPlan(rules=(FaultRule(op=Op.WRITE, fault=Fault.ENOSPC, nth=1),
+                            FaultRule(op=Op.READ, fault=Fault.EIO, nth=1)))
+    store = FaultyStore(PosixSlotStore(directory, config.core_config()), plan)
+    gate = RecordingGate()
+    prompt = list(range(9))
+    try:
+        with caplog.at_level(logging.WARNING, logger="io_actors"), \
+                BlockingCache(config, store=store, gate=gate) as cache:
+            for i in range(4):
+                serve(cache, f"churn{i}", [1000 + 100 * i + t for t in range(9)])
+                wait_quiet(cache)
+            serve(cache, "first", prompt)
+            wait_quiet(cache)
+            for i in range(2):
+                serve(cache, f"more{i}", [5000 + 100 * i + t for t in range(9)])
+                wait_quiet(cache)
+            cache.add_request("again", prompt)
+            wait_ready(cache, "again")
+            cache.release("again")
+            wait_quiet(cache)
+    finally:
+        store.close()
+    failed = [o for c in gate.seen for o in outcomes(c)
+              if isinstance(o, SlotWriteFailed | SlotReadFailed)]
+    # Each failed transfer carries the store's error as its cause, and is logged with its
+    # block and slot.
+    assert [type(o) for o in failed] == [SlotWriteFailed, SlotReadFailed]
+    write_cause = re.fullmatch(
+        r"slot (\d+): write failed: \[Errno 28\] No space left on device \(injected\)",
+        failed[0].cause)
+    read_cause = re.fullmatch(
+        r"slot (\d+): read failed: \[Errno 5\] Input/output error \(injected\)",
+        failed[1].cause)
+    assert write_cause is not None and read_cause is not None, failed
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("io_actors.")
+                and r.name.endswith("_pool")]
+    assert len(messages) == 2, messages
+    assert re.fullmatch(rf"spill of block \d+ to slot {write_cause[1]} failed: "
+                        rf"{re.escape(failed[0].cause)}", messages[0]), messages
+    assert re.fullmatch(rf"onboard of block \d+ from slot {read_cause[1]} failed: "
+                        rf"{re.escape(failed[1].cause)}", messages[1]), messages
