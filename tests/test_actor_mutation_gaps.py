@@ -103,7 +103,7 @@ def _pool_threads() -> list[threading.Thread]:
 
 
 def test_pool_statistics_count_each_transfer_and_each_dropped_job() -> None:
-    h = Harness(workers=1, queue_depth=1)
+    h = Harness(workers=1, queue_depth=2)
     assert h.statistics() == (1, 0, 0, 0, 0, 0)
 
     async def main() -> None:
@@ -116,27 +116,29 @@ def test_pool_statistics_count_each_transfer_and_each_dropped_job() -> None:
             assert all(t.daemon for t in threads)
             await h.pool.submit(("ok", 10))
             await h.pool.submit(("fail", 20))
-            await h.until(lambda: len(h.reported) == 2)
+            await h.pool.submit(("fail", 25))
+            await h.until(lambda: len(h.reported) == 3)
             await h.until(lambda: h.pool.busy == 0)
-            assert h.statistics() == (1, 0, 0, 3, 1, 0)
+            assert h.statistics() == (1, 0, 0, 4, 2, 0)
             assert h.started == [0]
-            # One job blocks the thread, one waits in the pump for it, one in the queue.
+            # One job blocks the thread, one waits in the pump for it, two in the queue.
             await h.pool.submit(("block", 30))
             await h.until(lambda: h.statistics()[2] == 1)
             await h.pool.submit(("ok", 40))
             h.pool.submit_nowait(("ok", 50))
-            assert h.statistics()[1:3] == (2, 1)
+            h.pool.submit_nowait(("ok", 51))
+            assert h.statistics()[1:3] == (3, 1)
             # A submit that waits for room and is cancelled is not counted.
             with trio.move_on_after(0.05):
                 await h.pool.submit(("ok", 60))
-            assert h.statistics()[1:3] == (2, 1)
-            assert h.pool.busy == 3
+            assert h.statistics()[1:3] == (3, 1)
+            assert h.pool.busy == 4
             dropped = h.pool.close_queue(drop_queued=True)
-            assert dropped == [("ok", 50)]
-            assert h.statistics()[1:] == (1, 1, 3, 1, 1)
+            assert dropped == [("ok", 50), ("ok", 51)]
+            assert h.statistics()[1:] == (1, 1, 4, 2, 2)
             h.release.set()
         # The pump had taken job 40 before the close: it runs.
-        assert h.statistics() == (1, 0, 0, 7, 1, 1)
+        assert h.statistics() == (1, 0, 0, 8, 2, 2)
         assert h.closed == [0]
 
     trio.run(main)
