@@ -44,8 +44,10 @@ TESTS: dict[str, list[str]] = {
     "io_actors/worker_threads.py": _ACTOR_TESTS,
     "io_actors/writer_pool.py": _ACTOR_TESTS,
     "io_actors/reader_pool.py": _ACTOR_TESTS,
-    "io_actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_spill_modes.py"],
-    "io_actors/embed.py": _ACTOR_TESTS,
+    "io_actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_spill_modes.py",
+                               "tests/test_tracing.py", "tests/test_index_journal.py"],
+    "io_actors/embed.py": [*_ACTOR_TESTS, "tests/test_tracing.py",
+                           "tests/test_index_journal.py"],
     "io_actors/backends/posix.py": [
         "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
         "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",
