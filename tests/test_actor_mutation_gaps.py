@@ -16,15 +16,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import trio
 
 from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
-from io_actors.backends.posix import PosixSlotStore
+from io_actors.backends.posix import PosixSlotStore, host_view
 from io_actors.embed import BlockingCache
 from io_actors.gate import OpenGate
+from io_actors.memory import page_aligned_buffer
+from io_actors.slot_format import payload_checksum
 from io_actors.worker_threads import WorkerCrashed, WorkerThreads
-from statekv.errors import UsageError
-from statekv.ids import TransferId
+from io_actors.writer_pool import WriteJob, WriterPool
+from statekv.errors import TransferFailed, UsageError
+from statekv.ids import BlockHash, BlockId, PageId, SlotId, TransferId
 from statekv.messages import (
     BatchFinished,
     Completion,
@@ -32,6 +36,8 @@ from statekv.messages import (
     SlotWriteFailed,
     SlotWritten,
     TransferOutcome,
+    WriteSlot,
+    WriteSlots,
     outcomes,
 )
 from tests.io_helpers import serve, small_config, wait_quiet, wait_ready
@@ -361,3 +367,65 @@ def test_a_failed_transfer_reports_and_logs_its_cause(
                         rf"{re.escape(failed[0].cause)}", messages[0]), messages
     assert re.fullmatch(rf"onboard of block \d+ from slot {read_cause[1]} failed: "
                         rf"{re.escape(failed[1].cause)}", messages[1]), messages
+
+
+class _Done:
+    """The fence of copies that have all happened (a CPU copy engine's)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _as_int32(crc: int) -> int:
+    """How KVPools.host_crcs holds an unsigned 32-bit checksum (a signed int32 entry)."""
+    return crc - 2**32 if crc >= 2**31 else crc
+
+
+def test_the_writer_stores_the_checksum_computed_by_the_copy(tmp_path: Path) -> None:
+    """With CUDA, the copy that fills a host page also computes its checksum (host_crcs):
+    the writer must store that value, not compute its own.  A wrong one makes the slot fail
+    its check when read back -- so a slot written with a deliberately wrong value proves
+    which one was stored."""
+    core = small_config(tmp_path).core_config()
+    store = PosixSlotStore(tmp_path / "slots", core, direct_io=False)
+    pages = [page_aligned_buffer(store.payload_len) for _ in range(3)]
+    crcs: list[int] = []
+    for seed, page in enumerate(pages):
+        page.copy_(torch.randint(0, 256, (store.payload_len,), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(seed)))
+        crcs.append(payload_checksum(host_view(page)))
+    # One checksum of each sign as an int32, and a wrong one for the last page.
+    assert min(crcs[:2]) < 2**31 <= max(crcs[:2]), crcs
+    host_crcs = torch.tensor([_as_int32(crcs[0]), _as_int32(crcs[1]),
+                              _as_int32(crcs[2] ^ 0x1)], dtype=torch.int32)
+    keys = [BlockHash(bytes([i + 1]) * 32) for i in range(3)]
+    reported: list[Completion] = []
+
+    async def report(completion: Completion) -> None:
+        reported.append(completion)
+
+    pool = WriterPool(store, lambda page: pages[page], host_crcs=host_crcs, workers=1,
+                      queue_depth=1, gate=OpenGate(), report=report)
+    command = WriteSlots(writes=tuple(
+        WriteSlot(transfer=TransferId(10 + i), block=BlockId(i), key=keys[i],
+                  host_page=PageId(i), slot=SlotId(i), retained=False)
+        for i in range(3)))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run)
+            await pool.submit(WriteJob(command, _Done()))
+            pool.close_queue(drop_queued=False)
+
+    trio.run(main)
+    try:
+        assert [outcomes(c) for c in reported] == [tuple(
+            SlotWritten(transfer=TransferId(10 + i)) for i in range(3))]
+        for i in range(2):
+            back = page_aligned_buffer(store.payload_len)
+            store.read(SlotId(i), keys[i], back)
+            assert torch.equal(back, pages[i])
+        with pytest.raises(TransferFailed, match="checksum"):
+            store.read(SlotId(2), keys[2], page_aligned_buffer(store.payload_len))
+    finally:
+        store.close()
