@@ -13,6 +13,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,10 @@ from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, 
 from io_actors.backends.posix import PosixSlotStore, host_view
 from io_actors.embed import BlockingCache
 from io_actors.gate import OpenGate
+from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.memory import page_aligned_buffer
-from io_actors.slot_format import payload_checksum
+from io_actors.reader_pool import ReadJob, SlotReader
+from io_actors.slot_format import SlotMeta, payload_checksum
 from io_actors.worker_threads import WorkerCrashed, WorkerThreads
 from io_actors.writer_pool import WriteJob, WriterPool
 from statekv.errors import TransferFailed, UsageError
@@ -32,6 +35,11 @@ from statekv.ids import BlockHash, BlockId, PageId, SlotId, TransferId
 from statekv.messages import (
     BatchFinished,
     Completion,
+    PrefetchSlot,
+    PrefetchSlots,
+    ReadSlot,
+    ReadSlots,
+    SlotRead,
     SlotReadFailed,
     SlotWriteFailed,
     SlotWritten,
@@ -429,3 +437,81 @@ def test_the_writer_stores_the_checksum_computed_by_the_copy(tmp_path: Path) -> 
             store.read(SlotId(2), keys[2], page_aligned_buffer(store.payload_len))
     finally:
         store.close()
+
+
+class ReadsIntoPages:
+    """The POSIX store, declared able to read straight into the destination pages (as the
+    kvikio store reads into GPU memory): the reader then skips its staging buffers.  On a
+    CPU device the "GPU" pages are host memory, which the POSIX store fills directly."""
+
+    device_reads = True
+
+    def __init__(self, inner: PosixSlotStore) -> None:
+        self.inner = inner
+        self.read_into: list[torch.Tensor] = []
+
+    def read_many(self, reads: Sequence[SlotIO]) -> BatchOutcome:
+        self.read_into += [item.buffer for item in reads]
+        return self.inner.read_many(reads)
+
+    def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
+        return self.inner.write_many(writes)
+
+    def write(self, slot: SlotId, key: BlockHash, src: torch.Tensor,
+              meta: SlotMeta | None = None) -> None:
+        self.inner.write(slot, key, src, meta)
+
+    def read(self, slot: SlotId, key: BlockHash, dst: torch.Tensor) -> None:
+        self.inner.read(slot, key, dst)
+
+    def discard(self, slot: SlotId) -> None:
+        self.inner.discard(slot)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_store_with_device_reads_fills_the_pages_without_staging(tmp_path: Path) -> None:
+    core = small_config(tmp_path).core_config()
+    posix = PosixSlotStore(tmp_path / "slots", core, direct_io=False)
+    store = ReadsIntoPages(posix)
+    n = store.inner.payload_len
+    data = [torch.randint(0, 256, (n,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    keys = [BlockHash(bytes([i + 1]) * 32) for i in range(2)]
+    try:
+        assert store.write_many([SlotIO(SlotId(i), keys[i], data[i]) for i in range(2)]) == [
+            None, None]
+        pages = [page_aligned_buffer(n) for _ in range(3)]
+        staging_asked: list[int] = []
+
+        def new_staging(blocks: int) -> torch.Tensor:
+            staging_asked.append(blocks)
+            return page_aligned_buffer(blocks * n)
+
+        reader = SlotReader(store, lambda page: pages[page], new_staging, torch.device("cpu"),
+                            2)
+        assert staging_asked == []
+        # Slot 1 is read under a key it does not hold: that block fails, the other lands.
+        command = ReadSlots(reads=(
+            ReadSlot(transfer=TransferId(5), block=BlockId(0), key=keys[0], slot=SlotId(0),
+                     gpu_page=PageId(2)),
+            ReadSlot(transfer=TransferId(6), block=BlockId(1), key=keys[0], slot=SlotId(1),
+                     gpu_page=PageId(0)),
+        ))
+        completion = reader.execute(ReadJob(command, _Done()))
+        got = outcomes(completion)
+        assert got[0] == SlotRead(transfer=TransferId(5))
+        assert isinstance(got[1], SlotReadFailed) and got[1].transfer == TransferId(6)
+        assert [b.data_ptr() for b in store.read_into] == [pages[2].data_ptr(),
+                                                           pages[0].data_ptr()]
+        assert torch.equal(pages[2], data[0])
+        # A reader given no host pool refuses a prefetch, by name.
+        prefetch = PrefetchSlots(reads=(PrefetchSlot(
+            transfer=TransferId(7), block=BlockId(0), key=keys[0], slot=SlotId(0),
+            host_page=PageId(0)),))
+        with pytest.raises(RuntimeError) as info:
+            reader.execute(ReadJob(prefetch, _Done()))
+        assert str(info.value) == "this reader has no host pool: it cannot prefetch"
+    finally:
+        posix.close()
