@@ -48,8 +48,8 @@ from statekv.messages import (
     WriteSlots,
     outcomes,
 )
-from tests.io_helpers import serve, small_config, wait_quiet, wait_ready
-from tests.test_io_actors import churn
+from tests.io_helpers import check_pages, serve, small_config, wait_quiet, wait_ready
+from tests.test_io_actors import HoldReads, churn
 
 Job = tuple[str, int]
 """("ok" | "fail" | "crash" | "block", transfer): what the executor does with the job."""
@@ -515,3 +515,55 @@ def test_a_store_with_device_reads_fills_the_pages_without_staging(tmp_path: Pat
         assert str(info.value) == "this reader has no host pool: it cannot prefetch"
     finally:
         posix.close()
+
+
+def test_each_waiter_wakes_when_its_reads_land_and_not_before(tmp_path: Path) -> None:
+    """Two requests parked on the same onboard reads: an unrelated call wakes neither, and
+    the completion that makes both ready wakes both."""
+    gate = HoldReads()
+    prompt = list(range(13))
+    with BlockingCache(small_config(tmp_path), gate=gate) as cache:
+        serve(cache, "first", prompt)
+        churn(cache, 6)
+        assert cache.add_request("a", prompt).disk_tokens == 12
+        cache.add_request("b", prompt)
+        assert not cache.is_ready("a") and not cache.is_ready("b")
+        deadline = time.monotonic() + 10
+        while gate.blocks() < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert gate.blocks() == 3
+        woke: dict[str, bool] = {}
+        waiters = [threading.Thread(target=lambda rid=rid: woke.update(
+            {rid: cache.wait_ready(rid, timeout=10)})) for rid in ("a", "b")]
+        for waiter in waiters:
+            waiter.start()
+        time.sleep(0.2)
+        cache.add_request("other", [9000 + t for t in range(6)])
+        cache.release("other")
+        time.sleep(0.2)
+        assert woke == {}, "a waiter woke before its reads landed"
+        gate.release_all()
+        for waiter in waiters:
+            waiter.join(15)
+        assert woke == {"a": True, "b": True}
+        check_pages(cache, "a", prompt, 3)
+        check_pages(cache, "b", prompt, 3)
+        cache.release("a")
+        cache.release("b")
+
+
+def test_statistics_read_the_store_inside_a_wrapper(tmp_path: Path) -> None:
+    config = small_config(tmp_path)
+    directory = config.rank_directory()
+    assert directory is not None
+    posix = PosixSlotStore(directory, config.core_config(), direct_io=False)
+    store = FaultyStore(posix, FaultPlan())
+    try:
+        with BlockingCache(config, store=store) as cache:
+            serve(cache, "first", list(range(13)))
+            churn(cache, 3)
+            stats = cache.statistics()
+            assert stats.store == posix.statistics()
+            assert stats.store is not None and stats.store.writes > 0
+    finally:
+        store.close()
