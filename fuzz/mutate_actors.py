@@ -45,7 +45,8 @@ TESTS: dict[str, list[str]] = {
     "io_actors/writer_pool.py": _ACTOR_TESTS,
     "io_actors/reader_pool.py": _ACTOR_TESTS,
     "io_actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_spill_modes.py",
-                               "tests/test_tracing.py", "tests/test_index_journal.py"],
+                               "tests/test_tracing.py", "tests/test_index_journal.py",
+                               "tests/test_remote_actors.py"],
     "io_actors/embed.py": [*_ACTOR_TESTS, "tests/test_tracing.py",
                            "tests/test_index_journal.py"],
     "io_actors/backends/posix.py": [
