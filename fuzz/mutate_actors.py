@@ -48,11 +48,14 @@ TESTS: dict[str, list[str]] = {
                                "tests/test_tracing.py", "tests/test_index_journal.py",
                                "tests/test_remote_actors.py"],
     "io_actors/embed.py": [*_ACTOR_TESTS, "tests/test_tracing.py",
-                           "tests/test_index_journal.py"],
+                           "tests/test_index_journal.py", "tests/test_config.py",
+                           "tests/test_serving_cancel.py", "tests/test_serving_prefetch.py",
+                           "tests/test_metrics.py", "tests/test_remote_actors.py"],
     "io_actors/backends/posix.py": [
         "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
         "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",
-        "tests/test_posix_store_setup.py",
+        "tests/test_posix_store_setup.py", "tests/test_persistence.py",
+        "tests/test_index_journal.py", "tests/test_retention_journal.py",
     ],
     "io_actors/slot_format.py": [
         "tests/test_slot_format.py", "tests/test_slot_format_errors.py",
