@@ -22,15 +22,16 @@ import trio
 
 from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.backends.posix import PosixSlotStore, host_view
-from io_actors.embed import BlockingCache
+from io_actors.embed import BlockingCache, resolve_device
 from io_actors.gate import OpenGate
+from io_actors.index_journal import INDEX_FILE
 from io_actors.interfaces import BatchOutcome, SlotIO
 from io_actors.memory import page_aligned_buffer
 from io_actors.reader_pool import ReadJob, SlotReader
 from io_actors.slot_format import SlotMeta, payload_checksum
 from io_actors.worker_threads import WorkerCrashed, WorkerThreads
 from io_actors.writer_pool import WriteJob, WriterPool
-from statekv.errors import TransferFailed, UsageError
+from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import BlockHash, BlockId, PageId, SlotId, TransferId
 from statekv.messages import (
     BatchFinished,
@@ -567,3 +568,71 @@ def test_statistics_read_the_store_inside_a_wrapper(tmp_path: Path) -> None:
             assert stats.store is not None and stats.store.writes > 0
     finally:
         store.close()
+
+
+def test_prefetch_and_append_tokens_pass_every_argument_through(tmp_path: Path) -> None:
+    prompt = list(range(13))
+    with BlockingCache(small_config(tmp_path, host=4)) as cache:
+        assert "statekv-trio" in [t.name for t in threading.enumerate()]
+        serve(cache, "first", prompt, cache_salt="tenant", lora_id=3)
+        churn(cache, 6)
+        # Under another salt or adapter the same tokens are other blocks: nothing to read.
+        for other in ({"cache_salt": "tenant"}, {"lora_id": 3}):
+            got = cache.prefetch("other", prompt, **other)
+            assert got.started_tokens + got.shared_tokens + got.cached_tokens == 0, got
+            cache.release("other")
+        fetched = 0
+        for _ in range(20):
+            got = cache.prefetch("q", prompt, cache_salt="tenant", lora_id=3)
+            fetched = got.started_tokens + got.shared_tokens
+            if fetched == 12:
+                break
+            wait_quiet(cache)
+        assert fetched == 12
+        cache.release("q")
+        wait_quiet(cache)
+        # Decode tokens reach the request through the facade.
+        cache.add_request("d", [500, 501, 502])
+        cache.allocate_nowait("d", 3)
+        cache.commit("d", 3)
+        cache.append_tokens("d", [503, 504])
+        assert cache.request_status("d").num_tokens == 5
+        cache.release("d")
+
+
+def test_a_restart_logs_what_the_index_rebuild_found(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = small_config(tmp_path)
+    with BlockingCache(config) as cache:
+        serve(cache, "first", list(range(13)))
+        churn(cache, 6)
+        wait_quiet(cache)
+        restored = cache.statistics().cache.spills_completed
+    directory = config.rank_directory()
+    assert directory is not None and restored > 0
+    messages: list[str] = []
+    for _opening in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="io_actors.embed"), BlockingCache(config):
+            pass
+        messages += [r.getMessage() for r in caplog.records if r.name == "io_actors.embed"]
+        # Without its index journal, the next open reads every slot header.
+        (directory / INDEX_FILE).unlink()
+    blocks = messages[0].split(": ", 1)[1].split(" blocks restored")[0]
+    assert int(blocks) > 0
+    assert messages == [
+        f"disk index rebuilt from {source}: {blocks} blocks restored; reclaimed 0 foreign, "
+        "0 corrupt, 0 unauthenticated, 0 duplicate, 0 beyond capacity slots; 0 old files"
+        for source in ("the index journal", "the slot headers")
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU machine")
+def test_cuda_on_a_machine_without_it_is_a_config_error_naming_device() -> None:
+    assert resolve_device("auto") == torch.device("cpu")
+    for name in ("cuda", "cuda:0"):
+        with pytest.raises(ConfigError) as info:
+            resolve_device(name)
+        assert info.value.field == "device"
+        assert str(info.value) == "device: CUDA was asked for but torch sees no GPU"
