@@ -72,7 +72,7 @@ def _config(module: str, timeout_multiplier: float, timeout_constant: float) -> 
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         'pytest_add_cli_args = ["-p", "no:cacheprovider"]\n'
         'also_copy = ["tests", "specs", "fuzz", "io_actors", "statekv", "models", "serve",'
-        ' "bench"]\n'
+        ' "bench", "README.md", "BENCHMARKS.md", "docs"]\n'
         f"timeout_multiplier = {timeout_multiplier}\n"
         f"timeout_constant = {timeout_constant}\n"
     )
