@@ -70,6 +70,20 @@ def test_a_failed_mkdir_removes_the_components_it_created(
         prepare_directory(tmp_path / "a" / "b" / "c")
     assert info.value.field == "directory"
     assert os.listdir(tmp_path) == []
+    # The same when the chmod after a mkdir fails.
+    monkeypatch.setattr(os, "mkdir", real)
+    real_chmod = os.chmod
+
+    def refuse_chmod(path: object, mode: int) -> None:
+        if Path(str(path)).name == "c":
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        real_chmod(path, mode)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "chmod", refuse_chmod)
+    with pytest.raises(ConfigError, match="cannot use") as info:
+        prepare_directory(tmp_path / "a" / "b" / "c")
+    assert info.value.field == "directory"
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_data_file_that_cannot_be_inspected_is_a_config_error(
@@ -147,22 +161,26 @@ def test_o_direct_missing_on_the_platform_is_logged(
 def test_the_header_scan_counts_each_corrupt_slot_and_restores_the_rest(
     tmp_path: Path,
 ) -> None:
-    store = PosixSlotStore(tmp_path, config())
-    for slot in range(6):
+    # 16 slots: the scan's threads take two each, so a range holds two damaged slots, or a
+    # damaged slot followed by a good one.
+    store = PosixSlotStore(tmp_path, config(disk_blocks=16))
+    for slot in range(10):
         store.write(SlotId(slot), key(slot), block(store.payload_len, slot), meta(slot))
     slot_bytes = store.slot_bytes
     store.close()
-    # Damage the headers of slots 1 and 3; drop the index journal: the next open scans.
+    # Damage the magic of slots 4, 6 and 7 and the middle of the headers of slots 2, 3 and
+    # 8; drop the index journal: the next open scans every header.
     with open(tmp_path / DATA_FILE, "r+b") as f:
-        for slot in (1, 3):
-            f.seek(slot * slot_bytes + HEADER_SIZE // 2)
+        for slot, offset in ((2, HEADER_SIZE // 2), (3, HEADER_SIZE // 2), (4, 0), (6, 0),
+                             (7, 0), (8, HEADER_SIZE // 2)):
+            f.seek(slot * slot_bytes + offset)
             f.write(b"\xff" * 8)
     (tmp_path / INDEX_FILE).unlink()
-    reopened = PosixSlotStore(tmp_path, config())
+    reopened = PosixSlotStore(tmp_path, config(disk_blocks=16))
     rec = reopened.recovery
-    assert sorted(e.slot for e in rec.slots) == [0, 2, 4, 5]
+    assert sorted(e.slot for e in rec.slots) == [0, 1, 5, 9]
     assert (rec.foreign, rec.corrupt, rec.unauthenticated, rec.duplicates,
-            rec.beyond_capacity) == (0, 2, 0, 0, 0)
+            rec.beyond_capacity) == (0, 6, 0, 0, 0)
     reopened.close()
 
 
