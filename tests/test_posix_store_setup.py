@@ -212,3 +212,35 @@ def test_unaligned_batches_keep_their_restore_metadata_and_count_every_bounce(
     reopened = PosixSlotStore(tmp_path, cfg)
     assert {e.slot: e.meta for e in reopened.recovery.slots} == {i: meta(i) for i in range(5)}
     reopened.close()
+
+
+def test_a_partial_vector_read_resumes_and_a_short_one_names_each_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = PosixSlotStore(tmp_path, config())
+    n = store.payload_len
+    data = [block(n, seed) for seed in range(3)]
+    assert store.write_many([SlotIO(SlotId(i), key(i), data[i]) for i in range(3)]) == [
+        None, None, None]
+    real = os.preadv
+    offsets: list[int] = []
+
+    def partial(fd: int, buffers: list[memoryview], offset: int) -> int:
+        # The kernel may move fewer bytes than asked: here one slot, on the first call.
+        offsets.append(offset)
+        moved = real(fd, buffers, offset)
+        return min(moved, store.slot_bytes) if len(offsets) == 1 else moved
+
+    monkeypatch.setattr(os, "preadv", partial)
+    back = [page_aligned_buffer(n) for _ in range(3)]
+    assert store.read_many([SlotIO(SlotId(i), key(i), back[i]) for i in range(3)]) == [
+        None, None, None]
+    assert all(torch.equal(b, d) for b, d in zip(back, data, strict=True))
+    assert offsets[:2] == [0, store.slot_bytes]  # resumed at the first slot not moved
+    # A call that moves less than a slot fails every slot it did not move, each by name.
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 100)
+    out = store.read_many([SlotIO(SlotId(i), key(i), back[i]) for i in range(3)])
+    assert [(e.what, str(e)) if isinstance(e, TransferFailed) else e for e in out] == [
+        (f"slot {i}", f"slot {i}: short read: 100 of {store.slot_bytes} bytes")
+        for i in range(3)]
+    store.close()
