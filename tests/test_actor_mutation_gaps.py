@@ -636,3 +636,39 @@ def test_cuda_on_a_machine_without_it_is_a_config_error_naming_device() -> None:
             resolve_device(name)
         assert info.value.field == "device"
         assert str(info.value) == "device: CUDA was asked for but torch sees no GPU"
+
+
+def test_a_failed_prefetch_read_is_reported_and_logged_as_a_prefetch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    core = small_config(tmp_path).core_config()
+    store = PosixSlotStore(tmp_path / "slots", core, direct_io=False)
+    n = store.payload_len
+    hosts = [page_aligned_buffer(n) for _ in range(2)]
+    rates: list[tuple[int, float]] = []
+    reader = SlotReader(store, lambda page: hosts[page], lambda blocks: page_aligned_buffer(
+        blocks * n), torch.device("cpu"), 2, host_page=lambda page: hosts[page],
+        measured=lambda nbytes, seconds: rates.append((nbytes, seconds)))
+    data = torch.arange(n, dtype=torch.int64).remainder(251).to(torch.uint8)
+    store.write(SlotId(3), BlockHash(b"k" * 32), data)
+    try:
+        command = PrefetchSlots(reads=(
+            PrefetchSlot(transfer=TransferId(1), block=BlockId(7), key=BlockHash(b"k" * 32),
+                         slot=SlotId(3), host_page=PageId(1)),
+            PrefetchSlot(transfer=TransferId(2), block=BlockId(8), key=BlockHash(b"x" * 32),
+                         slot=SlotId(4), host_page=PageId(0)),
+        ))
+        with caplog.at_level(logging.WARNING, logger="io_actors.reader_pool"):
+            got = outcomes(reader.execute(ReadJob(command, _Done())))
+    finally:
+        store.close()
+    assert got[0] == SlotRead(transfer=TransferId(1))
+    assert isinstance(got[1], SlotReadFailed)
+    assert torch.equal(hosts[1], data)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1
+    assert messages[0].startswith("prefetch of block 8 from slot 4 failed: slot 4: "), messages
+    # The batch's landed bytes and the store call's duration (seconds of this call, not a
+    # clock reading) feed the core's disk read-rate estimate.
+    assert len(rates) == 1 and rates[0][0] == n
+    assert 0 < rates[0][1] < 60
