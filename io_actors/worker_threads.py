@@ -109,6 +109,7 @@ class WorkerThreads(Generic[JobT]):
         self._exited = 0
         self._all_exited = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
+        self._stopped = False
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
@@ -118,7 +119,11 @@ class WorkerThreads(Generic[JobT]):
 
     @property
     def busy(self) -> int:
-        """Jobs accepted and not yet reported."""
+        """Jobs accepted and not yet reported; none once `run` has returned: a pool stopped by
+        a crashed worker (or cancelled) reports nothing more, and whoever waits for its jobs
+        (the scheduler's close) must not wait for ever."""
+        if self._stopped:
+            return 0
         return self._queued + self._in_flight
 
     async def submit(self, job: JobT) -> None:
@@ -159,24 +164,27 @@ class WorkerThreads(Generic[JobT]):
             )
             thread.start()
             self._threads.append(thread)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._deliver_results)
-            task_status.started()
-            try:
-                async with self._recv:
-                    async for job in self._recv:
-                        await self._idle.acquire()
-                        self._queued -= 1
-                        self._in_flight += 1
-                        self._queue.put(job)
-            finally:
-                for _ in self._threads:
-                    self._queue.put(None)
-                with trio.CancelScope(shield=True):
-                    await self._all_exited.wait()
-                    for thread in self._threads:
-                        thread.join()
-                    self._results_send.close()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._deliver_results)
+                task_status.started()
+                try:
+                    async with self._recv:
+                        async for job in self._recv:
+                            await self._idle.acquire()
+                            self._queued -= 1
+                            self._in_flight += 1
+                            self._queue.put(job)
+                finally:
+                    for _ in self._threads:
+                        self._queue.put(None)
+                    with trio.CancelScope(shield=True):
+                        await self._all_exited.wait()
+                        for thread in self._threads:
+                            thread.join()
+                        self._results_send.close()
+        finally:
+            self._stopped = True
 
     def _thread_main(self, index: int) -> None:
         token = self._token

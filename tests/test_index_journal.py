@@ -167,11 +167,16 @@ def test_a_record_torn_in_the_middle_falls_back_to_the_scan_and_is_rewritten(
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append  # type: ignore[method-assign, assignment]
     monkeypatch.setattr(logger, "disabled", False)
+    # The fuzz tests' modules set the "io_actors" loggers to ERROR when imported
+    # (setLevel, not the attribute: it clears the loggers' cached levels).
+    previous = logger.level
+    logger.setLevel(logging.WARNING)
     logger.addHandler(handler)
     try:
         store = reopen(tmp_path)
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(previous)
     assert store.recovery.index.source == "scan"
     assert "middle" in store.recovery.index.reason
     assert any("index rebuilt from the slot headers" in r.getMessage()
