@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import signal
 import socket
 import tempfile
 import time
@@ -532,6 +533,24 @@ def run_server(options: ServerOptions, listener: socket.socket, *,
                 on_ready()
             app = create_app(options, server)
             config = uvicorn.Config(app, log_level=log_level, lifespan="on")
-            uvicorn.Server(config).run(sockets=[listener])
+            http = _InterruptibleServer(config)
+            http.run(sockets=[listener])
+            # uvicorn shuts down gracefully on SIGINT and then re-raises the signal, but that
+            # re-raise reaches asyncio.run's own handler, which only cancels a main task that
+            # may already be done: the process then ended with status 0, as if nobody had
+            # pressed Ctrl-C (seen on a loaded machine).  Say it was interrupted ourselves.
+            if http.interrupted:
+                raise KeyboardInterrupt
         finally:
             server.close()
+
+
+class _InterruptibleServer(uvicorn.Server):
+    """uvicorn's server, remembering whether Ctrl-C (SIGINT) ended it."""
+
+    interrupted = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGINT:
+            self.interrupted = True
+        super().handle_exit(sig, frame)
