@@ -198,15 +198,23 @@ def test_demo_marks_the_figures_that_depend_on_timing_and_stays_quiet_in_a_log()
 
 
 def test_ctrl_c_ends_with_status_130_and_no_traceback() -> None:
+    # faulthandler: a demo that outlives its Ctrl-C is made to dump every thread's stack
+    # (SIGABRT), so the failure says where the interrupt went.
     process = subprocess.Popen(
         [*STATEKV, "demo", "--users", "64", "--rounds", "64", "--arrival-rate", "1"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     assert process.stdout is not None
     first = process.stdout.readline()  # the demo has started serving
     assert first.startswith("model tiny")
     os.kill(process.pid, signal.SIGINT)
-    _out, err = process.communicate(timeout=120)
+    try:
+        _out, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        _out, err = process.communicate(timeout=30)
+        pytest.fail(f"the demo went on for 120 s after Ctrl-C; its threads:\n{err}")
     assert process.returncode == EXIT_INTERRUPTED, err
     assert err.strip() == "statekv demo: interrupted"
 
