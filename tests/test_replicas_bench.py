@@ -14,10 +14,12 @@ from bench.replicas import (
     RunOutcome,
     build_parser,
     compare,
+    figures,
     main,
     route,
     run_benchmark,
     summarize,
+    summary,
 )
 from models.serving_loop import RequestResult
 from tests.redis_cluster import LocalRedisCluster
@@ -113,6 +115,28 @@ def test_compare_orders_and_bounds_the_goodput_ratio() -> None:
     assert both_top == {"order": "tie", "ratio": None, "lower_bound": False}
     lost = compare(g(None, None, "never_met"), g(0, 1.0, "below_next"))
     assert lost["order"] == "local" and lost["ratio"] is None
+
+
+def test_a_ratio_only_one_repeat_in_three_pins_is_no_figure() -> None:
+    def table(s: int | None, loc: int | None) -> dict[str, dict[str, object]]:
+        def one(i: int | None) -> dict[str, object]:
+            return {"rate_index": i, "requests_per_s": None if i is None else 2.0 ** i,
+                    "status": "never_met" if i is None else "below_next"}
+        return {"shared": one(s), "local": one(loc)}
+
+    doc: dict[str, object] = {
+        "prefill_tok_per_s": 1.0, "capacity_requests_per_s": 8.0, "replicas": 2,
+        "modes": ["shared", "local"], "rates": [],
+        "repeats": [{"goodput": {p: t for p in POPULATIONS}, "runs": {}}
+                    for t in (table(None, 0), table(None, None), table(1, 0))]}
+    doc["summary"] = summary(doc)
+    vs = doc["summary"]["goodput"]["moved"]["shared_vs_local"]  # type: ignore[index]
+    assert (vs["shared_higher"], vs["tied"], vs["local_higher"]) == (1, 1, 1)
+    assert vs["ratio"]["n"] == 1
+    assert "goodput_shared_vs_local" not in figures(doc)
+    doc["repeats"] = [{"goodput": {p: table(1, 0) for p in POPULATIONS}, "runs": {}}] * 3
+    doc["summary"] = summary(doc)
+    assert figures(doc)["goodput_shared_vs_local"]["value"] == 2.0
 
 
 TINY = ["--model", "tiny", "--layers", "2", "--vocab", "512", "--dtype", "float32",
