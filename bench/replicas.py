@@ -1,6 +1,7 @@
 """Goodput of two serving replicas sharing a KV tier on Redis Cluster, against two without it.
 
     python -m bench.replicas [--rates 0.25,0.5,1,2] [--move-probability 0.8]
+                             [--repeats 3] [--warmup-requests N]
                              [--slo-ttft-p99 2] [--model 1b-class --layers 1] ...
 
 The deployment issue 15 is about: replicas behind a router, and users whose conversations
@@ -27,8 +28,27 @@ and capacity is the replicas' summed full-reuse capacity (bench.serving.full_reu
 requests/s if every earlier round were reused).  Per configuration and rate: TTFT p50 / p99,
 input tokens/s sustained against offered, prompt tokens by the tier they came from (GPU,
 host, disk, shared tier, computed), how many rounds moved, and the shared tier's fetches and
-publishes.  Goodput is bench.sweep's: the highest offered rate at and below which TTFT p99
-met ``--slo-ttft-p99``.
+publishes.
+
+**Populations.**  TTFT p50 / p99, and so goodput, are computed over three sets of requests:
+``moved``, the rounds sent to another replica than their user's previous round (the only
+requests whose work differs between the configurations: the shared tier can serve their
+history, local recomputes it); ``window``, every request after the warm-up; ``all``.  The
+warm-up is the first ``--warmup-requests`` arrivals (default one per user: the chat's
+schedule issues every user's first round first, and a first round computes its history on
+either configuration), as in bench.sweep.  ``moved`` (after the warm-up) is the headline:
+with a few dozen requests per run, the p99 over every request is one or two first rounds
+queued behind each other, the same work in both configurations, and decides nothing about
+the tier.
+
+**Repeats.**  A p99 of a few dozen requests varies from run to run, so every configuration
+and rate is served on ``--repeats`` seeded workloads (seed, seed + 1, ...: arrivals, prompts
+and placement all follow the seed; the same for both configurations).  Goodput is
+bench.sweep's, the highest offered rate at and below which TTFT p99 met ``--slo-ttft-p99``,
+per repeat; the summary gives each configuration's median and min-max, the shared / local
+ratio's median and min-max (over the repeats that pin it) and in how many repeats shared was
+higher, tied or lower on the rate grid.  The file keeps every repeat's runs and every
+request's first token.
 
 After the runs, on the same cluster, the shared tier's fetch rate for one block of this
 model is measured against ``redis-benchmark``'s GET rate for the same value size (the method
@@ -98,6 +118,17 @@ STARTUP_TIMEOUT_S: Final = 600.0
 """Building a replica's model and measuring its prefill rate."""
 REPORT_TIMEOUT_S: Final = 120.0
 """A replica's last report of a run, after it finished every request."""
+POPULATIONS: Final = {
+    "moved": "rounds that moved to another replica than their user's previous round, "
+             "after the warm-up",
+    "window": "every request after the warm-up",
+    "all": "every request, the warm-up included",
+}
+"""The requests each TTFT p50 / p99 (and so each goodput) is over."""
+HEADLINE: Final = "moved"
+"""The goodput the comparison leads with: TTFT over the moved rounds, the only requests
+whose work differs between the configurations (a first round computes its history on
+either; a round that stayed finds its KV on its own replica on either)."""
 
 
 class ReplicasError(Exception):
@@ -132,13 +163,19 @@ class Routing:
     replicas: int
     move_probability: float
     last: dict[int, int] = attrs.field(factory=dict)
-    moves: int = 0
-    """Rounds sent to a replica other than their user's previous round's."""
+    moved: set[tuple[int, int]] = attrs.field(factory=set)
+    """(user, round) of the rounds sent to a replica other than their user's previous
+    round's: the rounds only a shared tier can serve from an earlier round's KV."""
+
+    @property
+    def moves(self) -> int:
+        return len(self.moved)
 
     def place(self, user: int, round_: int) -> int:
         previous = self.last.get(user)
         target = route(self.seed, user, round_, previous, self.replicas, self.move_probability)
-        self.moves += previous is not None and target != previous
+        if previous is not None and target != previous:
+            self.moved.add((user, round_))
         self.last[user] = target
         return target
 
@@ -209,7 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-user history before the first question")
     p.add_argument("--question-tokens", type=n1, default=64)
     p.add_argument("--answer-tokens", type=n1, default=8)
-    p.add_argument("--seed", type=n0, default=0)
+    p.add_argument("--seed", type=n0, default=0,
+                   help="the first repeat's seed (workload and placement); repeat k uses "
+                        "seed + k")
+    p.add_argument("--repeats", type=n1, default=3,
+                   help="seeded workloads each configuration and rate is served on")
+    p.add_argument("--warmup-requests", type=n0, default=None,
+                   help="first arrivals left out of the TTFT window (default: one per user, "
+                        "the users' first rounds)")
     # Each replica's tiers, in blocks.
     p.add_argument("--block-size", type=n1, default=16, help="tokens per KV block")
     p.add_argument("--gpu-blocks", type=n1, default=128)
@@ -256,6 +300,10 @@ def check_args(args: argparse.Namespace) -> None:
                             f"{args.redis_maxmemory!r}")
     last_round = args.system_tokens + args.history_tokens + args.rounds * (
         args.question_tokens + args.answer_tokens)
+    warmup = args.users if args.warmup_requests is None else args.warmup_requests
+    if warmup >= args.users * args.rounds:
+        raise ReplicasError(f"argument --warmup-requests: must be below the "
+                            f"{args.users * args.rounds} requests of a run, got {warmup}")
     needed = -(-last_round // args.block_size)
     if needed > args.gpu_blocks:
         raise ReplicasError(f"argument --gpu-blocks: the last round needs {needed} blocks of "
@@ -354,6 +402,10 @@ class RunOutcome:
     counters: tuple[dict[str, int], ...]
     """Each replica's shared-tier and error counters."""
     moves: int
+    order: tuple[str, ...] = ()
+    """Request ids in arrival order (the order the router sent them)."""
+    moved: frozenset[str] = frozenset()
+    """Ids of the requests that moved to another replica than their user's previous round."""
 
 
 def serve_run(handles: Sequence[ReplicaHandle], workload: ChatWorkload, routing: Routing, *,
@@ -370,6 +422,8 @@ def serve_run(handles: Sequence[ReplicaHandle], workload: ChatWorkload, routing:
     conns = {h.conn: h for h in handles}
     sentinels = {h.process.sentinel: h for h in handles}
     last = 0.0
+    order: list[str] = []
+    moved: set[str] = set()
     while len(done) < total:
         now = time.perf_counter() - epoch
         if now > timeout_s:
@@ -378,6 +432,9 @@ def serve_run(handles: Sequence[ReplicaHandle], workload: ChatWorkload, routing:
         for req in workload.poll(now):
             assert req.user is not None and req.round is not None  # a chat request
             target = routing.place(req.user, req.round)
+            order.append(req.request_id)
+            if (req.user, req.round) in routing.moved:
+                moved.add(req.request_id)
             handles[target].conn.send(Submit(
                 request_id=req.request_id, prompt=req.prompt,
                 max_new_tokens=req.max_new_tokens, arrival=req.arrival,
@@ -410,14 +467,32 @@ def serve_run(handles: Sequence[ReplicaHandle], workload: ChatWorkload, routing:
             raise _failure(handle, msg)
         counters.append(msg.counters)
     return RunOutcome(results=tuple(done), seconds=last, counters=tuple(counters),
-                      moves=routing.moves)
+                      moves=routing.moves, order=tuple(order), moved=frozenset(moved))
 
 
-def summarize(outcome: RunOutcome, *, offered_rps: float,
-              offered_input_tps: float) -> dict[str, Any]:
+def populations(outcome: RunOutcome, warmup: int) -> dict[str, list[str]]:
+    """The request ids each TTFT figure is over (POPULATIONS says what each one is)."""
+    window = list(outcome.order[warmup:])
+    return {"moved": [rid for rid in window if rid in outcome.moved],
+            "window": window, "all": list(outcome.order)}
+
+
+def ttft_stats(ttfts: Sequence[float | None]) -> dict[str, Any]:
+    """p50 / p99 of the first tokens of some requests; one that never came is a miss."""
+    got = [t for t in ttfts if t is not None]
+    missing = len(ttfts) - len(got)
+    # A request without a first token counts as the slowest (it failed every SLO).
+    pool = got + [math.inf] * missing
+    return {"count": len(ttfts), "p50_s": statistics.median(pool) if pool else None,
+            "p99_s": percentile(pool, 99) if pool else None}
+
+
+def summarize(outcome: RunOutcome, *, offered_rps: float, offered_input_tps: float,
+              warmup: int = 0) -> dict[str, Any]:
     """One run's row: latency, throughput, where prompt tokens came from, the tier's work."""
     results = [r for _i, r in outcome.results]
     ttfts = [r.ttft for r in results if r.ttft is not None]
+    by_id = {r.request_id: (i, r) for i, r in outcome.results}
     prompt = sum(r.prompt_tokens for r in results)
     seconds = outcome.seconds
     row: dict[str, Any] = {
@@ -440,6 +515,13 @@ def summarize(outcome: RunOutcome, *, offered_rps: float,
         "moved_rounds": outcome.moves,
         "fell_back": sum(r.fell_back for r in results),
         "seconds": seconds,
+        # TTFT over each population (POPULATIONS); goodput is computed on each.
+        "ttft": {name: ttft_stats([by_id[rid][1].ttft for rid in ids])
+                 for name, ids in populations(outcome, warmup).items()},
+        # Every request's first token, in arrival order, so the figures can be recomputed
+        # (or pooled across repeats) from the file: [id, replica, moved, ttft seconds].
+        "requests_ttft": [[rid, by_id[rid][0], rid in outcome.moved, by_id[rid][1].ttft]
+                          for rid in outcome.order],
     }
     # What the slowest first tokens waited on: p99 of a few dozen requests is one or two of
     # them, so the file says which, and where their prompts came from.
@@ -528,14 +610,16 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def goodput_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def goodput_rows(doc: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
+                 population: str) -> dict[str, dict[str, Any]]:
+    """Goodput of each configuration of one repeat, TTFT p99 over `population`."""
     rates = doc["rates"]
     table: dict[str, dict[str, Any]] = {}
-    for mode, runs in doc["runs"].items():
-        if not runs or len(runs) < len(rates):
+    for mode, rows in runs.items():
+        if not rows or len(rows) < len(rates):
             continue  # cut short: this configuration's sweep is incomplete
-        g = goodput([r["requests_per_s"] for r in rates], [r["ttft_p99_s"] for r in runs],
-                    doc["slo_ttft_p99_s"])
+        g = goodput([r["requests_per_s"] for r in rates],
+                    [r["ttft"][population]["p99_s"] for r in rows], doc["slo_ttft_p99_s"])
         row: dict[str, Any] = {"status": g.status, "rate_index": g.index,
                                "requests_per_s": None, "input_tok_per_s": None,
                                "capacity_multiple": None}
@@ -548,33 +632,108 @@ def goodput_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return table
 
 
+def compare(shared: dict[str, Any], local: dict[str, Any]) -> dict[str, Any]:
+    """Shared against local goodput in one repeat: which is higher on the rate grid, and the
+    ratio where the grid pins it (both met the SLO somewhere, local's knee inside the grid;
+    a shared goodput that met it at every rate makes the ratio a lower bound)."""
+    # "Never met" ranks below the lowest rate.
+    s_index = -1 if shared["rate_index"] is None else shared["rate_index"]
+    l_index = -1 if local["rate_index"] is None else local["rate_index"]
+    out: dict[str, Any] = {
+        "order": "shared" if s_index > l_index else "local" if l_index > s_index else "tie",
+        "ratio": None, "lower_bound": False}
+    if shared["requests_per_s"] and local["requests_per_s"] and local["status"] == "below_next":
+        out["ratio"] = shared["requests_per_s"] / local["requests_per_s"]
+        out["lower_bound"] = shared["status"] == "every_rate"
+    return out
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Median and min-max of per-repeat values (None where there are none)."""
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """Across the repeats: per rate, the median and range of each TTFT figure; per
+    population, each configuration's goodput and the shared/local ratio, median and range."""
+    repeats = doc["repeats"]
+    per_rate: list[dict[str, Any]] = []
+    for k, rate in enumerate(doc["rates"]):
+        entry: dict[str, Any] = {"capacity_multiple": rate["capacity_multiple"],
+                                 "requests_per_s": rate["requests_per_s"]}
+        for mode in doc["modes"]:
+            rows = [rep["runs"][mode][k] for rep in repeats if len(rep["runs"][mode]) > k]
+            entry[mode] = {
+                pop: {"p50_s": spread([r["ttft"][pop]["p50_s"] for r in rows]),
+                      "p99_s": spread([r["ttft"][pop]["p99_s"] for r in rows])}
+                for pop in POPULATIONS}
+            entry[mode]["tokens_computed"] = spread([r["tokens_computed"] for r in rows])
+            entry[mode]["tokens_remote"] = spread([r["tokens_remote"] for r in rows])
+        per_rate.append(entry)
+    good: dict[str, Any] = {}
+    for pop in POPULATIONS:
+        tables = [rep["goodput"][pop] for rep in repeats if rep.get("goodput")]
+        g: dict[str, Any] = {
+            mode: {"requests_per_s": spread([t[mode]["requests_per_s"] or 0.0 for t in tables
+                                              if mode in t]),
+                   "never_met": sum(1 for t in tables
+                                    if mode in t and t[mode]["requests_per_s"] is None)}
+            for mode in doc["modes"]}
+        pairs = [compare(t["shared"], t["local"]) for t in tables
+                 if "shared" in t and "local" in t]
+        if pairs:
+            g["shared_vs_local"] = {
+                "ratio": spread([c["ratio"] for c in pairs if c["ratio"] is not None]),
+                "ratio_lower_bounds": sum(1 for c in pairs if c["lower_bound"]),
+                "repeats": len(pairs),
+                "shared_higher": sum(1 for c in pairs if c["order"] == "shared"),
+                "tied": sum(1 for c in pairs if c["order"] == "tie"),
+                "local_higher": sum(1 for c in pairs if c["order"] == "local")}
+        good[pop] = g
+    return {"per_rate": per_rate, "goodput": good}
+
+
 def figures(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """BENCH_FORMAT figures: goodput against the same-run capacity, shared against local,
-    and the tier's fetch rate against redis-benchmark's."""
+    """BENCH_FORMAT figures: goodput against the same-run capacity (median of the repeats,
+    with their range), shared against local per population, and the tier's fetch rate
+    against redis-benchmark's."""
     out: dict[str, dict[str, Any]] = {
         "prefill_rate_per_replica": {"value": round(doc["prefill_tok_per_s"], 1),
                                      "unit": "tok/s"},
     }
     capacity = doc["capacity_requests_per_s"]
-    table = doc["goodput"]
-    for mode, row in table.items():
-        if row["requests_per_s"] is None:
-            continue  # never met: not measured, so absent
-        out[f"goodput_{mode}"] = {
-            "value": round(row["requests_per_s"], 4), "unit": "requests/s",
-            "limit": round(capacity, 4),
-            "limit_name": f"{doc['replicas']} replicas' full-reuse capacity from the prefill "
-                          "rate, same run",
-            "ratio": round(row["requests_per_s"] / capacity, 3),
-            "lower_bound": row["status"] == "every_rate"}
-    shared, local = table.get("shared"), table.get("local")
-    # A ratio needs the denominator's knee inside the sweep; a numerator that met the SLO
-    # at every rate makes it a lower bound.
-    if shared and local and shared["requests_per_s"] and local["status"] == "below_next":
-        ratio = shared["requests_per_s"] / local["requests_per_s"]
-        out["goodput_shared_vs_local"] = {"value": round(ratio, 3), "unit": "x",
-                                          "ratio": round(ratio, 3),
-                                          "lower_bound": shared["status"] == "every_rate"}
+
+    def rounded(s: dict[str, Any], digits: int) -> dict[str, Any]:
+        return {"min": round(s["min"], digits), "max": round(s["max"], digits),
+                "repeats": s["n"]}
+
+    for pop, g in doc["summary"]["goodput"].items():
+        prefix = "goodput" if pop == HEADLINE else f"goodput_{pop}"
+        for mode in doc["modes"]:
+            rps = g[mode]["requests_per_s"]
+            if rps["median"] is None or g[mode]["never_met"] * 2 >= rps["n"]:
+                continue  # the median repeat never met the SLO: not measured, so absent
+            out[f"{prefix}_{mode}"] = {
+                "value": round(rps["median"], 4), "unit": "requests/s",
+                "limit": round(capacity, 4),
+                "limit_name": f"{doc['replicas']} replicas' full-reuse capacity from the "
+                              "prefill rate, same run",
+                "ratio": round(rps["median"] / capacity, 3), **rounded(rps, 4),
+                "ttft_over": POPULATIONS[pop]}
+        vs = g.get("shared_vs_local")
+        # A ratio only where most repeats pin it: the median of one repeat in three is not
+        # the run-to-run figure (the counts say what the others did).
+        if vs and vs["ratio"]["median"] is not None and vs["ratio"]["n"] * 2 > vs["repeats"]:
+            ratio = vs["ratio"]
+            out[f"{prefix}_shared_vs_local"] = {
+                "value": round(ratio["median"], 3), "unit": "x",
+                "ratio": round(ratio["median"], 3), **rounded(ratio, 3),
+                "lower_bounds": vs["ratio_lower_bounds"],
+                "shared_higher": vs["shared_higher"], "tied": vs["tied"],
+                "local_higher": vs["local_higher"], "ttft_over": POPULATIONS[pop]}
     probe = doc.get("fetch_probe")
     if probe:
         out["fetch_from_cluster"] = {
@@ -593,7 +752,9 @@ def figures(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def write_results(path: Path, doc: dict[str, Any]) -> None:
-    doc["goodput"] = goodput_rows(doc)
+    for rep in doc["repeats"]:
+        rep["goodput"] = {pop: goodput_rows(doc, rep["runs"], pop) for pop in POPULATIONS}
+    doc["summary"] = summary(doc)
     doc["figures"] = figures(doc)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(_json_safe(doc), indent=2) + "\n")
@@ -622,6 +783,7 @@ def run_benchmark(args: argparse.Namespace, argv: Sequence[str],
         tqdm.write(text, file=sys.stderr if disable is not True else sys.stdout)
 
     vocab = args.vocab
+    warmup = args.users if args.warmup_requests is None else args.warmup_requests
     shape = chat_config(args, vocab, 1.0, history_tokens=args.history_tokens)
     mean_prompt = mean_prompt_tokens(shape)
     disk_root = args.dir or Path(tempfile.gettempdir()) / "statekv-replicas"
@@ -656,44 +818,54 @@ def run_benchmark(args: argparse.Namespace, argv: Sequence[str],
             "slo_ttft_p99_s": args.slo_ttft_p99,
             "rates": [{"capacity_multiple": m, "requests_per_s": m * capacity,
                        "input_tok_per_s": m * capacity * mean_prompt} for m in args.rates],
-            "runs": {mode: [] for mode in modes},
+            "modes": list(modes), "warmup_requests": warmup,
+            "populations": dict(POPULATIONS), "headline": HEADLINE,
+            "repeats": [],
         }
         requests = shape.num_users * shape.num_rounds
         say(f"prefill {prefill:,.0f} tok/s per replica at context "
             f"{specs[0].calibration_context}; capacity {capacity:.2f} requests/s "
             f"({args.replicas} replicas, full reuse); {requests} requests per run, "
-            f"mean prompt {mean_prompt:.0f} tokens")
-        bar = tqdm(total=len(args.rates) * len(modes), desc="runs", unit="run",
-                   disable=disable, position=0)
-        # Rates outer, ascending: a run cut short still compares both configurations at the
-        # rates it reached, and the slowest (overloaded) runs come last.
-        for rate in doc["rates"]:
-            for mode in modes:
-                bar.set_description(f"{mode} x{rate['capacity_multiple']:g}")
-                inner = tqdm(total=requests, desc="requests", unit="req", leave=False,
-                             disable=disable, position=1)
+            f"mean prompt {mean_prompt:.0f} tokens, the first {warmup} left out of the "
+            f"window; {args.repeats} repeat(s)")
+        bar = tqdm(total=args.repeats * len(args.rates) * len(modes), desc="runs",
+                   unit="run", disable=disable, position=0)
+        # Repeats outer, then rates ascending, then the configurations: a run cut short
+        # keeps whole repeats, and compares both configurations at every rate it reached.
+        for k in range(args.repeats):
+            seed = args.seed + k
+            # Each repeat its own workload (arrivals, prompts, placement), the same for both
+            # configurations and every rate.
+            seeded = argparse.Namespace(**{**vars(args), "seed": seed})
+            repeat: dict[str, Any] = {"seed": seed, "runs": {mode: [] for mode in modes}}
+            doc["repeats"].append(repeat)
+            for rate in doc["rates"]:
+                for mode in modes:
+                    bar.set_description(f"seed {seed} {mode} x{rate['capacity_multiple']:g}")
+                    inner = tqdm(total=requests, desc="requests", unit="req", leave=False,
+                                 disable=disable, position=1)
 
-                def tick(n: int, inner: tqdm[Any] = inner) -> None:
-                    inner.update(n - inner.n)
+                    def tick(n: int, inner: tqdm[Any] = inner) -> None:
+                        inner.update(n - inner.n)
 
-                workload = ChatWorkload(chat_config(args, vocab, rate["requests_per_s"],
-                                                    history_tokens=args.history_tokens))
-                routing = Routing(seed=args.seed, replicas=args.replicas,
-                                  move_probability=args.move_probability)
-                namespace = f"replicas-{uuid.uuid4().hex[:12]}"
-                outcome = serve_run(
-                    handles, workload, routing,
-                    remote_url=cluster.url if mode == "shared" and cluster else None,
-                    namespace=namespace, remote_timeout_s=args.remote_timeout,
-                    timeout_s=args.run_timeout, tick=tick)
-                inner.close()
-                row = summarize(outcome, offered_rps=rate["requests_per_s"],
-                                offered_input_tps=rate["input_tok_per_s"])
-                row["capacity_multiple"] = rate["capacity_multiple"]
-                doc["runs"][mode].append(row)
-                write_results(path, doc)
-                bar.update()
-                say(run_line(mode, row))
+                    workload = ChatWorkload(chat_config(seeded, vocab, rate["requests_per_s"],
+                                                        history_tokens=args.history_tokens))
+                    routing = Routing(seed=seed, replicas=args.replicas,
+                                      move_probability=args.move_probability)
+                    namespace = f"replicas-{uuid.uuid4().hex[:12]}"
+                    outcome = serve_run(
+                        handles, workload, routing,
+                        remote_url=cluster.url if mode == "shared" and cluster else None,
+                        namespace=namespace, remote_timeout_s=args.remote_timeout,
+                        timeout_s=args.run_timeout, tick=tick)
+                    inner.close()
+                    row = summarize(outcome, offered_rps=rate["requests_per_s"],
+                                    offered_input_tps=rate["input_tok_per_s"], warmup=warmup)
+                    row["capacity_multiple"] = rate["capacity_multiple"]
+                    repeat["runs"][mode].append(row)
+                    write_results(path, doc)
+                    bar.update()
+                    say(run_line(mode, seed, row))
         bar.close()
         if cluster is not None and not args.skip_fetch_probe:
             say("measuring the shared tier's fetch rate against redis-benchmark ...")
@@ -704,29 +876,43 @@ def run_benchmark(args: argparse.Namespace, argv: Sequence[str],
     return path
 
 
-def run_line(mode: str, row: dict[str, Any]) -> str:
-    def secs(value: float | None) -> str:
-        return "    n/a" if value is None else f"{value:7.3f}"
+def _secs(value: float | None) -> str:
+    return "    n/a" if value is None else f"{value:7.3f}"
 
-    return (f"  x{row['capacity_multiple']:<5g} {mode:<6} TTFT p50 {secs(row['ttft_p50_s'])} s "
-            f"p99 {secs(row['ttft_p99_s'])} s  in {row['input_tok_per_s'] or 0:8,.0f} tok/s "
-            f"({row['sustained_vs_offered'] or 0:.2f}x offered)  gpu/host/disk/remote/computed "
-            f"{row['tokens_gpu']}/{row['tokens_host']}/{row['tokens_disk']}/"
-            f"{row['tokens_remote']}/{row['tokens_computed']}  moved {row['moved_rounds']}  "
-            f"[{row['seconds']:.1f} s]")
+
+def run_line(mode: str, seed: int, row: dict[str, Any]) -> str:
+    t = row["ttft"]
+    return (f"  seed {seed} x{row['capacity_multiple']:<5g} {mode:<6} TTFT p50/p99 moved "
+            f"{_secs(t['moved']['p50_s'])}/{_secs(t['moved']['p99_s'])} s, all "
+            f"{_secs(t['all']['p50_s'])}/{_secs(t['all']['p99_s'])} s  in "
+            f"{row['input_tok_per_s'] or 0:8,.0f} tok/s ({row['sustained_vs_offered'] or 0:.2f}x "
+            f"offered)  gpu/host/disk/remote/computed {row['tokens_gpu']}/{row['tokens_host']}/"
+            f"{row['tokens_disk']}/{row['tokens_remote']}/{row['tokens_computed']}  moved "
+            f"{row['moved_rounds']}  [{row['seconds']:.1f} s]")
 
 
 def goodput_text(doc: dict[str, Any]) -> str:
     lines = [f"goodput (TTFT p99 <= {doc['slo_ttft_p99_s']:g} s; capacity "
-             f"{doc['capacity_requests_per_s']:.2f} requests/s):"]
-    for mode, row in doc["goodput"].items():
-        if row["requests_per_s"] is None:
-            lines.append(f"  {mode:<6} none: the lowest rate missed the SLO")
-            continue
-        at_least = "at least " if row["status"] == "every_rate" else ""
-        lines.append(f"  {mode:<6} {at_least}{row['requests_per_s']:.2f} requests/s "
-                     f"({row['capacity_multiple']:g}x capacity, "
-                     f"{row['input_tok_per_s']:,.0f} input tok/s)")
+             f"{doc['capacity_requests_per_s']:.2f} requests/s), median [min-max] over "
+             f"{len(doc['repeats'])} repeat(s):"]
+    for pop, g in doc["summary"]["goodput"].items():
+        head = " (headline)" if pop == HEADLINE else ""
+        lines.append(f" TTFT over {pop}{head}: {POPULATIONS[pop]}")
+        for mode in doc["modes"]:
+            rps = g[mode]["requests_per_s"]
+            if rps["median"] is None:
+                continue
+            lines.append(f"  {mode:<6} {rps['median']:.2f} [{rps['min']:.2f}-{rps['max']:.2f}] "
+                         f"requests/s (never met in {g[mode]['never_met']} of {rps['n']})")
+        vs = g.get("shared_vs_local")
+        if vs:
+            r = vs["ratio"]
+            ratio = ("no repeat pins a ratio" if r["median"] is None else
+                     f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}] over {r['n']} "
+                     f"({vs['ratio_lower_bounds']} lower bounds)")
+            lines.append(f"  shared/local {ratio}; shared higher in {vs['shared_higher']}, "
+                         f"tied in {vs['tied']}, lower in {vs['local_higher']} of "
+                         f"{vs['repeats']}")
     probe = doc.get("fetch_probe")
     if probe:
         lines.append(f"shared tier fetch {probe['fetch_gb_per_s']:.3f} GB/s vs redis-benchmark "
