@@ -105,10 +105,11 @@ from bench.serving import (
     int_at_least,
     mean_prompt_tokens,
     positive_number,
+    results_tag,
+    shape_preset,
 )
 from bench.sweep import goodput
 from models.chat_run import percentile
-from models.config import PRESETS
 from models.serving_loop import RequestResult
 from models.workloads import ChatWorkload
 
@@ -203,19 +204,6 @@ def _probability(text: str) -> float:
     return value
 
 
-def _preset(text: str) -> str:
-    if text not in PRESETS:
-        raise argparse.ArgumentTypeError(f"unknown shape {text!r} (known: {sorted(PRESETS)})")
-    return text
-
-
-def _tag(text: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
-        raise argparse.ArgumentTypeError(
-            f"must be 1 to 64 letters, digits, '.', '_' or '-', got {text!r}")
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     n0, n1, pos = int_at_least(0), int_at_least(1), positive_number
     p = OneLineParser(prog="python -m bench.replicas", description=__doc__.split("\n\n")[0])
@@ -231,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run both configurations (the comparison) or one")
     # The model: a real layer width, shallow, with a small vocabulary (the embedding of a
     # 128k vocabulary is most of a one-layer model's weights and none of its attention).
-    p.add_argument("--model", type=_preset, default="1b-class",
+    p.add_argument("--model", type=shape_preset, default="1b-class",
                    help="layer shape (models/config.py presets)")
     p.add_argument("--layers", type=n1, default=1)
     p.add_argument("--vocab", type=int_at_least(2), default=1024)
@@ -283,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="progress bars (auto: when stderr is a terminal)")
     p.add_argument("--machine", default=None,
                    help="machine name in the results file (default: h200 with CUDA, else cpu)")
-    p.add_argument("--tag", type=_tag, default=None,
+    p.add_argument("--tag", type=results_tag, default=None,
                    help="appended to the results file's name (runs of one day apart)")
     p.add_argument("--dir", type=Path, default=None, help="where the replicas' disk tiers go")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

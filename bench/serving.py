@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import subprocess
 import time
@@ -22,7 +23,7 @@ from typing import NoReturn
 import torch
 
 from models.chat_run import Budgets, RunResult, percentile, run_workload, ttft_summary
-from models.config import ModelConfig
+from models.config import PRESETS, ModelConfig
 from models.model import Chunk, PagedDecoder
 from models.workloads import ChatWorkload, ChatWorkloadConfig, OpenChatWorkload
 
@@ -59,6 +60,21 @@ def int_at_least(low: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def shape_preset(text: str) -> str:
+    """A layer shape of models/config.py's presets."""
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown shape {text!r} (known: {sorted(PRESETS)})")
+    return text
+
+
+def results_tag(text: str) -> str:
+    """A tag that is safe inside a results file's name."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to 64 letters, digits, '.', '_' or '-', got {text!r}")
+    return text
 
 
 def positive_number(text: str) -> float:

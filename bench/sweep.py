@@ -58,7 +58,6 @@ import datetime as dt
 import itertools
 import json
 import math
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -84,10 +83,11 @@ from bench.serving import (
     prefill_rate,
     pyplot,
     recompute_capacity,
+    results_tag,
     run_config,
+    shape_preset,
     steady_summary,
 )
-from models.config import PRESETS
 from statekv.errors import UsageError
 
 CALIBRATION_CHUNK: Final = 2048
@@ -152,19 +152,6 @@ def _csv(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse
 
 
-def _preset(text: str) -> str:
-    if text not in PRESETS:
-        raise argparse.ArgumentTypeError(f"unknown shape {text!r} (known: {sorted(PRESETS)})")
-    return text
-
-
-def _tag(text: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
-        raise argparse.ArgumentTypeError(
-            f"must be 1 to 64 letters, digits, '.', '_' or '-', got {text!r}")
-    return text
-
-
 DEFAULT_RATES: Final = (0.25, 0.35, 0.5, 0.71, 1.0, 1.41, 2.0, 2.83, 4.0)
 """Multiples of the recompute capacity, sqrt(2) apart: light load to past full reuse."""
 
@@ -172,7 +159,7 @@ DEFAULT_RATES: Final = (0.25, 0.35, 0.5, 0.71, 1.0, 1.41, 2.0, 2.83, 4.0)
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     n1 = int_at_least(1)
-    p.add_argument("--models", type=_csv(_preset), default=["70b-class", "8b-class"],
+    p.add_argument("--models", type=_csv(shape_preset), default=["70b-class", "8b-class"],
                    help="layer shapes (models/config.py presets), comma-separated")
     p.add_argument("--histories", type=_csv(int_at_least(0)), default=[4096, 16384],
                    help="per-user history lengths in tokens, comma-separated")
@@ -201,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes moved by the raw disk read-rate measurement")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bars (auto: when stderr is a terminal)")
-    p.add_argument("--tag", type=_tag, default=None,
+    p.add_argument("--tag", type=results_tag, default=None,
                    help="appended to the results file's name (runs of one day apart)")
     p.add_argument("--plot", type=Path, default=None, metavar="RESULTS_JSON",
                    help="only draw the PNGs of an existing results file")
