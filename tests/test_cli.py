@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -197,12 +198,27 @@ def test_demo_marks_the_figures_that_depend_on_timing_and_stays_quiet_in_a_log()
     assert "~ depends on timing" in done.stdout
 
 
+def popen_with_ctrl_c(args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+    """Start a child that takes SIGINT as a terminal's foreground process does.  A test run
+    started in the background of a non-interactive shell (`.ci/run &`) ignores SIGINT, and a
+    Python child inherits an ignored SIGINT and never sees a KeyboardInterrupt; a handled one
+    is reset to the default at exec, so handle it here while the child starts."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, text=True, **kwargs)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_ends_with_status_130_and_no_traceback() -> None:
     # faulthandler: a demo that outlives its Ctrl-C is made to dump every thread's stack
     # (SIGABRT), so the failure says where the interrupt went.
-    process = subprocess.Popen(
+    process = popen_with_ctrl_c(
         [*STATEKV, "demo", "--users", "64", "--rounds", "64", "--arrival-rate", "1"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     assert process.stdout is not None

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.test_cli import popen_with_ctrl_c
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -46,10 +48,10 @@ def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
     statekv = Path(sys.executable).parent / "statekv"
-    server = subprocess.Popen(
+    server = popen_with_ctrl_c(
         [str(statekv), "serve", "--port", str(port), "--device", "cpu",
          "--disk-dir", str(tmp_path_factory.mktemp("slots")), "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 120

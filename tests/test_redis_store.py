@@ -413,6 +413,23 @@ def test_fault_plans_reject_bad_rules() -> None:
 # --- a master dies -------------------------------------------------------------------------
 
 
+def test_a_cluster_with_dead_masters_opens_while_one_answers(
+    own_redis_cluster: LocalRedisCluster,
+) -> None:
+    """A replica restarted while a master is down still opens its shared tier: the open
+    pings the masters until one answers (it pinged a random node, and failed one open in
+    three with one master down)."""
+    cluster = own_redis_cluster
+    for victim in cluster.nodes[:2]:
+        cluster.kill(victim)
+    for _ in range(5):  # a random pick would fail at least one in 5 with 2 of 3 dead
+        with RedisClusterStore(cluster.url, CONFIG, timeout_s=0.25):
+            pass
+    cluster.kill(cluster.nodes[2])
+    with pytest.raises(ConfigError, match="url"):
+        RedisClusterStore(cluster.url, CONFIG, timeout_s=0.25)
+
+
 def test_killing_a_master_loses_only_its_blocks(own_redis_cluster: LocalRedisCluster) -> None:
     cluster = own_redis_cluster
     keys = chain(60, first=5000)

@@ -172,7 +172,7 @@ def test_plot_of_a_bad_file_is_one_line(content: str | None, tmp_path: Path,
 
 def test_a_drain_within_the_slo_is_one_line(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [*TINY, "--drain-s", "1", "--out", str(tmp_path), "--dir", str(tmp_path)]
+    argv = [*TINY, "--drain-s", "0.4", "--out", str(tmp_path), "--dir", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2

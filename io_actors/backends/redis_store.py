@@ -224,31 +224,47 @@ class RedisClusterStore:
         self._closed = False
 
     def _connect(self, nodes: Sequence[ClusterAddress]) -> Any:
-
-        try:
-            # One retry: a connection reset by a restarted or failed-over master is tried
-            # once more on a fresh connection; more would only stretch a dead master's cost.
-            client = RedisCluster(
-                startup_nodes=[
-                    ClusterNode(n.host, n.port)  # type: ignore[no-untyped-call]
-                    for n in nodes
-                ],
-                socket_timeout=self._timeout_s,
-                socket_connect_timeout=self._timeout_s,
-                require_full_coverage=False,
-                socket_read_size=1 << 20,
-                retry=Retry(NoBackoff(), retries=1),
-            )
-        except (RedisError, RedisClusterException, OSError) as exc:
-            where = ", ".join(f"{n.host}:{n.port}" for n in nodes)
-            raise ConfigError(
-                "url", f"cannot reach a Redis Cluster at {where}: {type(exc).__name__}: {exc}"
-            ) from None
-        try:
-            client.ping(target_nodes=RedisCluster.RANDOM)
-        except (RedisError, RedisClusterException, OSError) as exc:
+        # redis-py's cluster client sends its first command (COMMAND) to a random node, so
+        # with a master down a construction fails by chance; each attempt picks again.  A
+        # refused connection costs nothing, a silent host one timeout per attempt.
+        attempts = 4 * len(nodes)
+        for attempt in range(attempts):
+            try:
+                # One retry per command: a connection reset by a restarted or failed-over
+                # master is tried once more on a fresh connection; more would only stretch
+                # a dead master's cost.
+                client = RedisCluster(
+                    startup_nodes=[
+                        ClusterNode(n.host, n.port)  # type: ignore[no-untyped-call]
+                        for n in nodes
+                    ],
+                    socket_timeout=self._timeout_s,
+                    socket_connect_timeout=self._timeout_s,
+                    require_full_coverage=False,
+                    socket_read_size=1 << 20,
+                    retry=Retry(NoBackoff(), retries=1),
+                )
+                break
+            except (RedisError, RedisClusterException, OSError) as exc:
+                if attempt + 1 < attempts:
+                    continue
+                where = ", ".join(f"{n.host}:{n.port}" for n in nodes)
+                raise ConfigError(
+                    "url",
+                    f"cannot reach a Redis Cluster at {where}: {type(exc).__name__}: {exc}",
+                ) from None
+        # One live master is enough to open: a dead one loses only the blocks it held (and
+        # a ping of a random node failed the open one time in three with a master down).
+        error: BaseException | None = None
+        for node in client.get_primaries():  # type: ignore[no-untyped-call]
+            try:
+                client.ping(target_nodes=node)
+                break
+            except (RedisError, RedisClusterException, OSError) as exc:
+                error = exc
+        else:
             client.close()
-            raise ConfigError("url", f"the cluster does not answer: {exc}") from None
+            raise ConfigError("url", f"the cluster does not answer: {error}") from None
         return client
 
     # --- properties -------------------------------------------------------------------------
