@@ -108,7 +108,7 @@ from bench.serving import (
     results_tag,
     shape_preset,
 )
-from bench.sweep import goodput
+from bench.sweep import goodput, goodput_row
 from models.chat_run import percentile
 from models.serving_loop import RequestResult
 from models.workloads import ChatWorkload
@@ -608,15 +608,7 @@ def goodput_rows(doc: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
             continue  # cut short: this configuration's sweep is incomplete
         g = goodput([r["requests_per_s"] for r in rates],
                     [r["ttft"][population]["p99_s"] for r in rows], doc["slo_ttft_p99_s"])
-        row: dict[str, Any] = {"status": g.status, "rate_index": g.index,
-                               "requests_per_s": None, "input_tok_per_s": None,
-                               "capacity_multiple": None}
-        if g.index is not None:
-            rate = rates[g.index]
-            row.update(requests_per_s=rate["requests_per_s"],
-                       input_tok_per_s=rate["input_tok_per_s"],
-                       capacity_multiple=rate["capacity_multiple"])
-        table[mode] = row
+        table[mode] = goodput_row(g, rates, "rate_index")
     return table
 
 

@@ -280,16 +280,22 @@ def goodput_rows(case: dict[str, Any], slo: float) -> dict[str, dict[str, Any]]:
         if not runs or not done.get(key, False):
             continue  # cut short: the search of this configuration is incomplete
         g = goodput([r["requests_per_s"] for r in runs], [r["ttft_p99_s"] for r in runs], slo)
-        row: dict[str, Any] = {"status": g.status, "run_index": g.index,
-                               "requests_per_s": None, "input_tok_per_s": None,
-                               "capacity_multiple": None}
-        if g.index is not None:
-            run = runs[g.index]
-            row.update(requests_per_s=run["requests_per_s"],
-                       input_tok_per_s=run["input_tok_per_s"],
-                       capacity_multiple=run["capacity_multiple"])
-        table[key] = row
+        table[key] = goodput_row(g, runs, "run_index")
     return table
+
+
+def goodput_row(g: Goodput, rates: Sequence[dict[str, Any]], index_key: str) -> dict[str, Any]:
+    """A results file's goodput row: the status, the index of the rate it names (under
+    `index_key`) and that rate's requests/s, input tokens/s and capacity multiple (None
+    where no rate met the SLO)."""
+    row: dict[str, Any] = {"status": g.status, index_key: g.index, "requests_per_s": None,
+                           "input_tok_per_s": None, "capacity_multiple": None}
+    if g.index is not None:
+        rate = rates[g.index]
+        row.update(requests_per_s=rate["requests_per_s"],
+                   input_tok_per_s=rate["input_tok_per_s"],
+                   capacity_multiple=rate["capacity_multiple"])
+    return row
 
 
 def figures(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
