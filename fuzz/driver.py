@@ -30,7 +30,6 @@ started.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import shutil
 import tempfile
@@ -45,7 +44,7 @@ import hypothesis.strategies as st
 import torch
 
 from fuzz.contract import CommandContract
-from fuzz.memory_probe import MemoryProbe, cuda_memory_probe, warm_up
+from fuzz.memory_probe import MemoryProbe, cuda_memory_probe, tensor_holders, warm_up
 from fuzz.payloads import Payloads
 from fuzz.spy import CoreSpy, ModelFollower
 from fuzz.store import FuzzStore, RandomFaults
@@ -173,12 +172,17 @@ class Driver:
         rescue: Callable[[], None] | None = None,
         memory_probe: MemoryProbe | None = None,
         warm: bool = True,
+        memory_baseline: int | None = None,
     ) -> None:
         """`rescue` unblocks whatever a blocked serving-loop call may wait for (the store is
         unstalled in any case); see :class:`Watchdog`.  `memory_probe` measures the device
         memory the leak check compares (default: the CUDA allocator's on "cuda", nothing
         elsewhere); with `warm`, the process-lifetime caches exist before its baseline is
-        taken (:mod:`fuzz.memory_probe`)."""
+        taken (:mod:`fuzz.memory_probe`).  `memory_baseline` is the baseline of an earlier
+        cache of the same example that closed (the system machine reopens after a close):
+        every cache of an example must give back what it took, so the first one's baseline
+        holds for all of them, and it is measured once (a measurement collects garbage, a
+        tenth of a second on a GPU process, and examples reopen dozens of times)."""
         if memory_probe is None and device == "cuda":
             memory_probe = cuda_memory_probe
         self.memory_probe = memory_probe
@@ -201,7 +205,10 @@ class Driver:
             self.store = FuzzStore(self._open_store(config, backend), expected=self.expected,
                                    notify=notify, random_faults=random_faults)
             self.trace: TraceRecorder = new_sink()
-            self.gpu_memory_at_start = 0 if memory_probe is None else memory_probe()
+            if memory_baseline is not None:
+                self.gpu_memory_at_start = memory_baseline
+            else:
+                self.gpu_memory_at_start = 0 if memory_probe is None else memory_probe()
             self.cache = BlockingCache(config, store=self.store, gate=gate, clock=self.clock,
                                        recorder=self.trace)
         except BaseException:
@@ -522,12 +529,14 @@ class Driver:
             # checksum's CRC tables, torch's per-thread handles and workspaces: see
             # fuzz.memory_probe): what is held now beyond it, this cache kept after closing.
             self.cache = None
-            gc.collect()
-            held = self.memory_probe()
-            assert held == self.gpu_memory_at_start, (
-                f"GPU memory leaked: {held - self.gpu_memory_at_start} bytes more held after "
-                f"the cache closed than before it opened ({self.gpu_memory_at_start} bytes, "
-                "measured after warming the process-lifetime caches)")
+            held = self.memory_probe()  # it collects garbage first
+            if held != self.gpu_memory_at_start:
+                holders = tensor_holders() if self.device == "cuda" else ""
+                raise AssertionError(
+                    f"GPU memory leaked: {held - self.gpu_memory_at_start} bytes more held "
+                    f"after the cache closed than before it opened "
+                    f"({self.gpu_memory_at_start} bytes, measured after warming the "
+                    f"process-lifetime caches); {holders}")
 
     def new_threads(self) -> list[str]:
         """statekv threads started since this driver was made and still running."""

@@ -124,9 +124,13 @@ class SystemMachine(RuleBasedStateMachine):
 
     @initialize(spec=system_specs())
     def open(self, spec: SystemSpec) -> None:
+        self._open(spec, memory_baseline=None)
+
+    def _open(self, spec: SystemSpec, *, memory_baseline: int | None) -> None:
         self.driver = Driver(spec, device=self.device, backend=self.backend, gate=self.gate,
                              on_commands=self.on_commands, notify=self.notify,
-                             rescue=self.gate.open, memory_probe=self.memory_probe)
+                             rescue=self.gate.open, memory_probe=self.memory_probe,
+                             memory_baseline=memory_baseline)
         self.trace = self.driver.trace
         self._waiters = Waiters(self.driver, self.notify)
         note(f"writers={spec.writers} readers={spec.readers}")
@@ -641,11 +645,11 @@ class SystemMachine(RuleBasedStateMachine):
         assert not threads, f"threads left running after close: {threads}"
         note("closed with work dropped" if report.writes_dropped or report.reads_dropped
              else "closed with nothing to drop")
-        spec = d.spec
+        spec, baseline = d.spec, d.gpu_memory_at_start
         d.clean_up()
-        # The closed cache must be unreachable before the next one measures its baseline:
-        # the closer still held it, pools and all, and the GPU profile's leak check then saw
-        # the new cache "give back" the old one's 32 KiB ("leaked: -32768 bytes").
+        # The closed cache must be unreachable by the teardown's leak check, which holds
+        # the fresh cache to the first one's baseline: the closer still held it, pools and
+        # all (the GPU profile once saw a fresh cache "give back" the old one's 32 KiB).
         del closer, d
         self.driver = None
         self.gate = FuzzGate(self.notify)
@@ -654,7 +658,7 @@ class SystemMachine(RuleBasedStateMachine):
         self.batch_blocks.clear()
         self.arm_write = self.arm_read = None
         self.stall_writes = False
-        self.open(spec)
+        self._open(spec, memory_baseline=baseline)
 
     def check_close_report(self, report: CloseReport, before: CacheStatistics, waiting: int,
                            dropped_blocks: int, passed: dict[str, int]) -> None:

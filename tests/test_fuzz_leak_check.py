@@ -12,6 +12,7 @@ import logging
 
 import attrs
 import pytest
+import torch
 
 from fuzz import memory_probe, planted
 from fuzz.driver import Driver
@@ -70,3 +71,37 @@ def test_a_cache_closed_mid_work_is_not_counted_against_the_next_one() -> None:
     m.close_with_work_in_flight()
     m.system_agrees_with_the_spec()
     m.teardown()
+
+
+def test_a_reopened_cache_is_held_to_the_first_caches_baseline() -> None:
+    """Each cache of an example must give back what it took: a cache reopened after a close
+    keeps the example's first baseline (measured once, since each measurement collects
+    garbage), so a leak of any closed cache is still seen at the teardown."""
+    one_cache_life()  # warmed
+    m = SystemMachine()
+    m.memory_probe = live_pool_bytes
+    m.open(attrs.evolve(BASE, gpu=4, host=1, reserved_host=0, disk=1))
+    first = m.d.gpu_memory_at_start
+    m.close_with_work_in_flight()
+    assert m.d.gpu_memory_at_start == first
+    assert m.d.cache is not None
+    kept = m.d.cache._scheduler._copies  # the second cache's pools outlive it
+    m.close_with_work_in_flight()
+    m.system_agrees_with_the_spec()
+    with pytest.raises(AssertionError, match="GPU memory leaked: 32768 bytes"):
+        m.teardown()
+    del kept
+
+
+def test_a_leak_report_names_what_holds_the_tensor() -> None:
+    """The leak check's report says who keeps device memory alive (here a CPU tensor
+    kept by an object of a class only this test has)."""
+    class Keeper:
+        def __init__(self) -> None:
+            self.kept = torch.zeros(123_457, dtype=torch.uint8)
+
+    keeper = Keeper()
+    report = memory_probe.tensor_holders("cpu", min_bytes=123_457, limit=50)
+    assert "(123457,) torch.uint8, storage of 123457 bytes" in report
+    assert "Keeper" in report.split("(123457,)")[1]
+    del keeper
