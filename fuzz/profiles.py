@@ -111,13 +111,10 @@ PROFILES: Final[dict[str, Profile]] = {
         backend="posix",
         repeat=False,
     ),
-    # The system machine runs about 20 steps/s on the H200 machine (every open allocates
-    # CUDA pools and pinned staging, every example ends in a GPU leak check), against 220
-    # on the cpu: 200 examples fit one 10-minute call there, 300 did not (170 in 540 s).
     "gpu": Profile(
         name="gpu",
         core=machine_settings(500, 100),
-        system=machine_settings(200, 60),
+        system=machine_settings(300, 60),
         system_machine=GpuSystemMachine,
         thread_rounds=3,
         thread_seconds=60.0,
