@@ -38,6 +38,16 @@ CLUSTER_BUS_OFFSET = 10000
 START_TIMEOUT_S = 30.0
 
 
+def die_with_parent() -> list[str]:
+    """A command prefix under which the kernel sends a server SIGTERM when the thread that
+    started it dies, so that a cluster never outlives a process killed without running its
+    clean-up (a test session that mutmut's CPU limit ends with SIGXCPU, a kill -9): util-linux's
+    ``setpriv --pdeathsig`` (Debian's essential set), which execs the server with the
+    setting kept; no prefix where it is missing."""
+    setpriv = shutil.which("setpriv")
+    return [] if setpriv is None else [setpriv, "--pdeathsig", "TERM", "--"]
+
+
 def find_redis_tools() -> tuple[str, str] | None:
     """Paths of redis-server and redis-cli, or None when either is missing."""
     server = shutil.which("redis-server")
@@ -123,6 +133,7 @@ class LocalRedisCluster:
         log = (node.directory / "redis.log").open("ab")
         node.process = subprocess.Popen(
             [
+                *die_with_parent(),
                 self.server, "--port", str(node.port), "--bind", "127.0.0.1",
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self.node_timeout_ms),

@@ -40,20 +40,23 @@ _ACTOR_TESTS = [
     "tests/test_retention_journal.py",
 ]
 # The tests that reach each module (run in full for every mutant the module's functions
-# are seen in: mutmut 3.8 records calls from every thread of the test process).  Not the
-# shared tier's tests (tests/test_remote_actors.py): each pytest session starts a Redis
-# Cluster, which mutmut's time limit (SIGXCPU) kills the session without stopping, and whose
-# start-up is not in the tests' measured durations, so that surviving mutants time out.
+# are seen in: mutmut 3.8 records calls from every thread of the test process).  The shared
+# tier's tests start Redis Clusters (about 2 s each, a time mutmut does not measure: it
+# times only the tests' calls, so runs that include them need --timeout-constant 10 or so);
+# a session that mutmut's CPU limit kills takes its clusters with it
+# (bench/redis_cluster.py: the servers die with their parent).
+_SHARED_TIER_TESTS = ["tests/test_remote_actors.py", "tests/test_redis_store.py"]
 TESTS: dict[str, list[str]] = {
     "io_actors/worker_threads.py": _ACTOR_TESTS,
     "io_actors/writer_pool.py": _ACTOR_TESTS,
     "io_actors/reader_pool.py": _ACTOR_TESTS,
     "io_actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_spill_modes.py",
-                               "tests/test_tracing.py", "tests/test_index_journal.py"],
+                               "tests/test_tracing.py", "tests/test_index_journal.py",
+                               *_SHARED_TIER_TESTS],
     "io_actors/embed.py": [*_ACTOR_TESTS, "tests/test_tracing.py",
                            "tests/test_index_journal.py", "tests/test_config.py",
                            "tests/test_serving_cancel.py", "tests/test_serving_prefetch.py",
-                           "tests/test_metrics.py"],
+                           "tests/test_metrics.py", *_SHARED_TIER_TESTS],
     "io_actors/backends/posix.py": [
         "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
         "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",

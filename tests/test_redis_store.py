@@ -7,6 +7,7 @@ without it fails these tests rather than skipping them.
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.redis_cluster import die_with_parent
 from io_actors.backends.cluster_url import parse_cluster_url
 from io_actors.backends.redis_store import (
     FetchStatus,
@@ -459,3 +461,33 @@ def test_killing_a_master_loses_only_its_blocks(own_redis_cluster: LocalRedisClu
             dst = blank()
             s.fetch(key, dst)
             assert torch.equal(dst, block(100 + i))
+
+
+def test_a_cluster_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A test session killed without its clean-up (mutmut's CPU limit sends SIGXCPU; kill -9)
+    must not leave its redis-servers running: they get SIGTERM when their parent dies."""
+    redis_tools()
+    if not die_with_parent():
+        pytest.skip("no setpriv (util-linux) on this machine")
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from bench.redis_cluster import LocalRedisCluster\n"
+        "c = LocalRedisCluster(Path(sys.argv[1]), masters=3).start()\n"
+        "print(' '.join(str(n.process.pid) for n in c.nodes), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    assert child.stdout is not None
+    pids = [int(p) for p in child.stdout.readline().split()]
+    assert len(pids) == 3
+    child.kill()
+    child.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists()
+                 and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+        time.sleep(0.05)
+    assert not alive, f"redis-servers {alive} outlived the process that started them"
