@@ -52,7 +52,7 @@ TESTS: dict[str, list[str]] = {
     "io_actors/reader_pool.py": _ACTOR_TESTS,
     "io_actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_spill_modes.py",
                                "tests/test_tracing.py", "tests/test_index_journal.py",
-                               *_SHARED_TIER_TESTS],
+                               "tests/test_scheduler_gaps.py", *_SHARED_TIER_TESTS],
     "io_actors/embed.py": [*_ACTOR_TESTS, "tests/test_tracing.py",
                            "tests/test_index_journal.py", "tests/test_config.py",
                            "tests/test_serving_cancel.py", "tests/test_serving_prefetch.py",
