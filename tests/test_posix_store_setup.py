@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from io_actors.backends.posix import DATA_FILE, PosixSlotStore, prepare_director
 from io_actors.index_journal import INDEX_FILE
 from io_actors.interfaces import SlotIO
 from io_actors.memory import page_aligned_buffer
-from io_actors.slot_format import HEADER_SIZE, SlotMeta
+from io_actors.slot_format import CONFIG_FINGERPRINT_SIZE, HEADER_SIZE, SlotMeta, pack_slot
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
@@ -244,3 +245,62 @@ def test_a_partial_vector_read_resumes_and_a_short_one_names_each_slot(
         (f"slot {i}", f"slot {i}: short read: 100 of {store.slot_bytes} bytes")
         for i in range(3)]
     store.close()
+
+
+def test_the_header_scan_counts_a_failed_or_short_header_read_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A header the scan cannot read (EIO) or reads short is counted as corrupt, and the
+    scan goes on to the next slot of its range."""
+    store = PosixSlotStore(tmp_path, config(disk_blocks=16))
+    for slot in range(10):
+        store.write(SlotId(slot), key(slot), block(store.payload_len, slot), meta(slot))
+    slot_bytes = store.slot_bytes
+    store.close()
+    (tmp_path / INDEX_FILE).unlink()
+    real = os.preadv
+
+    def flaky(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if threading.current_thread().name.startswith("statekv-scan"):
+            if offset == 2 * slot_bytes:
+                raise OSError(errno.EIO, "injected")
+            if offset in (3 * slot_bytes, 8 * slot_bytes):
+                return real(fd, buffers, offset) - 1
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", flaky)
+    reopened = PosixSlotStore(tmp_path, config(disk_blocks=16))
+    monkeypatch.undo()
+    rec = reopened.recovery
+    assert sorted(e.slot for e in rec.slots) == [0, 1, 4, 5, 6, 7, 9]
+    assert (rec.foreign, rec.corrupt) == (0, 3)
+    reopened.close()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_slot_written_under_another_configuration_is_refused_by_name(
+    tmp_path: Path, batched: bool
+) -> None:
+    """Right key, right length, intact checksum, but another configuration fingerprint
+    (another model, layout or block size wrote it): never served, on either read path."""
+    store = PosixSlotStore(tmp_path, config())
+    n = store.payload_len
+    store.write(SlotId(0), key(0), block(n, 0), meta(0))
+    slot_bytes = store.slot_bytes
+    store.close()
+    image = pack_slot(slot=SlotId(1), key=key(1), payload=block(n, 1).numpy(),
+                      config=b"\x01" * CONFIG_FINGERPRINT_SIZE, meta=meta(1))
+    with open(tmp_path / DATA_FILE, "r+b") as f:
+        f.seek(slot_bytes)
+        f.write(image)
+    reopened = PosixSlotStore(tmp_path, config())
+    dst = page_aligned_buffer(n)
+    expected = "slot 1: written under another configuration fingerprint"
+    if batched:
+        out = reopened.read_many([SlotIO(SlotId(1), key(1), dst, None, None)])
+        assert isinstance(out[0], TransferFailed) and str(out[0]) == expected
+    else:
+        with pytest.raises(TransferFailed) as caught:
+            reopened.read(SlotId(1), key(1), dst)
+        assert str(caught.value) == expected
+    reopened.close()
