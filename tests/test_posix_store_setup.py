@@ -288,7 +288,7 @@ def test_a_slot_written_under_another_configuration_is_refused_by_name(
     store.write(SlotId(0), key(0), block(n, 0), meta(0))
     slot_bytes = store.slot_bytes
     store.close()
-    image = pack_slot(slot=SlotId(1), key=key(1), payload=block(n, 1).numpy(),
+    image = pack_slot(slot=SlotId(1), key=key(1), payload=block(n, 1).numpy().tobytes(),
                       config=b"\x01" * CONFIG_FINGERPRINT_SIZE, meta=meta(1))
     with open(tmp_path / DATA_FILE, "r+b") as f:
         f.seek(slot_bytes)
