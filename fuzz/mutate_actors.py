@@ -56,7 +56,8 @@ TESTS: dict[str, list[str]] = {
     "io_actors/embed.py": [*_ACTOR_TESTS, "tests/test_tracing.py",
                            "tests/test_index_journal.py", "tests/test_config.py",
                            "tests/test_serving_cancel.py", "tests/test_serving_prefetch.py",
-                           "tests/test_metrics.py", *_SHARED_TIER_TESTS],
+                           "tests/test_metrics.py", "tests/test_open_interrupted.py",
+                           *_SHARED_TIER_TESTS],
     "io_actors/backends/posix.py": [
         "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
         "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",

@@ -1,0 +1,85 @@
+"""Ctrl-C while BlockingCache opens: the interrupt reaches the caller, and the cache's trio
+thread is not left running (a daemon thread still inside the store's open when the
+interpreter exits aborted the process)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from io_actors.backends.posix import PosixSlotStore, Recovery
+from io_actors.embed import BlockingCache
+from tests.io_helpers import small_config
+
+
+class SlowOpen(PosixSlotStore):
+    """A store whose recovery (read while the cache opens) waits until released."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    @property
+    def recovery(self) -> Recovery:
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().recovery
+
+
+def _statekv_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("statekv-")]
+
+
+def _until_no_statekv_threads(seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while _statekv_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _statekv_threads()
+
+
+def test_ctrl_c_while_the_cache_opens_closes_it_once_it_has_opened(tmp_path: Path) -> None:
+    assert not _statekv_threads()
+    config = small_config(tmp_path)
+    rank = config.rank_directory()
+    assert rank is not None
+    store = SlowOpen(rank, config.core_config())
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main
+
+    def interrupt() -> None:
+        assert store.entered.wait(10)
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(0.2)  # the caller is now waiting for the open to finish
+        store.release.set()
+
+    threading.Thread(target=interrupt, name="test-interrupter").start()
+    with pytest.raises(KeyboardInterrupt):
+        BlockingCache(config, store=store)
+    # The open finished, then the cache was closed: its threads are gone.
+    assert _until_no_statekv_threads(5) == []
+
+
+def test_ctrl_c_before_the_trio_thread_started_gives_up_waiting_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt inside Thread.start() before the thread runs: nothing will ever open,
+    so the caller stops waiting about a second later and the interrupt goes on."""
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "statekv-trio":
+            raise KeyboardInterrupt
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        BlockingCache(small_config(tmp_path))
+    waited = time.monotonic() - began
+    assert waited < 5, f"waited {waited:.1f}s for a thread that never started"
+    assert not _statekv_threads()
