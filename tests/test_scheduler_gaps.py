@@ -19,7 +19,8 @@ from io_actors.retention_journal import RetentionRecord
 from io_actors.scheduler import append_retention
 from io_actors.tracing import RecordKind, TraceRecorder
 from statekv.errors import InvariantViolation, TransferFailed
-from tests.io_helpers import wait_quiet
+from tests.io_helpers import serve, small_config, wait_quiet
+from tests.test_io_actors import HoldReads, churn
 
 
 class HeldJournal(PosixSlotStore):
@@ -137,3 +138,22 @@ def test_an_invariant_failure_inside_a_call_is_traced_at_the_cache_clock_and_rai
         assert (failed[0].actor, failed[0].time) == ("scheduler", 123.5)
         assert "block 7: planted" in (failed[0].detail or "")
         monkeypatch.undo()
+
+
+def test_transfers_in_flight_names_each_held_read_oldest_first(tmp_path: Path) -> None:
+    gate = HoldReads()
+    prompt = list(range(13))
+    with BlockingCache(small_config(tmp_path), gate=gate) as cache:
+        serve(cache, "first", prompt)
+        churn(cache, 6)
+        assert cache.transfers_in_flight() == ()
+        assert cache.add_request("a", prompt).disk_tokens == 12
+        deadline = time.monotonic() + 10
+        while gate.blocks() < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        held = cache.transfers_in_flight()
+        assert len(held) == 3 and list(held) == sorted(set(held))
+        gate.release_all()
+        assert cache.wait_ready("a", timeout=10)
+        assert cache.transfers_in_flight() == ()
+        cache.release("a")
