@@ -1,6 +1,6 @@
-"""Ctrl-C while BlockingCache opens: the interrupt reaches the caller, and the cache's trio
+"""Opening a BlockingCache: Ctrl-C while it opens reaches the caller, and the cache's trio
 thread is not left running (a daemon thread still inside the store's open when the
-interpreter exits aborted the process)."""
+interpreter exits aborted the process); "cuda" resolves to the caller's current GPU."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from io_actors.backends.posix import PosixSlotStore, Recovery
-from io_actors.embed import BlockingCache
+from io_actors.embed import BlockingCache, resolve_device
 from tests.io_helpers import small_config
 
 
@@ -83,3 +84,18 @@ def test_ctrl_c_before_the_trio_thread_started_gives_up_waiting_for_it(
     waited = time.monotonic() - began
     assert waited < 5, f"waited {waited:.1f}s for a thread that never started"
     assert not _statekv_threads()
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("cuda", torch.device("cuda", 3)), ("auto", torch.device("cuda", 3)),
+    ("cuda:1", torch.device("cuda", 1)), ("cpu", torch.device("cpu")),
+])
+def test_cuda_resolves_to_the_callers_current_device(
+    name: str, expected: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """"cuda" and "auto" bind to the calling thread's current GPU (a tensor-parallel rank's
+    own), never to an index-less device: checked without a GPU, by telling torch it has one
+    whose current device is 3 (a torch.device is only a name until something is allocated)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device(name) == expected
