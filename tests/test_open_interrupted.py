@@ -44,6 +44,16 @@ def _until_no_statekv_threads(seconds: float) -> list[str]:
 
 
 def test_ctrl_c_while_the_cache_opens_closes_it_once_it_has_opened(tmp_path: Path) -> None:
+    # Python's own SIGINT handler, whatever the runner installed: a shell's background job
+    # ignores SIGINT, and a mutation runner catches it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_while_opening(tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_while_opening(tmp_path: Path) -> None:
     assert not _statekv_threads()
     config = small_config(tmp_path)
     rank = config.rank_directory()
