@@ -157,3 +157,17 @@ def test_transfers_in_flight_names_each_held_read_oldest_first(tmp_path: Path) -
         assert cache.wait_ready("a", timeout=10)
         assert cache.transfers_in_flight() == ()
         cache.release("a")
+
+
+def test_the_schedulers_has_request_follows_a_request_from_add_to_release(
+    tmp_path: Path,
+) -> None:
+    """(BlockingCache.wait_ready asks it after a wake-up: a request that left wakes its
+    waiter with True.)"""
+    with BlockingCache(small_config(tmp_path)) as cache:
+        scheduler = cache._scheduler
+        assert not scheduler.has_request("a")
+        cache.add_request("a", list(range(9)))
+        assert scheduler.has_request("a") and not scheduler.has_request("b")
+        cache.release("a")
+        assert not scheduler.has_request("a")
