@@ -262,9 +262,10 @@ def test_the_header_scan_counts_a_failed_or_short_header_read_and_goes_on(
 
     def flaky(fd: int, buffers: list[memoryview], offset: int) -> int:
         if threading.current_thread().name.startswith("statekv-scan"):
-            if offset == 2 * slot_bytes:
+            # Two of each in one scan thread's range (16 slots: two a thread).
+            if offset in (2 * slot_bytes, 3 * slot_bytes):
                 raise OSError(errno.EIO, "injected")
-            if offset in (3 * slot_bytes, 8 * slot_bytes):
+            if offset in (8 * slot_bytes, 9 * slot_bytes):
                 return real(fd, buffers, offset) - 1
         return real(fd, buffers, offset)
 
@@ -272,8 +273,8 @@ def test_the_header_scan_counts_a_failed_or_short_header_read_and_goes_on(
     reopened = PosixSlotStore(tmp_path, config(disk_blocks=16))
     monkeypatch.undo()
     rec = reopened.recovery
-    assert sorted(e.slot for e in rec.slots) == [0, 1, 4, 5, 6, 7, 9]
-    assert (rec.foreign, rec.corrupt) == (0, 3)
+    assert sorted(e.slot for e in rec.slots) == [0, 1, 4, 5, 6, 7]
+    assert (rec.foreign, rec.corrupt) == (0, 4)
     reopened.close()
 
 
@@ -303,4 +304,63 @@ def test_a_slot_written_under_another_configuration_is_refused_by_name(
         with pytest.raises(TransferFailed) as caught:
             reopened.read(SlotId(1), key(1), dst)
         assert str(caught.value) == expected
+    reopened.close()
+
+
+def test_a_directory_others_can_read_is_named_in_the_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = tmp_path / "kv"
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="io_actors.backends.posix"):
+        posix_module.check_private(directory, directory.stat())
+    assert caplog.messages == [f"{directory} has mode 755: other users can read cached KV"]
+
+
+def test_a_header_that_names_another_slot_is_corrupt(tmp_path: Path) -> None:
+    """A header copied into the wrong slot (two of them, in one scan thread's range) is
+    counted once each, and neither slot is restored."""
+    store = PosixSlotStore(tmp_path, config(disk_blocks=16))
+    for slot in range(6):
+        store.write(SlotId(slot), key(slot), block(store.payload_len, slot), meta(slot))
+    slot_bytes = store.slot_bytes
+    store.close()
+    with open(tmp_path / DATA_FILE, "r+b") as f:
+        image = f.read(slot_bytes)  # slot 0's header and payload
+        for slot in (6, 7):
+            f.seek(slot * slot_bytes)
+            f.write(image)
+    (tmp_path / INDEX_FILE).unlink()
+    reopened = PosixSlotStore(tmp_path, config(disk_blocks=16))
+    rec = reopened.recovery
+    assert sorted(e.slot for e in rec.slots) == [0, 1, 2, 3, 4, 5]
+    assert (rec.foreign, rec.corrupt, rec.duplicates) == (0, 2, 0)
+    reopened.close()
+
+
+def test_a_batch_refuses_the_slot_of_another_configuration_and_serves_its_neighbour(
+    tmp_path: Path,
+) -> None:
+    """Two consecutive slots read as one vectored run (buffered I/O: any payload size goes
+    to the kernel as it is): the one written under another configuration fingerprint fails
+    by name, the other lands."""
+    store = PosixSlotStore(tmp_path, config())
+    n = store.payload_len
+    good = block(n, 0)
+    store.write(SlotId(0), key(0), good, meta(0))
+    slot_bytes = store.slot_bytes
+    store.close()
+    image = pack_slot(slot=SlotId(1), key=key(1), payload=block(n, 1).numpy().tobytes(),
+                      config=b"\x01" * CONFIG_FINGERPRINT_SIZE, meta=meta(1))
+    with open(tmp_path / DATA_FILE, "r+b") as f:
+        f.seek(slot_bytes)
+        f.write(image)
+    reopened = PosixSlotStore(tmp_path, config(), direct_io=False)
+    dst = [page_aligned_buffer(n), page_aligned_buffer(n)]
+    out = reopened.read_many([SlotIO(SlotId(0), key(0), dst[0], None, None),
+                              SlotIO(SlotId(1), key(1), dst[1], None, None)])
+    assert out[0] is None and torch.equal(dst[0], good)
+    assert isinstance(out[1], TransferFailed)
+    assert str(out[1]) == "slot 1: written under another configuration fingerprint"
     reopened.close()
