@@ -1,10 +1,12 @@
 """Opening a BlockingCache: Ctrl-C while it opens reaches the caller, and the cache's trio
 thread is not left running (a daemon thread still inside the store's open when the
-interpreter exits aborted the process); "cuda" resolves to the caller's current GPU."""
+interpreter exits aborted the process); "cuda" resolves to the caller's current GPU; a
+refusal of the shared tier's store names the StateKVConfig field."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,8 @@ import pytest
 import torch
 
 from io_actors.backends.posix import PosixSlotStore, Recovery
-from io_actors.embed import BlockingCache, resolve_device
+from io_actors.embed import BlockingCache, open_shared_store, resolve_device
+from statekv.errors import ConfigError
 from tests.io_helpers import small_config
 
 
@@ -109,3 +112,34 @@ def test_cuda_resolves_to_the_callers_current_device(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert resolve_device(name) == expected
+
+
+@pytest.mark.parametrize(("store_field", "config_field"), [
+    ("url", "remote_url"), ("namespace", "remote_namespace"), ("mac_key", "disk_mac_key"),
+    ("timeout_s", "remote_timeout_s"), ("other", "other"),
+])
+def test_a_shared_store_refusal_names_the_statekv_config_field(
+    store_field: str, config_field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Redis store names its own arguments; the user set StateKVConfig's fields."""
+    from io_actors.backends import redis_store
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ConfigError(store_field, "is not acceptable here")
+
+    monkeypatch.setattr(redis_store, "RedisClusterStore", refuse)
+    config = small_config(tmp_path, remote_url="redis://127.0.0.1:7000")
+    with pytest.raises(ConfigError) as caught:
+        open_shared_store(config, config.core_config())
+    assert caught.value.field == config_field
+    assert str(caught.value) == str(ConfigError(config_field, "is not acceptable here"))
+
+
+def test_the_shared_tier_without_redis_py_is_a_config_error_naming_remote_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "io_actors.backends.redis_store", None)
+    config = small_config(tmp_path, remote_url="redis://127.0.0.1:7000")
+    with pytest.raises(ConfigError, match="redis-py") as caught:
+        open_shared_store(config, config.core_config())
+    assert caught.value.field == "remote_url"
