@@ -278,15 +278,14 @@ def test_the_header_scan_counts_a_failed_or_short_header_read_and_goes_on(
     reopened.close()
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_a_slot_written_under_another_configuration_is_refused_by_name(
-    tmp_path: Path, batched: bool
-) -> None:
-    """Right key, right length, intact checksum, but another configuration fingerprint
-    (another model, layout or block size wrote it): never served, on either read path."""
+def _slot_1_of_another_configuration(tmp_path: Path) -> torch.Tensor:
+    """A closed store whose slot 0 holds a block of this configuration (returned) and slot
+    1 one with the right key and length and an intact checksum, written under another
+    configuration fingerprint (another model, layout or block size)."""
     store = PosixSlotStore(tmp_path, config())
     n = store.payload_len
-    store.write(SlotId(0), key(0), block(n, 0), meta(0))
+    good = block(n, 0)
+    store.write(SlotId(0), key(0), good, meta(0))
     slot_bytes = store.slot_bytes
     store.close()
     image = pack_slot(slot=SlotId(1), key=key(1), payload=block(n, 1).numpy().tobytes(),
@@ -294,8 +293,18 @@ def test_a_slot_written_under_another_configuration_is_refused_by_name(
     with open(tmp_path / DATA_FILE, "r+b") as f:
         f.seek(slot_bytes)
         f.write(image)
+    return good
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_slot_written_under_another_configuration_is_refused_by_name(
+    tmp_path: Path, batched: bool
+) -> None:
+    """Right key, right length, intact checksum, but another configuration fingerprint:
+    never served, on either read path."""
+    _slot_1_of_another_configuration(tmp_path)
     reopened = PosixSlotStore(tmp_path, config())
-    dst = page_aligned_buffer(n)
+    dst = page_aligned_buffer(reopened.payload_len)
     expected = "slot 1: written under another configuration fingerprint"
     if batched:
         out = reopened.read_many([SlotIO(SlotId(1), key(1), dst, None, None)])
@@ -345,18 +354,9 @@ def test_a_batch_refuses_the_slot_of_another_configuration_and_serves_its_neighb
     """Two consecutive slots read as one vectored run (buffered I/O: any payload size goes
     to the kernel as it is): the one written under another configuration fingerprint fails
     by name, the other lands."""
-    store = PosixSlotStore(tmp_path, config())
-    n = store.payload_len
-    good = block(n, 0)
-    store.write(SlotId(0), key(0), good, meta(0))
-    slot_bytes = store.slot_bytes
-    store.close()
-    image = pack_slot(slot=SlotId(1), key=key(1), payload=block(n, 1).numpy().tobytes(),
-                      config=b"\x01" * CONFIG_FINGERPRINT_SIZE, meta=meta(1))
-    with open(tmp_path / DATA_FILE, "r+b") as f:
-        f.seek(slot_bytes)
-        f.write(image)
+    good = _slot_1_of_another_configuration(tmp_path)
     reopened = PosixSlotStore(tmp_path, config(), direct_io=False)
+    n = reopened.payload_len
     dst = [page_aligned_buffer(n), page_aligned_buffer(n)]
     out = reopened.read_many([SlotIO(SlotId(0), key(0), dst[0], None, None),
                               SlotIO(SlotId(1), key(1), dst[1], None, None)])

@@ -40,36 +40,36 @@ class HeldJournal(PosixSlotStore):
         self.appended.append(len(records))
 
 
-def _more_backlog_than(cache: BlockingCache, held: int) -> int:
-    """The records queued behind the held append, once the second extension's spills landed
-    (a deadline lengthened while its block is being written is journaled when it lands)."""
-    wait_quiet(cache)
-    deadline = time.monotonic() + 10
-    while cache.statistics().retention_backlog <= held and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cache.statistics().retention_backlog - held
-
-
-def _open(tmp_path: Path) -> tuple[BlockingCache, HeldJournal]:
+def _one_append_held_and_more_queued(
+    tmp_path: Path,
+) -> tuple[BlockingCache, HeldJournal, int, int]:
+    """A cache whose first journal append waits at the gate with `held` records, and
+    `queued` more records taken from the core behind it."""
     config = workload_config(tmp_path)
     rank = config.rank_directory()
     assert rank is not None
     store = HeldJournal(rank, config.core_config())
-    return BlockingCache(config, store=store), store
-
-
-def test_held_journal_appends_are_the_retention_backlog_and_a_drained_close_waits_for_them(
-    tmp_path: Path,
-) -> None:
-    cache, store = _open(tmp_path)
+    cache = BlockingCache(config, store=store)
     extend_retention(cache, "x", 0, 30.0, 3600.0)
     wait_quiet(cache)
     assert store.entered.wait(10)
     held = cache.statistics().retention_backlog
     assert held >= 1  # the records the retention task holds in its thread
     extend_retention(cache, "y", 1, 30.0, 3600.0)
-    queued = _more_backlog_than(cache, held)
+    # A deadline lengthened while its block is being written is journaled when it lands.
+    wait_quiet(cache)
+    deadline = time.monotonic() + 10
+    while cache.statistics().retention_backlog <= held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    queued = cache.statistics().retention_backlog - held
     assert queued >= 1  # waiting behind the held append
+    return cache, store, held, queued
+
+
+def test_held_journal_appends_are_the_retention_backlog_and_a_drained_close_waits_for_them(
+    tmp_path: Path,
+) -> None:
+    cache, store, held, queued = _one_append_held_and_more_queued(tmp_path)
     threading.Timer(0.3, store.go.set).start()
     report = cache.close(drain=True)
     assert report is not None and report.drained
@@ -80,14 +80,7 @@ def test_held_journal_appends_are_the_retention_backlog_and_a_drained_close_wait
 def test_a_close_without_draining_drops_queued_deadlines_and_says_how_many(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cache, store = _open(tmp_path)
-    extend_retention(cache, "x", 0, 30.0, 3600.0)
-    wait_quiet(cache)
-    assert store.entered.wait(10)
-    held = cache.statistics().retention_backlog
-    extend_retention(cache, "y", 1, 30.0, 3600.0)
-    queued = _more_backlog_than(cache, held)
-    assert queued >= 1
+    cache, store, held, queued = _one_append_held_and_more_queued(tmp_path)
     # The held append is in a thread and finishes; the queued records are dropped.
     threading.Timer(0.3, store.go.set).start()
     with caplog.at_level(logging.WARNING, logger="io_actors.scheduler"):
