@@ -215,7 +215,8 @@ class Driver:
             self.clean_up()
             raise
         self.core: KVCacheManager = self.cache._scheduler._core
-        self.lock = self.cache._scheduler._lock
+        self.scheduler = self.cache._scheduler
+        self.lock = self.scheduler._lock
         self.contract = CommandContract(core_config.max_batch_blocks)
         self.spy = CoreSpy(self.core, on_commands=on_commands, notify=notify)
         self.follower = ModelFollower(ReferenceCache(core_config), self.contract)
@@ -412,6 +413,7 @@ class Driver:
         core = self.core
         self.follower.follow(self.spy.log)
         core.check_invariants()
+        self.scheduler.check_own_invariants_locked()
         model = self.follower.model
         stats = core.statistics()
         assert stats == model.statistics(), "statistics() differ from the model's"

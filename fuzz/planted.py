@@ -282,6 +282,24 @@ def wait_ready_returns_early() -> AbstractContextManager[None]:
     return _wrapped(Scheduler, "wait_ready", make)
 
 
+def waiter_assumes_its_request_is_live() -> AbstractContextManager[None]:
+    """Issue 27: the waiter asked the core whether a request it had not checked was still
+    there; a release between the caller's `is_ready` and the waiter (queued for the trio
+    thread) made it raise inside a trio system task, which killed the cache's actor."""
+
+    def make(_original: Callable[..., Any]) -> Callable[..., Any]:
+        async def wait_ready(self: Scheduler, request_id: str) -> None:
+            event = trio.Event()
+            with self._lock:
+                if self._core.is_ready(request_id):  # raises once the request is gone
+                    return
+                self._ready_waiters.setdefault(request_id, []).append(event)  # type: ignore[arg-type]
+            await event.wait()
+        return wait_ready
+
+    return _wrapped(Scheduler, "wait_ready", make)
+
+
 def prefetch_page_freed_on_leave() -> AbstractContextManager[None]:
     """Prefetch (issue 12): a queued request that leaves while its prefetch reads are in
     flight gives their host pages back at once, as it does for landed ones -- so a GPU
@@ -353,6 +371,8 @@ PLANTED = {
         Planted("waiters-woken-only-on-slot-read", waiters_woken_only_on_slot_read,
                 SystemMachine, 1000),
         Planted("wait-ready-returns-early", wait_ready_returns_early, SystemMachine, 1000),
+        Planted("waiter-assumes-its-request-is-live", waiter_assumes_its_request_is_live,
+                SystemMachine, 1000),
         Planted("prefetch-page-freed-on-leave", prefetch_page_freed_on_leave, CoreVsSpec,
                 1000),
         Planted("prefetch-page-freed-on-leave-system", prefetch_page_freed_on_leave,

@@ -397,6 +397,33 @@ class SystemMachine(RuleBasedStateMachine):
         if parked:
             self.waiters.start(parked[(pick // 2) % len(parked)], blocking=bool(pick % 2))
 
+    @precondition(lambda self: self.driver is not None and self.gate.counts()[1])
+    @fuzz_rule(pick=st.integers(0, 7))
+    def release_while_a_waiter_is_handed_over(self, pick: int) -> None:
+        """The window between deciding to wait and the wait: a waiter is queued for the
+        trio thread (held meanwhile), and the request is released before it runs.  It must
+        wake as "gone", and the cache must live on (a waiter that raised in its system task
+        killed the actor)."""
+        parked = self.parked()
+        if not parked:
+            return
+        rid = parked[pick % len(parked)]
+        token = self.d.api._token
+        assert token is not None
+        running, go = threading.Event(), threading.Event()
+
+        def hold_the_trio_thread() -> None:
+            running.set()
+            go.wait(30)
+
+        token.run_sync_soon(hold_the_trio_thread)
+        try:
+            assert running.wait(30), "the cache's trio thread never ran"
+            self.waiters.start(rid, blocking=False)  # queued behind the hold
+            self.d.release(rid)
+        finally:
+            go.set()
+
     @fuzz_rule(spec=requests)
     def wait_for_a_comeback(self, spec: RequestSpec) -> None:
         """A conversation comes back from disk (comes_back_after_eviction) and the serving

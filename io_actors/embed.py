@@ -244,7 +244,8 @@ class AsyncCache(CacheAPI):
         """Whether leaving open_cache waits for disk work in flight (else drops the queue)."""
 
     async def wait_ready(self, request_id: str) -> None:
-        """Wait until the request's onboard reads have landed."""
+        """Wait until the request's onboard reads have landed, or it is gone (released,
+        perhaps by another thread before this task ran: returns at once)."""
         await self._scheduler.wait_ready(request_id)
 
 

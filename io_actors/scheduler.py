@@ -374,10 +374,33 @@ class Scheduler:
         with self._lock:
             try:
                 self._core.check_invariants()
+                self.check_own_invariants_locked()
             except InvariantViolation as exc:
                 if self._recorder is not None:
                     self._trace_invariant_locked(exc)
                 raise
+
+    def check_own_invariants_locked(self) -> None:
+        """The scheduler's own counters agree with the core (the fields its threads share
+        change only under the lock: a lost update shows up here)."""
+        busy, handed = self._fetches_busy, len(self._fetch_handover)
+        in_flight = self._core.statistics().fetches_in_flight
+        # Each busy batch holds at least one block the core has in flight.
+        if not handed <= busy <= in_flight:
+            raise InvariantViolation(
+                f"fetch batches: {handed} handed over, {busy} busy, {in_flight} blocks in "
+                "flight in the core (want handed <= busy <= in flight)"
+            )
+        if self._retention_busy < 0 or self._slots_discarded < 0:
+            raise InvariantViolation(
+                f"negative counter: retention busy {self._retention_busy}, "
+                f"slots discarded {self._slots_discarded}"
+            )
+        if len(self._slot_of_transfer) != len(self._slots_in_flight):
+            raise InvariantViolation(
+                f"{len(self._slot_of_transfer)} disk transfers in flight on "
+                f"{len(self._slots_in_flight)} slots"
+            )
 
     def transfers_in_flight(self) -> tuple[TransferId, ...]:
         """Disk transfers dispatched whose completion is not applied yet, oldest first."""
@@ -390,10 +413,18 @@ class Scheduler:
             return self._core.cached_blocks()
 
     async def wait_ready(self, request_id: str) -> None:
-        """Wait (trio thread) until the request's onboard reads have all landed."""
+        """Wait (trio thread) until the request's onboard reads have all landed, or it is gone.
+
+        A request released on another thread after the caller saw it parked (the blocking
+        facade checks `is_ready` on its own thread, then hands the wait over here) is gone
+        by the time this runs: that is an answer (the async API's contract: ready, failed
+        and rewound, or gone), never an error -- this runs in a trio system task, where an
+        exception would kill the actor and with it the cache.
+        """
         event = trio.Event()
         with self._lock:
-            if self._core.is_ready(request_id):
+            core = self._core
+            if not core.has_request(request_id) or core.is_ready(request_id):
                 return
             self._ready_waiters.setdefault(RequestId(request_id), []).append(event)
         await event.wait()
@@ -543,8 +574,10 @@ class Scheduler:
                 self._core.handle(completion, now=self._clock())
                 if self._recorder is not None:
                     self._trace_parks_locked(None)
+            # The completions applied may have issued more work (handled, and woken for,
+            # by this call), but what this call queued for the trio thread -- a shared-tier
+            # fetch issued with the synchronous spill -- still needs the wake-up below.
             self._dispatch_locked()
-            return
         if ((self._handover or self._retention or self._fetch_handover)
                 and not self._wake_pending and self._token is not None):
             self._wake_pending = True
@@ -583,9 +616,14 @@ class Scheduler:
                 if fetched.landed_bytes and fetched.seconds > 0:
                     with self._lock:
                         self._core.report_fetch(fetched.landed_bytes, fetched.seconds)
-            await self.report_completion(completion)
         finally:
-            self._fetches_busy -= 1
+            # Shared with the API threads: changed under the lock, like every such field.
+            # Before the report: no checkpoint lies between the two (the channel is
+            # unbounded), so close() never sees the batch neither busy nor reported, and
+            # the busy count never exceeds the core's fetches in flight.
+            with self._lock:
+                self._fetches_busy -= 1
+        await self.report_completion(completion)
 
     def _pump(self) -> None:
         """Trio thread: move handed-over disk work into the pools."""

@@ -3,8 +3,9 @@ recomputing its tokens.
 
 A disk hit is worth reading only when the read finishes before a prefill of the same tokens
 would: on a slow disk with a fast model (a small model, short contexts) recomputing wins, and
-a disk tier must never make serving slower than no disk tier.  The manager asks
-:meth:`OnboardCosts.recompute_is_cheaper` for every run of disk blocks it matches.
+a disk tier must never make serving slower than no disk tier.  The manager weighs every
+place the match could end (the starts of its runs of disk and remote blocks) with these
+estimates and keeps the cheapest (``KVCacheManager._cost_cut``).
 
 The estimates are measurements reported from outside (sans-IO: the core reads no clock):
 
@@ -27,7 +28,6 @@ weigh costs -- so a cache nobody reports to behaves exactly as before.
 
 from __future__ import annotations
 
-import math
 from typing import Final
 
 from statekv.config import is_finite_number
@@ -98,13 +98,3 @@ class OnboardCosts:
         want = _bucket(context_tokens)
         best = min(prefill, key=lambda b: (abs(b - want), b))
         return prefill[best]
-
-    def recompute_is_cheaper(self, read_bytes: int, tokens: int, context_tokens: int) -> bool:
-        """Whether prefilling `tokens` at `context_tokens` is faster than reading
-        `read_bytes` from disk.  False (read) while either estimate is missing."""
-        rate = self.disk_bytes_per_second
-        per_token = self.prefill_seconds_per_token(context_tokens)
-        if rate is None or per_token is None:
-            return False
-        read_seconds = read_bytes / rate if rate > 0 else math.inf
-        return tokens * per_token < read_seconds

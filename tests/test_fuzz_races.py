@@ -516,6 +516,26 @@ def test_waiters_wake_ready_after_a_failed_read_and_gone_after_a_release() -> No
         assert "were never woken" in str(error), error
 
 
+def test_a_release_while_a_waiter_is_handed_over_wakes_it_gone() -> None:
+    """Issue 27: a waiter queued for the trio thread, its request released before it ran:
+    it wakes "gone" and the cache lives on."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            assert run.held() == (0, 2)
+            run("release_while_a_waiter_is_handed_over", pick=0)
+            assert [w.outcome for w in run.m.waiters.all] == ["gone"]
+            run("complete_a_read", newest=False)
+            run("complete_a_read", newest=False)
+            run("serve_whole_request", spec=RequestSpec(PROMPT))  # the actor lives
+
+    scenario()
+    error = fails_when_planted(planted.waiter_assumes_its_request_is_live, scenario)
+    assert "wait_ready(r" in str(error) and "raised UsageError" in str(error), error
+
+
 def test_a_waiter_never_wakes_while_its_request_is_parked() -> None:
     """An early return of wait_ready is seen by the waiter itself."""
 
