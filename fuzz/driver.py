@@ -49,14 +49,14 @@ from fuzz.payloads import Payloads
 from fuzz.spy import CoreSpy, ModelFollower
 from fuzz.store import FuzzStore, RandomFaults
 from fuzz.tracefile import new_sink
-from io_actors.backends import open_slot_store
-from io_actors.backends.posix import PosixSlotStore
+from io_actors.actors.gate import CompletionGate
+from io_actors.actors.scheduler import CloseReport
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.gate import CompletionGate
-from io_actors.interfaces import SlotStore
-from io_actors.scheduler import CloseReport
-from io_actors.tracing import TraceRecorder
+from io_actors.storage.interfaces import SlotStore
+from io_actors.storage.open_store import open_slot_store
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.tracing.recorder import TraceRecorder
 from specs.reference_model import ReferenceCache, observed
 from statekv.arith import blocks_for_tokens, is_live
 from statekv.config import KVLayout, SpillMode

@@ -4,7 +4,7 @@
 closed with what was held before it opened.  Some device memory is held for the life of the
 *process*, not of a cache, and appears the first time a path runs:
 
-* the CRC tables of the device checksum (``io_actors.slot_format._crc_device_tables``, an
+* the CRC tables of the device checksum (``io_actors.storage.slot_format._crc_device_tables``, an
   ``lru_cache`` of up to 16 entries, one per device and payload size), built by the first
   read the kvikio store verifies on the GPU;
 * whatever torch creates on first use and keeps -- per-thread CUDA handles and the
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from io_actors.memory import KVPools
-from io_actors.slot_format import payload_checksum_torch
+from io_actors.memory.pools import KVPools
+from io_actors.storage.slot_format import payload_checksum_torch
 from statekv.config import SpillMode
 
 if TYPE_CHECKING:

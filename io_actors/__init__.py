@@ -6,9 +6,9 @@ slot stores, the torch memory pools, and the two ways to embed the cache:
 :func:`open_cache` for trio programs and :class:`BlockingCache` for synchronous loops.
 """
 
+from io_actors.actors.scheduler import CloseReport, SystemStatistics
 from io_actors.config import StateKVConfig
 from io_actors.embed import AsyncCache, BlockingCache, CacheAPI, open_cache
-from io_actors.scheduler import CloseReport, SystemStatistics
 
 __all__ = [
     "AsyncCache",

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from io_actors.memory import (
+from io_actors.memory.pools import (
     TORCH_DTYPES,
     KVPools,
     TorchCopyEngine,

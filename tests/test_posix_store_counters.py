@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends.posix import (
+from io_actors.storage.posix import (
     DATA_FILE,
     PosixSlotStore,
     SlotStoreStatistics,

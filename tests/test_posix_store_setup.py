@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends import posix as posix_module
-from io_actors.backends.posix import DATA_FILE, PosixSlotStore, prepare_directory
-from io_actors.index_journal import INDEX_FILE
-from io_actors.interfaces import SlotIO
-from io_actors.memory import page_aligned_buffer
-from io_actors.slot_format import CONFIG_FINGERPRINT_SIZE, HEADER_SIZE, SlotMeta, pack_slot
+from io_actors.memory.pools import page_aligned_buffer
+from io_actors.storage import posix as posix_module
+from io_actors.storage.index_journal import INDEX_FILE
+from io_actors.storage.interfaces import SlotIO
+from io_actors.storage.posix import DATA_FILE, PosixSlotStore, prepare_directory
+from io_actors.storage.slot_format import CONFIG_FINGERPRINT_SIZE, HEADER_SIZE, SlotMeta, pack_slot
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
@@ -322,7 +322,7 @@ def test_a_directory_others_can_read_is_named_in_the_warning(
     directory = tmp_path / "kv"
     directory.mkdir(mode=0o755)
     directory.chmod(0o755)
-    with caplog.at_level(logging.WARNING, logger="io_actors.backends.posix"):
+    with caplog.at_level(logging.WARNING, logger="io_actors.storage.posix"):
         posix_module.check_private(directory, directory.stat())
     assert caplog.messages == [f"{directory} has mode 755: other users can read cached KV"]
 

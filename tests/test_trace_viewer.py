@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from io_actors.trace_tools import STATE_COLORS, view_model, write_html
-from io_actors.tracing import RecordKind, Trace
+from io_actors.tracing.recorder import RecordKind, Trace
+from io_actors.tracing.tools import STATE_COLORS, view_model, write_html
 from tests.test_tracing import ODD_REQUEST, record_scenario
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")

@@ -1,7 +1,7 @@
 """Disk slots in one preallocated file, read and written with O_DIRECT where possible.
 
 Layout: one data file per store, slot ``s`` at offset ``s * slot_bytes``, each slot in the
-format of :mod:`io_actors.slot_format`.  Measured on this project's CPU machine (ext4 on a
+format of :mod:`io_actors.storage.slot_format`.  Measured on this project's CPU machine (ext4 on a
 virtio disk, O_DIRECT, 1 MiB and 4 MiB payloads, 1 and 4 threads, 2 GiB per run, three
 runs; the disk is noisy, +-30% between runs): reads ran at the disk's ceiling either way
 (0.5-1.1 GB/s for both layouts); overwriting slots from one thread ran at 1.9-2.5 GB/s in
@@ -53,8 +53,9 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.gc_pause import gc_paused
-from io_actors.index_journal import (
+from io_actors.memory.pools import page_aligned_buffer
+from io_actors.storage.gc_pause import gc_paused
+from io_actors.storage.index_journal import (
     IndexFound,
     IndexJournal,
     IndexJournalStatistics,
@@ -62,16 +63,15 @@ from io_actors.index_journal import (
     Observer,
     identity,
 )
-from io_actors.interfaces import BatchOutcome, SlotIO
-from io_actors.memory import page_aligned_buffer
-from io_actors.retention_journal import (
+from io_actors.storage.interfaces import BatchOutcome, SlotIO
+from io_actors.storage.retention_journal import (
     JournalReplay,
     JournalStatistics,
     RetentionJournal,
     RetentionRecord,
     replay,
 )
-from io_actors.slot_format import (
+from io_actors.storage.slot_format import (
     ALIGN,
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -367,7 +367,7 @@ _SlotCall = Callable[[SlotIO, _Buffer, str], None]
 
 
 class PosixSlotStore:
-    """:class:`~io_actors.interfaces.SlotStore` over one preallocated file.
+    """:class:`~io_actors.storage.interfaces.SlotStore` over one preallocated file.
 
     ``directory`` is created 0700 if missing; the data file is created 0600.  Both must
     belong to the effective user and be writable by no one else.  ``direct_io`` asks for

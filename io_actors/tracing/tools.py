@@ -2,9 +2,9 @@
 
 * :func:`write_html`: one self-contained HTML timeline;
 * :func:`summarize`: counts, longest parks, slowest transfers;
-* ``io_actors.tracing.write_chrome_trace``: Chrome trace-event JSON for Perfetto.
+* ``io_actors.tracing.recorder.write_chrome_trace``: Chrome trace-event JSON for Perfetto.
 
-TRACE is a JSON Lines file written by ``TraceRecorder.save_jsonl`` (io_actors.tracing).
+TRACE is a JSON Lines file written by ``TraceRecorder.save_jsonl`` (io_actors.tracing.recorder).
 The HTML page embeds the trace and its script: it opens from disk with no network and no
 build step.  Nothing here imports torch.
 """
@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from io_actors.tracing import (
+from io_actors.tracing.recorder import (
     RecordKind,
     Trace,
     TraceRecorder,
@@ -160,7 +160,8 @@ def view_model(trace: Trace, *, title: str) -> dict[str, Any]:
 
 def render_html(trace: Trace, *, title: str = "statekv trace") -> str:
     """The whole page as one string: template, styles, script and data inline."""
-    template = resources.files("io_actors").joinpath(_TEMPLATE).read_text(encoding="utf-8")
+    page = resources.files("io_actors.tracing").joinpath(_TEMPLATE)
+    template = page.read_text(encoding="utf-8")
     data = json.dumps(view_model(trace, title=title), allow_nan=False,
                       separators=(",", ":"))
     # Inside <script> nothing may read as a closing tag or a comment opener: escape every

@@ -22,8 +22,8 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.gpu_checksum import checksums_into, have_kernel, warm_up
-from io_actors.interfaces import Fence
+from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
+from io_actors.storage.interfaces import Fence
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import PageId

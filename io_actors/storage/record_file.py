@@ -35,7 +35,7 @@ class ShortAppend(OSError):
 def check_record_file(path: Path, info: os.stat_result) -> None:
     """raises: ConfigError("directory") unless `path` is a regular file of the effective user
     that no one else may write."""
-    from io_actors.backends.posix import check_private  # one owner of the ownership rule
+    from io_actors.storage.posix import check_private  # one owner of the ownership rule
 
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError("directory", f"{path} is not a regular file (a link or a device)")
