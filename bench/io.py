@@ -121,7 +121,7 @@ def kvikio_own_rate(config: StateKVConfig, blocks: int) -> float:
     were last touched with O_DIRECT, so the page cache holds none of them."""
     import kvikio
 
-    from io_actors.storage.posix import DATA_FILE
+    from io_actors.storage.posix_open import DATA_FILE
     from io_actors.storage.slot_format import HEADER_SIZE, slot_nbytes
 
     directory = config.rank_directory()

@@ -38,7 +38,8 @@ from pathlib import Path
 
 from io_actors.embed import restore_from_disk
 from io_actors.storage.index_journal import INDEX_FILE, RECORD_SIZE
-from io_actors.storage.posix import SCAN_THREADS, PosixSlotStore
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import SCAN_THREADS
 from io_actors.storage.slot_format import HEADER_SIZE, SlotHeader, SlotMeta
 from statekv.config import CacheConfig, KVLayout
 from statekv.manager import KVCacheManager

@@ -41,11 +41,12 @@ import torch
 
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, CacheAPI
-from io_actors.memory.pools import page_aligned_buffer
+from io_actors.storage.buffers import page_aligned_buffer
 from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.storage.index_journal import INDEX_FILE
 from io_actors.storage.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
-from io_actors.storage.posix import PosixSlotStore, Recovery
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import Recovery
 from io_actors.storage.retention_journal import RetentionRecord
 from io_actors.storage.slot_format import SlotMeta
 from statekv.config import KVLayout

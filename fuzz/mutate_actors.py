@@ -46,6 +46,12 @@ _ACTOR_TESTS = [
 # a session that mutmut's CPU limit kills takes its clusters with it
 # (bench/redis_cluster.py: the servers die with their parent).
 _SHARED_TIER_TESTS = ["tests/test_remote_actors.py", "tests/test_redis_store.py"]
+_POSIX_STORE_TESTS = [
+    "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
+    "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",
+    "tests/test_posix_store_setup.py", "tests/test_persistence.py",
+    "tests/test_index_journal.py", "tests/test_retention_journal.py",
+]
 TESTS: dict[str, list[str]] = {
     "io_actors/actors/worker_threads.py": _ACTOR_TESTS,
     "io_actors/actors/writer_pool.py": _ACTOR_TESTS,
@@ -58,12 +64,9 @@ TESTS: dict[str, list[str]] = {
                            "tests/test_serving_cancel.py", "tests/test_serving_prefetch.py",
                            "tests/test_metrics.py", "tests/test_open_interrupted.py",
                            *_SHARED_TIER_TESTS],
-    "io_actors/storage/posix.py": [
-        "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
-        "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",
-        "tests/test_posix_store_setup.py", "tests/test_persistence.py",
-        "tests/test_index_journal.py", "tests/test_retention_journal.py",
-    ],
+    # The store and its open procedure (split out of posix.py) answer to the same tests.
+    "io_actors/storage/posix.py": _POSIX_STORE_TESTS,
+    "io_actors/storage/posix_open.py": _POSIX_STORE_TESTS,
     "io_actors/storage/slot_format.py": [
         "tests/test_slot_format.py", "tests/test_slot_format_errors.py",
         "tests/test_posix_store.py", "tests/test_io_faults.py",

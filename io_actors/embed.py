@@ -55,7 +55,7 @@ from io_actors.memory.pools import KVPools, TorchCopyEngine
 from io_actors.storage.gc_pause import gc_paused
 from io_actors.storage.interfaces import SlotStore
 from io_actors.storage.open_store import open_slot_store, public_config_error
-from io_actors.storage.posix import Recovery
+from io_actors.storage.posix_open import Recovery
 from io_actors.tracing.recorder import TraceRecorder
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError

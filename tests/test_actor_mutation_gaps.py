@@ -25,11 +25,11 @@ from io_actors.actors.reader_pool import ReadJob, SlotReader
 from io_actors.actors.worker_threads import WorkerCrashed, WorkerThreads
 from io_actors.actors.writer_pool import WriteJob, WriterPool
 from io_actors.embed import BlockingCache, resolve_device
-from io_actors.memory.pools import page_aligned_buffer
+from io_actors.storage.buffers import host_view, page_aligned_buffer
 from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.storage.index_journal import INDEX_FILE
 from io_actors.storage.interfaces import BatchOutcome, SlotIO
-from io_actors.storage.posix import PosixSlotStore, host_view
+from io_actors.storage.posix import PosixSlotStore
 from io_actors.storage.slot_format import SlotMeta, payload_checksum
 from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import BlockHash, BlockId, PageId, SlotId, TransferId

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.memory.pools import page_aligned_buffer
+from io_actors.storage.buffers import page_aligned_buffer
 from io_actors.storage.interfaces import SlotIO
 from io_actors.storage.posix import PosixSlotStore
 from io_actors.storage.slot_format import HEADER_SIZE

@@ -23,7 +23,8 @@ from io_actors.storage.faults import (
     single_fault_plans,
 )
 from io_actors.storage.interfaces import BatchOutcome, SlotIO, SlotStore, read_each, write_each
-from io_actors.storage.posix import DATA_FILE, PosixSlotStore
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import DATA_FILE
 from io_actors.storage.slot_format import SlotMeta
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import TransferFailed, UsageError

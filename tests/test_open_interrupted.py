@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from io_actors.embed import BlockingCache, open_shared_store, resolve_device
-from io_actors.storage.posix import PosixSlotStore, Recovery
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import Recovery
 from statekv.errors import ConfigError
 from tests.io_helpers import small_config
 

@@ -19,9 +19,10 @@ import torch
 
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.memory.pools import page_aligned_buffer
+from io_actors.storage.buffers import page_aligned_buffer
 from io_actors.storage.index_journal import INDEX_FILE
-from io_actors.storage.posix import DATA_FILE, PosixSlotStore
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import DATA_FILE
 from io_actors.storage.slot_format import (
     HEADER_SIZE,
     MacMismatch,

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.memory.pools import page_aligned_buffer
 from io_actors.metrics import StateKVCollector
+from io_actors.storage.buffers import page_aligned_buffer
 from io_actors.storage.posix import PosixSlotStore
 from io_actors.storage.retention_journal import (
     COMPACT_FACTOR,

@@ -44,7 +44,8 @@ from io_actors.actors.worker_threads import PoolStatistics
 from io_actors.actors.writer_pool import SlotWriter, WriteJob, WriterPool
 from io_actors.memory.pools import KVPools
 from io_actors.storage.interfaces import CopyEngine, Fence, RetentionStore, SlotStore
-from io_actors.storage.posix import Recovery, SlotStoreStatistics
+from io_actors.storage.posix import SlotStoreStatistics
+from io_actors.storage.posix_open import Recovery
 from io_actors.storage.retention_journal import RetentionRecord
 from io_actors.tracing.recorder import TraceRecorder
 from statekv.config import CacheConfig

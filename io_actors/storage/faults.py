@@ -36,7 +36,7 @@ import attrs
 import torch
 
 from io_actors.storage.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
-from io_actors.storage.posix import Recovery
+from io_actors.storage.posix_open import Recovery
 from io_actors.storage.retention_journal import RetentionRecord
 from io_actors.storage.slot_format import ALIGN, HEADER_SIZE, SlotExtent, SlotMeta
 from statekv.errors import TransferFailed, UsageError

@@ -45,15 +45,12 @@ from typing import Any
 
 import torch
 
+from io_actors.storage.buffers import check_block_tensor
 from io_actors.storage.gpu_checksum import payload_checksums_cuda, warm_up
 from io_actors.storage.index_journal import Observer
 from io_actors.storage.interfaces import BatchOutcome, SlotIO
-from io_actors.storage.posix import (
-    PosixSlotStore,
-    Recovery,
-    SlotStoreStatistics,
-    check_block_tensor,
-)
+from io_actors.storage.posix import PosixSlotStore, SlotStoreStatistics
+from io_actors.storage.posix_open import Recovery
 from io_actors.storage.retention_journal import RetentionRecord
 from io_actors.storage.slot_format import (
     HEADER_SIZE,

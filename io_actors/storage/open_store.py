@@ -12,7 +12,8 @@ from typing import Final
 import torch
 
 from io_actors.storage.interfaces import SlotStore
-from io_actors.storage.posix import PosixSlotStore, rank_dir
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import rank_dir
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError
 

@@ -49,12 +49,12 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
+from io_actors.storage.buffers import check_block_tensor, host_view
 from io_actors.storage.cluster_url import (
     MAX_TIMEOUT_S,
     ClusterAddress,
     parse_cluster_url,
 )
-from io_actors.storage.posix import check_block_tensor, host_view
 from io_actors.storage.slot_format import (
     HEADER_SIZE,
     MacMismatch,
