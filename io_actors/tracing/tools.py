@@ -39,8 +39,28 @@ STATE_COLORS: Final[dict[str, str]] = {
     "ON_DISK": "#7c3aed",
     "ONBOARDING": "#ec4899",
     "ERROR": "#dc2626",
+    "PREFETCHING": "#0d9488",
+    "PREFETCHED": "#a3e635",
+    "FETCHING": "#c2410c",
 }
-"""One color per block state, shared by the page's lanes and its legend."""
+"""One color per block state, shared by the page's lanes and its legend (a state without
+one would be drawn as an empty lane)."""
+
+STATE_TIERS: Final[dict[str, tuple[str, ...]]] = {
+    "FREE": (),
+    "ON_GPU": ("gpu",),
+    "RELEASED": ("gpu",),
+    "ON_HOST": ("host",),
+    "SPILLING": ("host", "disk"),
+    "ON_DISK": ("disk",),
+    "ONBOARDING": ("disk", "gpu"),
+    "ERROR": ("gpu",),
+    "PREFETCHING": ("disk", "host"),
+    "PREFETCHED": ("disk", "host"),
+    "FETCHING": ("gpu",),
+}
+"""The tiers whose memory a block in each state holds (statekv.lifecycle's table): the
+page's tier filter shows a state's spans while any of its tiers is ticked."""
 
 MAX_PARK_ROWS: Final = 6
 """Rows the page gives to parked requests (more overlapping parks share the last rows)."""
@@ -142,6 +162,7 @@ def view_model(trace: Trace, *, title: str) -> dict[str, Any]:
         "dropped": trace.dropped,
         "states": states,
         "colors": STATE_COLORS,
+        "tiers": STATE_TIERS,
         "records": [
             [ms(r.time), r.kind.value, r.actor, r.event, r.block, r.slot, r.request,
              r.from_state, r.to_state, r.transfer, r.detail, r.seq]
