@@ -33,7 +33,7 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.slot_format import ALIGN, align_up
+from io_actors.storage.slot_format import ALIGN, align_up
 from statekv.errors import UsageError
 
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)

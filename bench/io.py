@@ -37,7 +37,7 @@ import torch
 from bench.disk_limits import pinned_h2d_rate, raw_read_rate, raw_write_rate
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
-from io_actors.memory import KVPools, TorchCopyEngine
+from io_actors.memory.pools import KVPools, TorchCopyEngine
 from statekv.config import KVLayout
 from statekv.errors import OutOfBlocks
 from statekv.ids import PageId
@@ -121,8 +121,8 @@ def kvikio_own_rate(config: StateKVConfig, blocks: int) -> float:
     were last touched with O_DIRECT, so the page cache holds none of them."""
     import kvikio
 
-    from io_actors.backends.posix import DATA_FILE
-    from io_actors.slot_format import HEADER_SIZE, slot_nbytes
+    from io_actors.storage.posix_open import DATA_FILE
+    from io_actors.storage.slot_format import HEADER_SIZE, slot_nbytes
 
     directory = config.rank_directory()
     assert directory is not None

@@ -4,7 +4,7 @@ What is timed, per run: opening the slot store on an existing data file (lock, c
 index rebuild, the index journal's rewrite) and restoring every slot found into a fresh core
 (KVCacheManager.restore).  Two ways of rebuilding, each measured cold and warm:
 
-* "journal": the index journal (io_actors/index_journal.py), one sequential read of a
+* "journal": the index journal (io_actors/storage/index_journal.py), one sequential read of a
   192-byte record per slot -- what every open does when the journal is complete;
 * "scan": the header scan, one 4 KiB read per slot (SCAN_THREADS threads) -- what an open
   does when the journal is missing or unusable (here: removed before each such run).
@@ -36,10 +36,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from io_actors.backends.posix import SCAN_THREADS, PosixSlotStore
 from io_actors.embed import restore_from_disk
-from io_actors.index_journal import INDEX_FILE, RECORD_SIZE
-from io_actors.slot_format import HEADER_SIZE, SlotHeader, SlotMeta
+from io_actors.storage.index_journal import INDEX_FILE, RECORD_SIZE
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import SCAN_THREADS
+from io_actors.storage.slot_format import HEADER_SIZE, SlotHeader, SlotMeta
 from statekv.config import CacheConfig, KVLayout
 from statekv.manager import KVCacheManager
 

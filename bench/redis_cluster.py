@@ -31,7 +31,7 @@ from pathlib import Path
 
 import attrs
 
-from io_actors.backends.remote_faults import owns_slot
+from io_actors.storage.remote_faults import owns_slot
 
 CLUSTER_BUS_OFFSET = 10000
 """Redis Cluster's node-to-node bus listens on the client port plus this."""

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from bench.redis_cluster import running_cluster
-from io_actors.backends.redis_store import RedisClusterStore, RemoteIO
-from io_actors.slot_format import HEADER_SIZE
+from io_actors.storage.redis_store import RedisClusterStore, RemoteIO
+from io_actors.storage.slot_format import HEADER_SIZE
 from statekv.config import CacheConfig, KVLayout
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.ids import BlockHash

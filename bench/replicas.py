@@ -539,8 +539,8 @@ def fetch_probe(cluster: LocalRedisCluster, spec: ReplicaSpec, kv_bytes_per_toke
     import torch
 
     from bench.remote import MASTERS, benchmark_get_rate, fetch_rate
-    from io_actors.backends.redis_store import RedisClusterStore, RemoteIO
-    from io_actors.slot_format import HEADER_SIZE
+    from io_actors.storage.redis_store import RedisClusterStore, RemoteIO
+    from io_actors.storage.slot_format import HEADER_SIZE
     from models.config import preset
     from statekv.config import CacheConfig
     from statekv.hashing import chain_key, root_key, token_bytes

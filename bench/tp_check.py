@@ -53,13 +53,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from io_actors.backends import open_slot_store
-from io_actors.backends.faults import FaultPlan, FaultRule, FaultyStore
 from io_actors.config import StateKVConfig
-from io_actors.distributed import ParallelLayout, RankGroup, TensorParallelCache
 from io_actors.embed import BlockingCache, CacheAPI
-from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.faults import FaultPlan, FaultRule, FaultyStore
+from io_actors.storage.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.storage.open_store import open_slot_store
+from io_actors.storage.slot_format import SlotMeta
+from io_actors.tensor_parallel.agreement import ParallelLayout, RankGroup, TensorParallelCache
 from models.config import ModelConfig
 from models.model import Chunk, PagedDecoder, StepOutput
 from models.serving_loop import RequestResult, ServeRequest, ServingLoop

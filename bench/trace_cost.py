@@ -42,7 +42,7 @@ from pathlib import Path
 
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.tracing import RecordKind, TraceRecorder
+from io_actors.tracing.recorder import RecordKind, TraceRecorder
 from statekv import CacheConfig, KVCacheManager
 from statekv.config import KVLayout
 from statekv.messages import ReadSlot, SlotRead, SlotWritten, WriteSlot

@@ -1,7 +1,7 @@
 """Crash consistency of the persistent disk tier (specs/disk_persistence.md), two ways.
 
 * :func:`enumerate_crashes` -- SQLite style: a scripted spill-heavy workload runs once through
-  a counting :class:`~io_actors.backends.faults.FaultyStore` to learn its number of write
+  a counting :class:`~io_actors.storage.faults.FaultyStore` to learn its number of write
   calls N; then, for every k in 1..N, it runs again and "crashes" at the k-th write (a seeded
   subset of that write's pages reaches the disk, nothing after it does).  Each time the
   directory is reopened and checked.
@@ -39,15 +39,16 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
-from io_actors.backends.posix import PosixSlotStore, Recovery
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, CacheAPI
-from io_actors.index_journal import INDEX_FILE
-from io_actors.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
-from io_actors.memory import page_aligned_buffer
-from io_actors.retention_journal import RetentionRecord
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
+from io_actors.storage.index_journal import INDEX_FILE
+from io_actors.storage.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import Recovery
+from io_actors.storage.retention_journal import RetentionRecord
+from io_actors.storage.slot_format import SlotMeta
 from statekv.config import KVLayout
 from statekv.errors import OutOfBlocks, TransferFailed
 from statekv.hashing import chain_key, root_key, token_bytes

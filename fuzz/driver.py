@@ -30,6 +30,7 @@ started.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -44,19 +45,20 @@ import hypothesis.strategies as st
 import torch
 
 from fuzz.contract import CommandContract
-from fuzz.memory_probe import MemoryProbe, cuda_memory_probe, tensor_holders, warm_up
+from fuzz.memory_probe import MemoryProbe, cuda_memory_probe, tensor_holders
 from fuzz.payloads import Payloads
 from fuzz.spy import CoreSpy, ModelFollower
 from fuzz.store import FuzzStore, RandomFaults
 from fuzz.tracefile import new_sink
-from io_actors.backends import open_slot_store
-from io_actors.backends.posix import PosixSlotStore
+from io_actors.actors.gate import CompletionGate
+from io_actors.actors.scheduler import CloseReport
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.gate import CompletionGate
-from io_actors.interfaces import SlotStore
-from io_actors.scheduler import CloseReport
-from io_actors.tracing import TraceRecorder
+from io_actors.storage.interfaces import SlotStore
+from io_actors.storage.open_store import open_slot_store
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.slot_format import payload_checksum_torch
+from io_actors.tracing.recorder import TraceRecorder
 from specs.reference_model import ReferenceCache, observed
 from statekv.arith import blocks_for_tokens, is_live
 from statekv.config import KVLayout, SpillMode
@@ -66,6 +68,8 @@ from statekv.ids import BlockHash, PageId
 from statekv.lifecycle import BlockState
 from statekv.manager import KVCacheManager
 from statekv.messages import Command
+
+log = logging.getLogger(__name__)
 
 API_CALL_LIMIT = 10.0
 """Seconds a serving-loop call may be blocked before the watchdog calls it a wait on disk I/O
@@ -534,6 +538,9 @@ class Driver:
             # checksum's CRC tables, torch's per-thread handles and workspaces: see
             # fuzz.memory_probe): what is held now beyond it, this cache kept after closing.
             self.cache = None
+            # The scheduler holds the pools too: dropped with the cache, or they would be
+            # counted as kept by it.
+            del self.scheduler
             held = self.memory_probe()  # it collects garbage first
             if held != self.gpu_memory_at_start:
                 holders = tensor_holders() if self.device == "cuda" else ""
@@ -684,3 +691,62 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+# ---------------------------------------------------------------------- warming up
+# Here, not in fuzz.memory_probe: the warm-up runs a whole Driver, and the Driver runs the
+# warm-up before its first baseline; the probe module only measures.
+
+WARM_TIMEOUT = 30.0
+"""Seconds the warm-up's transfers may take to land."""
+
+_warmed: set[tuple[str, str, int]] = set()
+
+
+def warm_up(spec: SystemSpec, device: str, backend: str) -> bool:
+    """Run one whole cache life of `spec`'s shape on `device` over `backend`, once per
+    process for each (device, backend, block size); True if it ran now."""
+    # The key comes from the configuration alone: opening a cache to learn it would double
+    # the cost of every open (the GPU profile reopens dozens of times per example).
+    block_bytes = spec.config(Path("unused"), device, backend).core_config().block_bytes
+    key = (device, backend, block_bytes)
+    if key in _warmed:
+        return False
+    shape = attrs.evolve(spec, spill_mode=SpillMode.ALL, drop_on_pressure=False,
+                         protect_unexpired=False)
+    d = Driver(shape, device=device, backend=backend, warm=False)
+    try:
+        payload_checksum_torch(torch.zeros(d.payloads.nbytes, dtype=torch.uint8,
+                                           device=d.api.device))
+        first = d.fresh_prompt(1)  # one block: it fits the smallest host tier
+        d.serve(first, None, 0)
+        # Push it down the tiers (GPU -> host copies, spills) without displacing it from
+        # the disk, then read it back.
+        for _ in range(2):
+            d.serve(d.fresh_prompt(None), None, 0)
+            _until_quiet(d)
+        req = d.add(first, None, 0, None)
+        if req is not None:
+            d.api.wait_ready(req.rid, timeout=WARM_TIMEOUT)
+            _until_quiet(d)
+            d.release(req.rid)
+        _until_quiet(d)
+        stats = d.api.statistics().cache
+        log.debug("warm-up: %d spills, %d onboards", stats.spills_completed,
+                  stats.onboards_completed)
+        d.api.close(drain=True)
+    finally:
+        d.clean_up()
+    _warmed.add(key)
+    return True
+
+
+def _until_quiet(d: Driver) -> None:
+    deadline = time.monotonic() + WARM_TIMEOUT
+    while True:
+        stats = d.api.statistics()
+        if not (stats.cache.writes_in_flight or stats.cache.reads_in_flight):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the warm-up's transfers did not land: {stats}")
+        time.sleep(0.001)

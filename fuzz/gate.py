@@ -37,7 +37,7 @@ def _kind(outcome: Completion) -> str:
 
 
 class FuzzGate:
-    """:class:`io_actors.gate.CompletionGate` holding completions by transfer id."""
+    """:class:`io_actors.actors.gate.CompletionGate` holding completions by transfer id."""
 
     def __init__(self, notify: Callable[[], None]) -> None:
         self._notify = notify

@@ -9,8 +9,8 @@ thread is stopped by a wall-clock limit (mutmut 3.8 sends SIGXCPU after
 (``random.Random(seed).sample`` over mutmut's own mutant list, in its order).  The
 results stay in the scratch tree: ``cd build/mutmut/<module> && mutmut results``/``show``.
 
-    python -m fuzz.mutate_actors io_actors/worker_threads.py
-    python -m fuzz.mutate_actors io_actors/scheduler.py --sample 150 --seed 10
+    python -m fuzz.mutate_actors io_actors/actors/worker_threads.py
+    python -m fuzz.mutate_actors io_actors/actors/scheduler.py --sample 150 --seed 10
 
 fuzz/README.md ("Mutation testing") gives the selection, the scores and the survivors.
 """
@@ -46,11 +46,17 @@ _ACTOR_TESTS = [
 # a session that mutmut's CPU limit kills takes its clusters with it
 # (bench/redis_cluster.py: the servers die with their parent).
 _SHARED_TIER_TESTS = ["tests/test_remote_actors.py", "tests/test_redis_store.py"]
+_POSIX_STORE_TESTS = [
+    "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
+    "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",
+    "tests/test_posix_store_setup.py", "tests/test_persistence.py",
+    "tests/test_index_journal.py", "tests/test_retention_journal.py",
+]
 TESTS: dict[str, list[str]] = {
-    "io_actors/worker_threads.py": _ACTOR_TESTS,
-    "io_actors/writer_pool.py": _ACTOR_TESTS,
-    "io_actors/reader_pool.py": _ACTOR_TESTS,
-    "io_actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_spill_modes.py",
+    "io_actors/actors/worker_threads.py": _ACTOR_TESTS,
+    "io_actors/actors/writer_pool.py": _ACTOR_TESTS,
+    "io_actors/actors/reader_pool.py": _ACTOR_TESTS,
+    "io_actors/actors/scheduler.py": [*_ACTOR_TESTS, "tests/test_spill_modes.py",
                                "tests/test_tracing.py", "tests/test_index_journal.py",
                                "tests/test_scheduler_gaps.py", *_SHARED_TIER_TESTS],
     "io_actors/embed.py": [*_ACTOR_TESTS, "tests/test_tracing.py",
@@ -58,13 +64,10 @@ TESTS: dict[str, list[str]] = {
                            "tests/test_serving_cancel.py", "tests/test_serving_prefetch.py",
                            "tests/test_metrics.py", "tests/test_open_interrupted.py",
                            *_SHARED_TIER_TESTS],
-    "io_actors/backends/posix.py": [
-        "tests/test_posix_store.py", "tests/test_posix_store_counters.py",
-        "tests/test_io_faults.py", "tests/test_faults.py", "tests/test_slot_format.py",
-        "tests/test_posix_store_setup.py", "tests/test_persistence.py",
-        "tests/test_index_journal.py", "tests/test_retention_journal.py",
-    ],
-    "io_actors/slot_format.py": [
+    # The store and its open procedure (split out of posix.py) answer to the same tests.
+    "io_actors/storage/posix.py": _POSIX_STORE_TESTS,
+    "io_actors/storage/posix_open.py": _POSIX_STORE_TESTS,
+    "io_actors/storage/slot_format.py": [
         "tests/test_slot_format.py", "tests/test_slot_format_errors.py",
         "tests/test_posix_store.py", "tests/test_io_faults.py",
     ],

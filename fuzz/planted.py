@@ -25,9 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine
 from fuzz.core_machine import CoreVsSpec
 from fuzz.runner import run_machine
 from fuzz.system_machine import SystemMachine
-from io_actors.backends import posix
-from io_actors.reader_pool import SlotReader
-from io_actors.scheduler import Scheduler
+from io_actors.actors.reader_pool import SlotReader
+from io_actors.actors.scheduler import Scheduler
+from io_actors.storage import posix
 from statekv.block import Block
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.manager import KVCacheManager

@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from fuzz.steps import Counts
 from fuzz.tracefile import write_trace
-from io_actors.tracing import TraceRecorder
+from io_actors.tracing.recorder import TraceRecorder
 
 
 class Traced(Protocol):

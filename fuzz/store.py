@@ -1,8 +1,8 @@
 """The slot store the fuzz harnesses run on: a real store, faults injected by identity.
 
-:class:`FuzzStore` wraps a real :class:`~io_actors.interfaces.SlotStore` (POSIX files, or
+:class:`FuzzStore` wraps a real :class:`~io_actors.storage.interfaces.SlotStore` (POSIX files, or
 kvikio on the GPU machine).  It injects the faults of
-:mod:`io_actors.backends.faults` -- EIO on open, read or write, ENOSPC, short reads and
+:mod:`io_actors.storage.faults` -- EIO on open, read or write, ENOSPC, short reads and
 writes, torn writes (reported or silent), bit flips on disk, slow calls -- and can *stall* a
 call (block it until released) to model a disk that has stopped answering.
 
@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
-from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
+from io_actors.storage.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.storage.slot_format import SlotMeta
 from statekv.errors import TransferFailed
 from statekv.ids import BlockHash, SlotId
 

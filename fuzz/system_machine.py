@@ -58,9 +58,9 @@ from fuzz.memory_probe import MemoryProbe
 from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from fuzz.waiters import Waiters
-from io_actors.backends.faults import Fault, Op
-from io_actors.scheduler import CloseReport
-from io_actors.tracing import TraceRecorder
+from io_actors.actors.scheduler import CloseReport
+from io_actors.storage.faults import Fault, Op
+from io_actors.tracing.recorder import TraceRecorder
 from statekv.ids import BlockHash, TransferId
 from statekv.messages import (
     Command,

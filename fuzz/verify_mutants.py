@@ -9,7 +9,7 @@ tests (the ones mutmut recorded for its function) in a fresh ``pytest`` process 
 scratch tree, with the mutant switched on, and reports: killed (a test failed), hung (past
 ``--timeout`` seconds), or survived.
 
-    python -m fuzz.verify_mutants io_actors/scheduler.py NAME... [--timeout 300]
+    python -m fuzz.verify_mutants io_actors/actors/scheduler.py NAME... [--timeout 300]
 """
 
 from __future__ import annotations

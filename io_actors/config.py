@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import attrs
 
-from io_actors.backends.cluster_url import MAX_TIMEOUT_S, parse_cluster_url
+from io_actors.storage.cluster_url import MAX_TIMEOUT_S, parse_cluster_url
 from statekv.config import CacheConfig, KVLayout, SpillMode
 from statekv.errors import ConfigError
 

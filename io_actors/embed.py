@@ -37,17 +37,11 @@ import torch
 import trio
 
 if TYPE_CHECKING:  # needs the optional redis-py: imported where a shared tier is opened
-    from io_actors.backends.redis_store import RedisClusterStore
+    from io_actors.storage.redis_store import RedisClusterStore
 
-from io_actors.backends import open_slot_store, public_config_error
-from io_actors.backends.posix import Recovery
-from io_actors.config import StateKVConfig
-from io_actors.gate import CompletionGate, OpenGate
-from io_actors.gc_pause import gc_paused
-from io_actors.interfaces import SlotStore
-from io_actors.memory import KVPools, TorchCopyEngine
-from io_actors.reader_pool import ReaderPool
-from io_actors.scheduler import (
+from io_actors.actors.gate import CompletionGate, OpenGate
+from io_actors.actors.reader_pool import ReaderPool
+from io_actors.actors.scheduler import (
     CloseReport,
     InlineIO,
     RemoteTier,
@@ -55,8 +49,14 @@ from io_actors.scheduler import (
     SystemStatistics,
     WallClock,
 )
-from io_actors.tracing import TraceRecorder
-from io_actors.writer_pool import WriterPool
+from io_actors.actors.writer_pool import WriterPool
+from io_actors.config import StateKVConfig
+from io_actors.memory.pools import KVPools, TorchCopyEngine
+from io_actors.storage.gc_pause import gc_paused
+from io_actors.storage.interfaces import SlotStore
+from io_actors.storage.open_store import open_slot_store, public_config_error
+from io_actors.storage.posix_open import Recovery
+from io_actors.tracing.recorder import TraceRecorder
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import BlockHash, PageId, TransferId
@@ -99,7 +99,7 @@ def restore_from_disk(
     recovery = getattr(store, "recovery", None)
     if not isinstance(recovery, Recovery):
         return None
-    with gc_paused():  # a few kept objects per slot: see io_actors/gc_pause.py
+    with gc_paused():  # a few kept objects per slot: see io_actors/storage/gc_pause.py
         core.restore(
             [
                 RestoredBlock(
@@ -220,7 +220,7 @@ class CacheAPI:
 
     def cached_blocks(self) -> tuple[CachedBlock, ...]:
         """Every block of the prefix index with its tier: for debugging, tests and the
-        cross-rank agreement checks of io_actors.distributed."""
+        cross-rank agreement checks of io_actors.tensor_parallel.agreement."""
         return self._scheduler.cached_blocks()
 
     def transfers_in_flight(self) -> tuple[TransferId, ...]:
@@ -229,7 +229,7 @@ class CacheAPI:
 
     def filter_completions(self, completion_filter: Callable[[Completion], Completion]) -> None:
         """Map every completion before it is applied (Scheduler.completion_filter); set it
-        before the first request: io_actors.distributed does."""
+        before the first request: io_actors.tensor_parallel.agreement does."""
         self._scheduler.completion_filter = completion_filter
 
 
@@ -266,7 +266,7 @@ async def open_cache(
     holds completions until released (the fuzz suite); `clock` replaces the wall clock;
     `synchronous_io` runs disk transfers inside the cache calls (the naive design, kept
     for comparison in the benchmarks); `recorder` records every transition and every
-    message between the actors (io_actors.tracing; off when None).
+    message between the actors (io_actors.tracing.recorder; off when None).
     """
     if not isinstance(config, StateKVConfig):
         raise UsageError("config", f"must be a StateKVConfig, got {config!r}")
@@ -298,8 +298,8 @@ async def open_cache(
     try:
         remote = None
         if config.remote_url is not None:
-            from io_actors.remote_fetcher import RemoteFetcher
-            from io_actors.remote_publisher import RemotePublisher
+            from io_actors.actors.remote_fetcher import RemoteFetcher
+            from io_actors.actors.remote_publisher import RemotePublisher
 
             shared = open_shared_store(config, core_config)
             remote = RemoteTier(
@@ -353,7 +353,7 @@ def open_shared_store(config: StateKVConfig, core_config: CacheConfig) -> RedisC
     """Connect to the configured cluster; ConfigError naming the StateKVConfig field."""
     assert config.remote_url is not None
     try:
-        from io_actors.backends.redis_store import RedisClusterStore
+        from io_actors.storage.redis_store import RedisClusterStore
     except ImportError as exc:
         raise ConfigError("remote_url", "the shared tier needs redis-py: pip install "
                           f"'statekv[redis]' ({exc})") from None

@@ -29,8 +29,8 @@ from typing import Final
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from io_actors.scheduler import SystemStatistics
-from io_actors.worker_threads import PoolStatistics
+from io_actors.actors.scheduler import SystemStatistics
+from io_actors.actors.worker_threads import PoolStatistics
 from statekv.stats import CacheStatistics
 
 PREFIX: Final = "statekv"

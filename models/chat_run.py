@@ -16,9 +16,9 @@ from pathlib import Path
 import attrs
 import torch
 
+from io_actors.actors.scheduler import SystemStatistics
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.scheduler import SystemStatistics
 from statekv.trace import TraceSink
 
 from .config import ModelConfig

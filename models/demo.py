@@ -34,7 +34,7 @@ from .config import preset
 from .workloads import ChatWorkload, ChatWorkloadConfig
 
 if TYPE_CHECKING:
-    from io_actors.tracing import TraceRecorder
+    from io_actors.tracing.recorder import TraceRecorder
 
 TIMING_MARK: Final = "~"
 """Marks the report's figures that depend on timing, not only on the seed and the sizes."""
@@ -177,7 +177,7 @@ def report(run: RunResult, identical: tuple[int, int] | None, reference: RunResu
 def _recorder(path: Path | None) -> TraceRecorder | None:
     if path is None:
         return None
-    from io_actors.tracing import TraceRecorder
+    from io_actors.tracing.recorder import TraceRecorder
 
     return TraceRecorder(capacity=1_000_000)
 

@@ -376,8 +376,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from io_actors.trace_tools import summarize, write_html
-    from io_actors.tracing import load_trace, write_chrome_trace
+    from io_actors.tracing.recorder import load_trace, write_chrome_trace
+    from io_actors.tracing.tools import summarize, write_html
 
     trace = load_trace(args.trace)
     try:

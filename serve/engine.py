@@ -20,8 +20,8 @@ from typing import Final, Protocol
 import attrs
 from prometheus_client import Histogram
 
+from io_actors.actors.scheduler import SystemStatistics
 from io_actors.embed import BlockingCache
-from io_actors.scheduler import SystemStatistics
 
 from ._models import model as model_module
 from ._models import serving_loop

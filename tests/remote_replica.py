@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import trio
 
-from io_actors.backends.redis_store import RedisClusterStore
+from io_actors.actors.remote_fetcher import RemoteFetcher
+from io_actors.actors.remote_publisher import RemotePublisher
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.remote_fetcher import RemoteFetcher
-from io_actors.remote_publisher import RemotePublisher
+from io_actors.storage.redis_store import RedisClusterStore
 from models.config import preset
 from models.model import Chunk, PagedDecoder
 from statekv.config import CacheConfig, KVLayout

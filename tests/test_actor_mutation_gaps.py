@@ -20,17 +20,17 @@ import pytest
 import torch
 import trio
 
-from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
-from io_actors.backends.posix import PosixSlotStore, host_view
+from io_actors.actors.gate import OpenGate
+from io_actors.actors.reader_pool import ReadJob, SlotReader
+from io_actors.actors.worker_threads import WorkerCrashed, WorkerThreads
+from io_actors.actors.writer_pool import WriteJob, WriterPool
 from io_actors.embed import BlockingCache, resolve_device
-from io_actors.gate import OpenGate
-from io_actors.index_journal import INDEX_FILE
-from io_actors.interfaces import BatchOutcome, SlotIO
-from io_actors.memory import page_aligned_buffer
-from io_actors.reader_pool import ReadJob, SlotReader
-from io_actors.slot_format import SlotMeta, payload_checksum
-from io_actors.worker_threads import WorkerCrashed, WorkerThreads
-from io_actors.writer_pool import WriteJob, WriterPool
+from io_actors.storage.buffers import host_view, page_aligned_buffer
+from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
+from io_actors.storage.index_journal import INDEX_FILE
+from io_actors.storage.interfaces import BatchOutcome, SlotIO
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.slot_format import SlotMeta, payload_checksum
 from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import BlockHash, BlockId, PageId, SlotId, TransferId
 from statekv.messages import (
@@ -189,7 +189,7 @@ def test_a_worker_that_raises_stops_the_pool_loudly(caplog: pytest.LogCaptureFix
             await trio.sleep_forever()
 
     # A group or the error itself, depending on trio's nurseries: the leaves are checked.
-    with (caplog.at_level(logging.ERROR, logger="io_actors.worker_threads"),
+    with (caplog.at_level(logging.ERROR, logger="io_actors.actors.worker_threads"),
           pytest.raises(BaseException) as info):
         trio.run(main)
     crashes = [exc for exc in _leaves(info.value) if isinstance(exc, WorkerCrashed)]
@@ -217,7 +217,7 @@ def test_a_worker_that_cannot_start_is_logged_and_the_pool_still_closes(
                 await nursery.start(h.pool.run)
                 h.pool.close_queue(drop_queued=True)
 
-    with caplog.at_level(logging.ERROR, logger="io_actors.worker_threads"):
+    with caplog.at_level(logging.ERROR, logger="io_actors.actors.worker_threads"):
         trio.run(main)
     messages = sorted(r.getMessage() for r in caplog.records)
     assert messages == ["tester worker 0 could not start", "tester worker 1 could not start"]
@@ -658,7 +658,7 @@ def test_a_failed_prefetch_read_is_reported_and_logged_as_a_prefetch(
             PrefetchSlot(transfer=TransferId(2), block=BlockId(8), key=BlockHash(b"x" * 32),
                          slot=SlotId(4), host_page=PageId(0)),
         ))
-        with caplog.at_level(logging.WARNING, logger="io_actors.reader_pool"):
+        with caplog.at_level(logging.WARNING, logger="io_actors.actors.reader_pool"):
             got = outcomes(reader.execute(ReadJob(command, _Done())))
     finally:
         store.close()

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends.posix import PosixSlotStore
-from io_actors.interfaces import SlotIO
-from io_actors.memory import page_aligned_buffer
-from io_actors.slot_format import HEADER_SIZE
+from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.interfaces import SlotIO
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.slot_format import HEADER_SIZE
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import SlotId
 from tests.test_posix_store import UNALIGNED, config, key, payload
@@ -179,7 +179,7 @@ def test_a_closed_store_refuses_batches(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("length", [1, 100, 4095, 4096, 4097, 65536 + 3, 2 * 1024 * 1024])
 def test_the_batched_gpu_checksum_is_zlib_crc32(length: int) -> None:
-    from io_actors.gpu_checksum import payload_checksums_cuda
+    from io_actors.storage.gpu_checksum import payload_checksums_cuda
 
     gen = torch.Generator().manual_seed(length)
     pages = [torch.randint(0, 256, (length,), dtype=torch.uint8, generator=gen)
@@ -191,8 +191,8 @@ def test_the_batched_gpu_checksum_is_zlib_crc32(length: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_copying_pages_to_host_records_their_checksums_on_the_gpu() -> None:
-    from io_actors.gpu_checksum import have_kernel
-    from io_actors.memory import KVPools, TorchCopyEngine
+    from io_actors.memory.pools import KVPools, TorchCopyEngine
+    from io_actors.storage.gpu_checksum import have_kernel
     from statekv.config import CacheConfig
     from statekv.ids import PageId
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from io_actors.backends.posix import PosixSlotStore
 from io_actors.embed import BlockingCache
-from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.slot_format import SlotMeta
 from statekv.ids import BlockHash, SlotId
 from tests.io_helpers import compute, small_config
 

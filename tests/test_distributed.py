@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks agree (io_actors.distributed): real processes, gloo, real disk.
+"""Tensor-parallel ranks agree (io_actors.tensor_parallel): real processes, gloo, real disk.
 
 Each job starts 2 or 4 processes that rendezvous through a file store and run, in order:
 
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from bench import tp_check
 from io_actors.config import StateKVConfig
-from io_actors.distributed import (
+from io_actors.tensor_parallel.agreement import (
     ParallelLayout,
     RankGroup,
     RankGroupFailed,

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from io_actors.backends.faults import (
+from io_actors.storage.faults import (
     POISON,
     Fault,
     FaultPlan,
@@ -22,9 +22,10 @@ from io_actors.backends.faults import (
     Op,
     single_fault_plans,
 )
-from io_actors.backends.posix import DATA_FILE, PosixSlotStore
-from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore, read_each, write_each
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.interfaces import BatchOutcome, SlotIO, SlotStore, read_each, write_each
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import DATA_FILE
+from io_actors.storage.slot_format import SlotMeta
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId

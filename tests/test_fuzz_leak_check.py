@@ -14,7 +14,7 @@ import attrs
 import pytest
 import torch
 
-from fuzz import memory_probe, planted
+from fuzz import driver, memory_probe, planted
 from fuzz.driver import Driver
 from fuzz.memory_probe import live_pool_bytes
 from fuzz.system_machine import SystemMachine
@@ -35,7 +35,7 @@ def one_cache_life() -> None:
         d.serve(first, None, 0)
         for _ in range(3):
             d.serve(d.fresh_prompt(None), None, 0)
-            memory_probe._until_quiet(d)
+            driver._until_quiet(d)
         d.check_nothing_leaks()
     finally:
         d.clean_up()
@@ -56,7 +56,7 @@ def test_the_leak_check_catches_a_cache_that_keeps_its_memory() -> None:
 def test_the_warm_up_runs_once_per_process_and_shape() -> None:
     one_cache_life()
     spec = attrs.evolve(BASE, gpu=4, host=1, reserved_host=0, disk=4)
-    assert not memory_probe.warm_up(spec, "cpu", "posix")
+    assert not driver.warm_up(spec, "cpu", "posix")
 
 
 def test_a_cache_closed_mid_work_is_not_counted_against_the_next_one() -> None:

@@ -24,7 +24,7 @@ from fuzz.core_machine import DOCUMENTS, ChurnSpec, CoreVsSpec, FetchRace, Reque
 from fuzz.driver import SystemSpec
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from fuzz.system_machine import SystemMachine
-from io_actors.backends.faults import Fault, Op
+from io_actors.storage.faults import Fault, Op
 from statekv.config import CacheConfig, SpillMode
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.stats import CacheStatistics

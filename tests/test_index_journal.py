@@ -20,9 +20,10 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fuzz.crash import prompts, serve_checked, workload_config
-from io_actors.backends.posix import DATA_FILE, PosixSlotStore
 from io_actors.embed import BlockingCache
-from io_actors.index_journal import (
+from io_actors.metrics import StateKVCollector
+from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.index_journal import (
     COMPACT_FACTOR,
     FREE,
     HEAD,
@@ -31,10 +32,10 @@ from io_actors.index_journal import (
     SEAL,
     SLOT,
 )
-from io_actors.memory import page_aligned_buffer
-from io_actors.metrics import StateKVCollector
-from io_actors.record_file import RecordFile
-from io_actors.slot_format import pack_slot
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import DATA_FILE, StoreOpening
+from io_actors.storage.record_file import RecordFile
+from io_actors.storage.slot_format import pack_slot
 from statekv.errors import ConfigError, TransferFailed
 from statekv.ids import SlotId
 from tests.io_helpers import small_config
@@ -68,7 +69,7 @@ def test_a_reopen_rebuilds_from_the_journal_without_a_header_scan(
     def no_scan(*_args: object) -> None:
         raise AssertionError("the header scan ran")
 
-    monkeypatch.setattr(PosixSlotStore, "_scan", no_scan)
+    monkeypatch.setattr(StoreOpening, "_scan", no_scan)
     store = reopen(tmp_path)
     index = store.recovery.index
     assert (index.source, index.sealed, index.torn, index.reason) == ("journal", True, 0, "")
@@ -161,8 +162,8 @@ def test_a_record_torn_in_the_middle_falls_back_to_the_scan_and_is_rewritten(
     data = bytearray(path.read_bytes())
     data[RECORD_SIZE + 40] ^= 0x01  # record 1's key rots
     path.write_bytes(bytes(data))
-    # The store's own logger, whatever other tests did to logging's configuration.
-    logger = logging.getLogger("io_actors.backends.posix")
+    # The open's own logger, whatever other tests did to logging's configuration.
+    logger = logging.getLogger("io_actors.storage.posix_open")
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append  # type: ignore[method-assign, assignment]

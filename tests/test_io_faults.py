@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
-from io_actors.backends.posix import PosixSlotStore
 from io_actors.embed import BlockingCache
-from io_actors.interfaces import BatchOutcome, SlotIO, SlotStore
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
+from io_actors.storage.interfaces import BatchOutcome, SlotIO, SlotStore
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.slot_format import SlotMeta
 from statekv.ids import BlockHash, SlotId
 from tests.harness import block_keys
 from tests.io_helpers import check_pages, compute, serve, small_config, wait_quiet, wait_ready

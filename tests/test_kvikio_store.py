@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends import open_slot_store
-from io_actors.backends.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
-from io_actors.backends.kvikio_store import KvikioSlotStore
-from io_actors.backends.posix import DATA_FILE, PosixSlotStore
-from io_actors.slot_format import payload_checksum_torch
+from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
+from io_actors.storage.kvikio_store import KvikioSlotStore
+from io_actors.storage.open_store import open_slot_store
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import DATA_FILE
+from io_actors.storage.slot_format import payload_checksum_torch
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, TransferFailed
 from statekv.ids import BlockHash, SlotId

@@ -7,13 +7,8 @@ import os
 import pytest
 import torch
 
-from io_actors.memory import (
-    TORCH_DTYPES,
-    KVPools,
-    TorchCopyEngine,
-    page_aligned_buffer,
-    torch_dtype,
-)
+from io_actors.memory.pools import TORCH_DTYPES, KVPools, TorchCopyEngine, torch_dtype
+from io_actors.storage.buffers import page_aligned_buffer
 from statekv.config import DTYPE_BYTES, CacheConfig, KVLayout
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import PageId

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends.posix import PosixSlotStore, Recovery
 from io_actors.embed import BlockingCache, open_shared_store, resolve_device
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import Recovery
 from statekv.errors import ConfigError
 from tests.io_helpers import small_config
 
@@ -122,7 +123,7 @@ def test_a_shared_store_refusal_names_the_statekv_config_field(
     store_field: str, config_field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Redis store names its own arguments; the user set StateKVConfig's fields."""
-    from io_actors.backends import redis_store
+    from io_actors.storage import redis_store
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise ConfigError(store_field, "is not acceptable here")
@@ -138,7 +139,7 @@ def test_a_shared_store_refusal_names_the_statekv_config_field(
 def test_the_shared_tier_without_redis_py_is_a_config_error_naming_remote_url(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "io_actors.backends.redis_store", None)
+    monkeypatch.setitem(sys.modules, "io_actors.storage.redis_store", None)
     config = small_config(tmp_path, remote_url="redis://127.0.0.1:7000")
     with pytest.raises(ConfigError, match="redis-py") as caught:
         open_shared_store(config, config.core_config())

@@ -39,7 +39,10 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> None:
     (wheel,) = dist.glob("statekv-*.whl")
     (sdist,) = dist.glob("statekv-*.tar.gz")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("statekv/manager.py", "io_actors/trace_view.html", "io_actors/metrics.py",
+    for module in ("statekv/manager.py", "io_actors/tracing/trace_view.html",
+                   "io_actors/metrics.py", "io_actors/actors/scheduler.py",
+                   "io_actors/memory/pools.py",
+                   "io_actors/storage/posix.py", "io_actors/tensor_parallel/agreement.py",
                    "statekv_models/serving_loop.py", "statekv_serve/cli.py",
                    "statekv_serve/server.py", "statekv_serve/py.typed"):
         assert module in names

@@ -17,12 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends.posix import DATA_FILE, PosixSlotStore
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.index_journal import INDEX_FILE
-from io_actors.memory import page_aligned_buffer
-from io_actors.slot_format import HEADER_SIZE, MacMismatch, SlotHeader, SlotMeta, payload_checksum
+from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.index_journal import INDEX_FILE
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import DATA_FILE
+from io_actors.storage.slot_format import (
+    HEADER_SIZE,
+    MacMismatch,
+    SlotHeader,
+    SlotMeta,
+    payload_checksum,
+)
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, DirectoryInUse, NewerFormat, TransferFailed
 from statekv.ids import BlockHash, SlotId
@@ -179,7 +186,7 @@ def test_a_second_process_on_the_directory_is_a_typed_error(tmp_path: Path) -> N
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys\n"
-         "from io_actors.backends.posix import PosixSlotStore\n"
+         "from io_actors.storage.posix import PosixSlotStore\n"
          "from tests.test_persistence import config\n"
          f"s = PosixSlotStore({str(tmp_path)!r}, config())\n"
          "print('open', flush=True)\n"

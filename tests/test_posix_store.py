@@ -17,11 +17,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from io_actors.backends import open_slot_store
-from io_actors.backends import posix as posix_module
-from io_actors.backends.posix import DATA_FILE, PosixSlotStore, rank_dir
-from io_actors.memory import page_aligned_buffer
-from io_actors.slot_format import ALIGN, HEADER_SIZE
+from io_actors.storage import posix as posix_module
+from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.open_store import open_slot_store
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import DATA_FILE, rank_dir
+from io_actors.storage.slot_format import ALIGN, HEADER_SIZE
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId

@@ -11,13 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends.posix import (
-    DATA_FILE,
-    PosixSlotStore,
-    SlotStoreStatistics,
-    check_block_tensor,
-    rank_dir,
-)
+from io_actors.storage.buffers import check_block_tensor
+from io_actors.storage.posix import PosixSlotStore, SlotStoreStatistics
+from io_actors.storage.posix_open import DATA_FILE, rank_dir
 from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import SlotId
 from tests.test_posix_store import ALIGNED, UNALIGNED, config, key, payload

@@ -13,12 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from io_actors.backends import posix as posix_module
-from io_actors.backends.posix import DATA_FILE, PosixSlotStore, prepare_directory
-from io_actors.index_journal import INDEX_FILE
-from io_actors.interfaces import SlotIO
-from io_actors.memory import page_aligned_buffer
-from io_actors.slot_format import CONFIG_FINGERPRINT_SIZE, HEADER_SIZE, SlotMeta, pack_slot
+from io_actors.storage import ownership, posix_open
+from io_actors.storage import posix as posix_module
+from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.index_journal import INDEX_FILE
+from io_actors.storage.interfaces import SlotIO
+from io_actors.storage.ownership import prepare_directory
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import DATA_FILE
+from io_actors.storage.slot_format import CONFIG_FINGERPRINT_SIZE, HEADER_SIZE, SlotMeta, pack_slot
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
@@ -113,12 +116,12 @@ def test_leftovers_and_wiping_are_logged_and_cleaned(
     store.close()
     # A half-created file next to an existing data file: removed once the open succeeded.
     (tmp_path / (DATA_FILE + ".new")).write_bytes(b"x" * 100)
-    with caplog.at_level(logging.WARNING, logger=posix_module.__name__):
+    with caplog.at_level(logging.WARNING, logger=posix_open.__name__):
         PosixSlotStore(tmp_path, config()).close()
     assert not (tmp_path / (DATA_FILE + ".new")).exists()
     caplog.clear()
     (tmp_path / (DATA_FILE + ".new")).write_bytes(b"x" * 100)
-    with caplog.at_level(logging.WARNING, logger=posix_module.__name__):
+    with caplog.at_level(logging.WARNING, logger=posix_open.__name__):
         wiped = PosixSlotStore(tmp_path, config(), persist=False)
     assert wiped.recovery.slots == ()
     wiped.close()
@@ -322,8 +325,8 @@ def test_a_directory_others_can_read_is_named_in_the_warning(
     directory = tmp_path / "kv"
     directory.mkdir(mode=0o755)
     directory.chmod(0o755)
-    with caplog.at_level(logging.WARNING, logger="io_actors.backends.posix"):
-        posix_module.check_private(directory, directory.stat())
+    with caplog.at_level(logging.WARNING, logger="io_actors.storage.ownership"):
+        ownership.check_private(directory, directory.stat())
     assert caplog.messages == [f"{directory} has mode 755: other users can read cached KV"]
 
 

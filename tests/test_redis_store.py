@@ -17,21 +17,21 @@ import pytest
 import torch
 
 from bench.redis_cluster import die_with_parent
-from io_actors.backends.cluster_url import parse_cluster_url
-from io_actors.backends.redis_store import (
+from io_actors.storage.cluster_url import parse_cluster_url
+from io_actors.storage.redis_store import (
     FetchStatus,
     RedisClusterStore,
     RemoteFetchFailed,
     RemoteIO,
 )
-from io_actors.backends.remote_faults import (
+from io_actors.storage.remote_faults import (
     FaultyRemoteStore,
     RemoteFault,
     RemoteFaultPlan,
     RemoteFaultRule,
     RemoteOp,
 )
-from io_actors.slot_format import HEADER_SIZE, SlotMeta, pack_slot
+from io_actors.storage.slot_format import HEADER_SIZE, SlotMeta, pack_slot
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.hashing import chain_key, root_key, token_bytes

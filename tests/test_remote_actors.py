@@ -15,15 +15,15 @@ import pytest
 import torch
 import trio
 
-from io_actors.backends.redis_store import FetchStatus, RedisClusterStore
-from io_actors.backends.remote_faults import (
+from io_actors.actors.remote_fetcher import RemoteFetcher
+from io_actors.actors.remote_publisher import Offer, RemotePublisher
+from io_actors.storage.redis_store import FetchStatus, RedisClusterStore
+from io_actors.storage.remote_faults import (
     FaultyRemoteStore,
     RemoteFault,
     RemoteFaultPlan,
     RemoteFaultRule,
 )
-from io_actors.remote_fetcher import RemoteFetcher
-from io_actors.remote_publisher import Offer, RemotePublisher
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.hashing import extend_chain, root_key, token_bytes

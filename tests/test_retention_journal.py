@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from io_actors.backends.posix import PosixSlotStore
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.memory import page_aligned_buffer
 from io_actors.metrics import StateKVCollector
-from io_actors.retention_journal import (
+from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.retention_journal import (
     COMPACT_FACTOR,
     JOURNAL_FILE,
     RECORD_SIZE,
@@ -27,7 +27,7 @@ from io_actors.retention_journal import (
     RetentionRecord,
     pack_record,
 )
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.slot_format import SlotMeta
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError
 from statekv.ids import BlockHash, SlotId

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from fuzz.crash import extend_retention, workload_config
-from io_actors.backends.posix import PosixSlotStore
+from io_actors.actors.scheduler import append_retention
 from io_actors.embed import BlockingCache
-from io_actors.retention_journal import RetentionRecord
-from io_actors.scheduler import append_retention
-from io_actors.tracing import RecordKind, TraceRecorder
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.retention_journal import RetentionRecord
+from io_actors.tracing.recorder import RecordKind, TraceRecorder
 from statekv.errors import InvariantViolation, TransferFailed
 from tests.io_helpers import serve, small_config, wait_quiet
 from tests.test_io_actors import HoldReads, churn
@@ -83,7 +83,7 @@ def test_a_close_without_draining_drops_queued_deadlines_and_says_how_many(
     cache, store, held, queued = _one_append_held_and_more_queued(tmp_path)
     # The held append is in a thread and finishes; the queued records are dropped.
     threading.Timer(0.3, store.go.set).start()
-    with caplog.at_level(logging.WARNING, logger="io_actors.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="io_actors.actors.scheduler"):
         cache.close(drain=False)
     assert sum(store.appended) == held
     assert (f"closed with {queued} lengthened deadlines not journaled (a restart keeps the "
@@ -102,7 +102,7 @@ def test_a_failed_journal_append_is_logged_with_its_count_and_cause_never_raised
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     records = [RetentionRecord.__new__(RetentionRecord) for _ in range(3)]
-    with caplog.at_level(logging.WARNING, logger="io_actors.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="io_actors.actors.scheduler"):
         append_retention(FailingJournal(TransferFailed("journal", "disk full")), records)
     assert caplog.messages == [
         f"3 lengthened deadlines not journaled: {TransferFailed('journal', 'disk full')}"]

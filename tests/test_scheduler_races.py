@@ -20,8 +20,8 @@ import attrs
 import pytest
 import trio
 
+from io_actors.actors.scheduler import Scheduler
 from io_actors.embed import BlockingCache
-from io_actors.scheduler import Scheduler
 from statekv.messages import Completion
 from tests.io_helpers import BLOCK_SIZE, compute, serve, small_config, wait_quiet
 from tests.redis_cluster import LocalRedisCluster

@@ -10,7 +10,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from io_actors.slot_format import (
+from io_actors.storage.slot_format import (
     ALIGN,
     FORMAT_VERSION,
     HEADER_SIZE,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from io_actors import slot_format
-from io_actors.slot_format import (
+from io_actors.storage import slot_format
+from io_actors.storage.slot_format import (
     HEADER_SIZE,
     SlotHeader,
     pack_slot,

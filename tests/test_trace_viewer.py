@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from io_actors.trace_tools import STATE_COLORS, view_model, write_html
-from io_actors.tracing import RecordKind, Trace
+from io_actors.tracing.recorder import RecordKind, Trace, TraceRecord
+from io_actors.tracing.tools import STATE_COLORS, STATE_TIERS, view_model, write_html
+from statekv.lifecycle import BlockState
 from tests.test_tracing import ODD_REQUEST, record_scenario
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -230,3 +231,45 @@ def test_blank_and_broken_pages_are_caught(page: Path, tmp_path: Path) -> None:
     broken.write_text(page.read_text().replace('"use strict";', '"use strict"; null.x;', 1))
     dom = dump_dom(tmp_path, broken)
     assert script_errors(dom) and "data-rendered" not in body_attributes(dom)
+
+
+# ---------------------------------------------------------------------- every state
+
+
+DRAWN_STATES = [state.name for state in BlockState if state is not BlockState.FREE]
+"""Every state of the lifecycle table that holds memory (FREE is drawn as no span)."""
+
+
+def every_state_trace() -> Trace:
+    """Block i spends one second in the i-th state of the lifecycle table, then is freed."""
+    records: list[TraceRecord] = []
+    for block, state in enumerate(DRAWN_STATES):
+        for time, before, after in ((0.0, "FREE", state), (1.0, state, "FREE")):
+            records.append(TraceRecord(
+                seq=len(records), time=time, kind=RecordKind.TRANSITION, actor="core",
+                event="PLANTED", block=block, from_state=before, to_state=after,
+            ))
+    records.sort(key=lambda r: (r.time, r.seq))
+    return Trace(records=tuple(records), recorded=len(records))
+
+
+def test_every_state_of_the_lifecycle_table_has_a_color_and_a_tier() -> None:
+    names = [state.name for state in BlockState]
+    assert sorted(STATE_COLORS) == sorted(names), "a state without a color is an empty lane"
+    assert sorted(STATE_TIERS) == sorted(names), "a state without a tier is never shown"
+    assert all(STATE_TIERS[state] for state in DRAWN_STATES)
+    assert len(set(STATE_COLORS.values())) == len(STATE_COLORS), "two states, one color"
+
+
+def test_the_page_draws_and_lists_every_state(tmp_path: Path) -> None:
+    page = write_html(every_state_trace(), tmp_path / "states.html")
+    dom = dump_dom(tmp_path, page)
+    assert script_errors(dom) == []
+    assert lanes_in(dom) == list(range(len(DRAWN_STATES)))
+    legend = re.search(r'id="legend"[^>]*>(.*?)</div>', dom, flags=re.S)
+    assert legend, dom[:500]
+    listed = re.findall(r"</i>(\w+)</span>", legend.group(1))
+    assert [s for s in listed if s in STATE_COLORS] == DRAWN_STATES
+    _share, states = painted(screenshot(tmp_path, page))
+    assert states == set(DRAWN_STATES), f"drawn as empty lanes: {set(DRAWN_STATES) - states}"
+

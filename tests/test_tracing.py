@@ -11,11 +11,10 @@ from typing import Any
 
 import pytest
 
-from io_actors.backends.faults import FaultPlan, FaultRule, FaultyStore
-from io_actors.backends.posix import PosixSlotStore
 from io_actors.embed import BlockingCache
-from io_actors.trace_tools import save_failure_trace, view_model
-from io_actors.tracing import (
+from io_actors.storage.faults import FaultPlan, FaultRule, FaultyStore
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.tracing.recorder import (
     RecordKind,
     Trace,
     TraceFormatError,
@@ -25,6 +24,7 @@ from io_actors.tracing import (
     load_trace,
     transfer_spans,
 )
+from io_actors.tracing.tools import save_failure_trace, view_model
 from serve.cli import main as cli_main
 from statekv import CacheConfig, KVCacheManager, RingTrace
 from statekv.errors import ConfigError, InvariantViolation, UsageError

@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable
 import attrs
 import torch
 
-from io_actors.gate import CompletionGate
-from io_actors.interfaces import Fence, SlotIO, SlotStore
-from io_actors.slot_format import SlotMeta
-from io_actors.worker_threads import WorkerThreads
+from io_actors.actors.gate import CompletionGate
+from io_actors.actors.worker_threads import WorkerThreads
+from io_actors.storage.interfaces import Fence, SlotIO, SlotStore
+from io_actors.storage.slot_format import SlotMeta
 from statekv.ids import PageId
 from statekv.messages import (
     BatchFinished,

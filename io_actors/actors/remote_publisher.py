@@ -33,8 +33,8 @@ import attrs
 import torch
 import trio
 
-from io_actors.backends.redis_store import RemoteIO, SharedStore
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.redis_store import RemoteIO, SharedStore
+from io_actors.storage.slot_format import SlotMeta
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import BlockHash

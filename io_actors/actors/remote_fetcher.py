@@ -1,6 +1,6 @@
 """The remote reader actor: looks prefixes up in the shared tier and fetches blocks from it.
 
-Inside a cache (io_actors.scheduler), for each request the local tiers did not fully serve:
+Inside a cache (io_actors.actors.scheduler), for each request the local tiers did not fully serve:
 
 1. lookup (:meth:`RemoteFetcher.lookup`): how many leading blocks of the keys the core named
    (``KVCacheManager.remote_candidates``) the cluster holds now (one pipelined EXISTS per
@@ -29,13 +29,13 @@ import attrs
 import torch
 import trio
 
-from io_actors.backends.redis_store import (
+from io_actors.storage.interfaces import Fence
+from io_actors.storage.redis_store import (
     FetchStatus,
     RemoteFetchFailed,
     RemoteIO,
     SharedStore,
 )
-from io_actors.interfaces import Fence
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import BlockHash, PageId

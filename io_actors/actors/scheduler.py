@@ -39,14 +39,15 @@ import attrs
 import torch
 import trio
 
-from io_actors.backends.posix import Recovery, SlotStoreStatistics
-from io_actors.interfaces import CopyEngine, Fence, RetentionStore, SlotStore
-from io_actors.memory import KVPools
-from io_actors.reader_pool import ReaderPool, ReadJob, SlotReader
-from io_actors.retention_journal import RetentionRecord
-from io_actors.tracing import TraceRecorder
-from io_actors.worker_threads import PoolStatistics
-from io_actors.writer_pool import SlotWriter, WriteJob, WriterPool
+from io_actors.actors.reader_pool import ReaderPool, ReadJob, SlotReader
+from io_actors.actors.worker_threads import PoolStatistics
+from io_actors.actors.writer_pool import SlotWriter, WriteJob, WriterPool
+from io_actors.memory.pools import KVPools
+from io_actors.storage.interfaces import CopyEngine, Fence, RetentionStore, SlotStore
+from io_actors.storage.posix import SlotStoreStatistics
+from io_actors.storage.posix_open import Recovery
+from io_actors.storage.retention_journal import RetentionRecord
+from io_actors.tracing.recorder import TraceRecorder
 from statekv.config import CacheConfig
 from statekv.errors import InvariantViolation, TransferFailed, UsageError
 from statekv.ids import BlockHash, PageId, RequestId, SlotId, TransferId
@@ -76,8 +77,8 @@ from statekv.messages import (
 from statekv.stats import CacheStatistics
 
 if TYPE_CHECKING:  # the shared tier's actors need the optional redis-py: imported on use
-    from io_actors.remote_fetcher import RemoteFetcher
-    from io_actors.remote_publisher import PublisherStatistics, RemotePublisher
+    from io_actors.actors.remote_fetcher import RemoteFetcher
+    from io_actors.actors.remote_publisher import PublisherStatistics, RemotePublisher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -187,8 +188,9 @@ class Scheduler:
 
     completion_filter: Callable[[Completion], Completion] | None = None
     """Maps every completion the pools report before it is applied (None: as reported).
-    Tensor-parallel ranks set it (io_actors.distributed): a transfer that failed on another
-    rank must be applied as failed on this one too, or the ranks' caches would diverge."""
+    Tensor-parallel ranks set it (io_actors.tensor_parallel.agreement): a transfer that
+    failed on another rank must be applied as failed on this one too, or the ranks' caches
+    would diverge."""
 
     def __init__(
         self,

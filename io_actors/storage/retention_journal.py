@@ -52,8 +52,8 @@ from typing import Final
 
 import attrs
 
-from io_actors.record_file import RecordFile, check_record_file
-from io_actors.slot_format import CONFIG_FINGERPRINT_SIZE, KEY_SIZE, MAC_SIZE
+from io_actors.storage.record_file import RecordFile, check_record_file
+from io_actors.storage.slot_format import CONFIG_FINGERPRINT_SIZE, KEY_SIZE, MAC_SIZE
 from statekv.errors import ConfigError, TransferFailed, UsageError
 
 _log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Deterministic fault injection for the shared tier, done to the real cluster.
 
-:class:`FaultyRemoteStore` wraps a :class:`~io_actors.backends.redis_store.RedisClusterStore`
+:class:`FaultyRemoteStore` wraps a :class:`~io_actors.storage.redis_store.RedisClusterStore`
 and, following a :class:`RemoteFaultPlan`, makes chosen calls meet the failures a Redis
-Cluster really produces.  As in io_actors.backends.faults, calls are numbered per operation
+Cluster really produces.  As in io_actors.storage.faults, calls are numbered per operation
 and per block in the order they reach the store, a plan names the calls to strike, and a
 counting run (no rules) says how many calls a scenario makes.
 
@@ -39,13 +39,13 @@ from typing import Any, Final, TypeVar
 import attrs
 import torch
 
-from io_actors.backends.redis_store import (
+from io_actors.storage.redis_store import (
     RedisClusterStore,
     RemoteIO,
     RemoteOutcome,
     RemoteStatistics,
 )
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.slot_format import SlotMeta
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash
 

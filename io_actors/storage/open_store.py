@@ -11,8 +11,9 @@ from typing import Final
 
 import torch
 
-from io_actors.backends.posix import PosixSlotStore, rank_dir
-from io_actors.interfaces import SlotStore
+from io_actors.storage.interfaces import SlotStore
+from io_actors.storage.posix import PosixSlotStore
+from io_actors.storage.posix_open import rank_dir
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError
 
@@ -46,7 +47,7 @@ def open_slot_store(
                 "kind", "the kvikio backend needs CUDA, and CUDA is not available here; "
                 "use kind='posix'"
             )
-        from io_actors.backends.kvikio_store import KvikioSlotStore
+        from io_actors.storage.kvikio_store import KvikioSlotStore
 
         return KvikioSlotStore(directory, config, persist=persist, sync_writes=sync_writes,
                                mac_key=mac_key)

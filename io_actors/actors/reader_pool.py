@@ -33,9 +33,9 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import torch
 
-from io_actors.gate import CompletionGate
-from io_actors.interfaces import BatchOutcome, Fence, SlotIO, SlotStore
-from io_actors.worker_threads import WorkerThreads
+from io_actors.actors.gate import CompletionGate
+from io_actors.actors.worker_threads import WorkerThreads
+from io_actors.storage.interfaces import BatchOutcome, Fence, SlotIO, SlotStore
 from statekv.ids import PageId
 from statekv.messages import (
     BatchFinished,

@@ -2,9 +2,9 @@
 
 * :func:`write_html`: one self-contained HTML timeline;
 * :func:`summarize`: counts, longest parks, slowest transfers;
-* ``io_actors.tracing.write_chrome_trace``: Chrome trace-event JSON for Perfetto.
+* ``io_actors.tracing.recorder.write_chrome_trace``: Chrome trace-event JSON for Perfetto.
 
-TRACE is a JSON Lines file written by ``TraceRecorder.save_jsonl`` (io_actors.tracing).
+TRACE is a JSON Lines file written by ``TraceRecorder.save_jsonl`` (io_actors.tracing.recorder).
 The HTML page embeds the trace and its script: it opens from disk with no network and no
 build step.  Nothing here imports torch.
 """
@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from io_actors.tracing import (
+from io_actors.tracing.recorder import (
     RecordKind,
     Trace,
     TraceRecorder,
@@ -39,8 +39,28 @@ STATE_COLORS: Final[dict[str, str]] = {
     "ON_DISK": "#7c3aed",
     "ONBOARDING": "#ec4899",
     "ERROR": "#dc2626",
+    "PREFETCHING": "#0d9488",
+    "PREFETCHED": "#a3e635",
+    "FETCHING": "#c2410c",
 }
-"""One color per block state, shared by the page's lanes and its legend."""
+"""One color per block state, shared by the page's lanes and its legend (a state without
+one would be drawn as an empty lane)."""
+
+STATE_TIERS: Final[dict[str, tuple[str, ...]]] = {
+    "FREE": (),
+    "ON_GPU": ("gpu",),
+    "RELEASED": ("gpu",),
+    "ON_HOST": ("host",),
+    "SPILLING": ("host", "disk"),
+    "ON_DISK": ("disk",),
+    "ONBOARDING": ("disk", "gpu"),
+    "ERROR": ("gpu",),
+    "PREFETCHING": ("disk", "host"),
+    "PREFETCHED": ("disk", "host"),
+    "FETCHING": ("gpu",),
+}
+"""The tiers whose memory a block in each state holds (statekv.lifecycle's table): the
+page's tier filter shows a state's spans while any of its tiers is ticked."""
 
 MAX_PARK_ROWS: Final = 6
 """Rows the page gives to parked requests (more overlapping parks share the last rows)."""
@@ -142,6 +162,7 @@ def view_model(trace: Trace, *, title: str) -> dict[str, Any]:
         "dropped": trace.dropped,
         "states": states,
         "colors": STATE_COLORS,
+        "tiers": STATE_TIERS,
         "records": [
             [ms(r.time), r.kind.value, r.actor, r.event, r.block, r.slot, r.request,
              r.from_state, r.to_state, r.transfer, r.detail, r.seq]
@@ -160,7 +181,8 @@ def view_model(trace: Trace, *, title: str) -> dict[str, Any]:
 
 def render_html(trace: Trace, *, title: str = "statekv trace") -> str:
     """The whole page as one string: template, styles, script and data inline."""
-    template = resources.files("io_actors").joinpath(_TEMPLATE).read_text(encoding="utf-8")
+    page = resources.files("io_actors.tracing").joinpath(_TEMPLATE)
+    template = page.read_text(encoding="utf-8")
     data = json.dumps(view_model(trace, title=title), allow_nan=False,
                       separators=(",", ":"))
     # Inside <script> nothing may read as a closing tag or a comment opener: escape every

@@ -14,7 +14,7 @@ master loses only the blocks it held.
 The value is the disk tier's slot format without the padding: the 4 KiB header block (key,
 config fingerprint, payload length, payload CRC, header CRC, restore metadata and, when a
 MAC key is configured, the keyed BLAKE2b MAC), then the payload.  The format code is
-io_actors.slot_format's; nothing here re-implements a field.  The header's slot number is
+io_actors.storage.slot_format's; nothing here re-implements a field.  The header's slot number is
 always :data:`REMOTE_SLOT`: a Redis key names the value, there is no slot geometry.
 
 Retention deadlines become Redis key expiry (``SET ... PX``): a block retained for 60 s
@@ -49,13 +49,13 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
-from io_actors.backends.cluster_url import (
+from io_actors.storage.buffers import check_block_tensor, host_view
+from io_actors.storage.cluster_url import (
     MAX_TIMEOUT_S,
     ClusterAddress,
     parse_cluster_url,
 )
-from io_actors.backends.posix import check_block_tensor, host_view
-from io_actors.slot_format import (
+from io_actors.storage.slot_format import (
     HEADER_SIZE,
     MacMismatch,
     SlotHeader,

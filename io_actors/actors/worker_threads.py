@@ -27,7 +27,7 @@ from typing import Generic, Protocol, TypeVar
 import attrs
 import trio
 
-from io_actors.gate import CompletionGate
+from io_actors.actors.gate import CompletionGate
 from statekv.messages import Completion, SlotReadFailed, SlotWriteFailed, outcomes
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Disk slots read straight into GPU memory with kvikio (GPUDirect Storage when present).
 
-Same data file, layout and slot format as :class:`~io_actors.backends.posix.PosixSlotStore`,
+Same data file, layout and slot format as :class:`~io_actors.storage.posix.PosixSlotStore`,
 which this store wraps: writes (whose source is a host page, by the protocol) and reads into
 host memory go through it unchanged; only reads into a CUDA tensor take the kvikio path.
 kvikio runs GDS when the driver and filesystem support it and its POSIX "compatibility mode"
@@ -10,7 +10,7 @@ reported in :meth:`KvikioSlotStore.gds`.
 Verifying a device read.  The header is small and read on the host first (one 4 KiB
 O_DIRECT read), then checked against the expected slot, key and length before any payload
 byte moves.  The payload goes straight into the GPU page, and its CRC-32 is computed *on the
-GPU* by :func:`~io_actors.slot_format.payload_checksum_torch`, which is bit-for-bit
+GPU* by :func:`~io_actors.storage.slot_format.payload_checksum_torch`, which is bit-for-bit
 ``zlib.crc32`` (what the writer stored), built from gathers and XORs on int32 tensors on a
 stream of this store's own.  The alternative, staging the payload through a host buffer to
 check it there, would put the bytes through host memory twice and defeat GDS; reading the
@@ -22,7 +22,7 @@ Batches: ``read_many`` submits every slot of a batch to kvikio's C++ thread pool
 (header into a host buffer, payload into its GPU page: two futures per slot, no Python
 between the bytes), waits for all of them, checks the headers on the host, and verifies
 every payload with one checksum kernel launch for the whole batch
-(:func:`io_actors.gpu_checksum.payload_checksums_cuda`).  ``write_many`` goes to the wrapped
+(:func:`io_actors.storage.gpu_checksum.payload_checksums_cuda`).  ``write_many`` goes to the wrapped
 POSIX store's vector writes.
 
 Ordering obligations of the caller (the reader actor): before a device read, wait on a
@@ -45,17 +45,14 @@ from typing import Any
 
 import torch
 
-from io_actors.backends.posix import (
-    PosixSlotStore,
-    Recovery,
-    SlotStoreStatistics,
-    check_block_tensor,
-)
-from io_actors.gpu_checksum import payload_checksums_cuda, warm_up
-from io_actors.index_journal import Observer
-from io_actors.interfaces import BatchOutcome, SlotIO
-from io_actors.retention_journal import RetentionRecord
-from io_actors.slot_format import (
+from io_actors.storage.buffers import check_block_tensor
+from io_actors.storage.gpu_checksum import payload_checksums_cuda, warm_up
+from io_actors.storage.index_journal import Observer
+from io_actors.storage.interfaces import BatchOutcome, SlotIO
+from io_actors.storage.posix import PosixSlotStore, SlotStoreStatistics
+from io_actors.storage.posix_open import Recovery
+from io_actors.storage.retention_journal import RetentionRecord
+from io_actors.storage.slot_format import (
     HEADER_SIZE,
     SlotExtent,
     SlotHeader,
@@ -95,7 +92,7 @@ def _compat_mode(kvikio: Any) -> bool:
 
 
 class KvikioSlotStore:
-    """:class:`~io_actors.interfaces.SlotStore` whose reads can fill GPU memory directly.
+    """:class:`~io_actors.storage.interfaces.SlotStore` whose reads can fill GPU memory directly.
 
     ``device`` is the CUDA device whose pages reads fill (default: the current device).
     The other arguments are those of :class:`PosixSlotStore`.

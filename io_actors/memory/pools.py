@@ -22,8 +22,9 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.gpu_checksum import checksums_into, have_kernel, warm_up
-from io_actors.interfaces import Fence
+from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
+from io_actors.storage.interfaces import Fence
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import PageId
@@ -57,17 +58,6 @@ def _physical_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
-
-
-def page_aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A zeroed uint8 host tensor whose first byte is page aligned (for O_DIRECT).
-
-    Anonymous mmap memory is page aligned and sized exactly; the tensor keeps the mapping
-    alive.
-    """
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _parse_device(device: object) -> torch.device:

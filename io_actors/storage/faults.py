@@ -1,6 +1,6 @@
 """Deterministic fault injection at the SlotStore seam, for tests and fuzzing.
 
-:class:`FaultyStore` wraps any :class:`~io_actors.interfaces.SlotStore` and, following a
+:class:`FaultyStore` wraps any :class:`~io_actors.storage.interfaces.SlotStore` and, following a
 :class:`FaultPlan`, makes chosen calls fail the way real disks and filesystems fail.  Every
 fault must end in :class:`~statekv.errors.TransferFailed`, either at once or when the slot is
 read back (checksum or header mismatch); none may ever let a read return wrong bytes.
@@ -35,10 +35,10 @@ from typing import Final, Protocol, cast, runtime_checkable
 import attrs
 import torch
 
-from io_actors.backends.posix import Recovery
-from io_actors.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
-from io_actors.retention_journal import RetentionRecord
-from io_actors.slot_format import ALIGN, HEADER_SIZE, SlotExtent, SlotMeta
+from io_actors.storage.interfaces import BatchOutcome, RetentionStore, SlotIO, SlotStore
+from io_actors.storage.posix_open import Recovery
+from io_actors.storage.retention_journal import RetentionRecord
+from io_actors.storage.slot_format import ALIGN, HEADER_SIZE, SlotExtent, SlotMeta
 from statekv.errors import TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
 
@@ -535,7 +535,7 @@ class FaultyStore:
 
     @property
     def recovery(self) -> Recovery | None:
-        """The inner store's :attr:`~io_actors.backends.posix.PosixSlotStore.recovery`."""
+        """The inner store's :attr:`~io_actors.storage.posix.PosixSlotStore.recovery`."""
         recovery = getattr(self._inner, "recovery", None)
         return recovery if isinstance(recovery, Recovery) else None
 

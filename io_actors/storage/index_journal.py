@@ -77,8 +77,8 @@ from typing import Final
 import attrs
 import numpy as np
 
-from io_actors.record_file import RecordFile
-from io_actors.slot_format import CONFIG_FINGERPRINT_SIZE, KEY_SIZE, MAC_SIZE, SlotMeta
+from io_actors.storage.record_file import RecordFile
+from io_actors.storage.slot_format import CONFIG_FINGERPRINT_SIZE, KEY_SIZE, MAC_SIZE, SlotMeta
 from statekv.errors import ConfigError, UsageError
 
 _log = logging.getLogger(__name__)

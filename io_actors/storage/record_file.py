@@ -23,6 +23,7 @@ import os
 import stat
 from pathlib import Path
 
+from io_actors.storage.ownership import check_private
 from statekv.errors import ConfigError
 
 _log = logging.getLogger(__name__)
@@ -35,8 +36,6 @@ class ShortAppend(OSError):
 def check_record_file(path: Path, info: os.stat_result) -> None:
     """raises: ConfigError("directory") unless `path` is a regular file of the effective user
     that no one else may write."""
-    from io_actors.backends.posix import check_private  # one owner of the ownership rule
-
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError("directory", f"{path} is not a regular file (a link or a device)")
     check_private(path, info)

@@ -1,7 +1,7 @@
 """Disk slots in one preallocated file, read and written with O_DIRECT where possible.
 
 Layout: one data file per store, slot ``s`` at offset ``s * slot_bytes``, each slot in the
-format of :mod:`io_actors.slot_format`.  Measured on this project's CPU machine (ext4 on a
+format of :mod:`io_actors.storage.slot_format`.  Measured on this project's CPU machine (ext4 on a
 virtio disk, O_DIRECT, 1 MiB and 4 MiB payloads, 1 and 4 threads, 2 GiB per run, three
 runs; the disk is noisy, +-30% between runs): reads ran at the disk's ceiling either way
 (0.5-1.1 GB/s for both layouts); overwriting slots from one thread ran at 1.9-2.5 GB/s in
@@ -32,50 +32,35 @@ slot that did not land in full; a failed call fails the slots it had not moved.
 Failure: every I/O error, short transfer, or header / checksum mismatch raises
 :class:`~statekv.errors.TransferFailed` naming the slot.  A failed read may have written
 garbage into ``dst``: the caller never publishes a page whose read raised.
+
+Opening the directory (locking and vetting it, creating, resizing or wiping the data file,
+rebuilding the index from the index journal or the slot headers, replaying the retention
+journal) is :mod:`io_actors.storage.posix_open`'s; this module starts where it ends, with an
+open data file, and holds the transfer code and the store's counters.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import fcntl
 import logging
 import os
-import re
-import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
 import attrs
 import torch
 
-from io_actors.gc_pause import gc_paused
-from io_actors.index_journal import (
-    IndexFound,
-    IndexJournal,
-    IndexJournalStatistics,
-    IndexReplay,
-    Observer,
-    identity,
-)
-from io_actors.interfaces import BatchOutcome, SlotIO
-from io_actors.memory import page_aligned_buffer
-from io_actors.retention_journal import (
-    JournalReplay,
-    JournalStatistics,
-    RetentionJournal,
-    RetentionRecord,
-    replay,
-)
-from io_actors.slot_format import (
+from io_actors.storage.buffers import check_block_tensor, host_view, page_aligned_buffer
+from io_actors.storage.index_journal import IndexJournalStatistics, Observer
+from io_actors.storage.interfaces import BatchOutcome, SlotIO
+from io_actors.storage.posix_open import Recovery, StoreOpening
+from io_actors.storage.retention_journal import JournalStatistics, RetentionRecord
+from io_actors.storage.slot_format import (
     ALIGN,
-    FORMAT_VERSION,
     HEADER_SIZE,
-    MAGIC,
     MacMismatch,
     SlotExtent,
     SlotHeader,
@@ -90,29 +75,11 @@ from io_actors.slot_format import (
     verify_mac,
 )
 from statekv.config import CacheConfig
-from statekv.errors import (
-    ConfigError,
-    DirectoryInUse,
-    NewerFormat,
-    TransferFailed,
-    UsageError,
-)
+from statekv.errors import ConfigError, TransferFailed, UsageError
 from statekv.ids import BlockHash, SlotId
 
 _log = logging.getLogger(__name__)
 
-DATA_FILE: Final = f"slots.v{FORMAT_VERSION}"
-"""Name of the data file inside a store's directory (the format version is in the name, so
-a directory written by another version is recognised before a byte of it is read)."""
-_NEW_FILE: Final = DATA_FILE + ".new"
-"""A data file being created: renamed to DATA_FILE only once fully allocated."""
-_VERSIONED = re.compile(r"^slots\.v([0-9]{1,9})(\.new)?$")
-SCAN_THREADS: Final = 8
-"""Threads reading headers in an index rebuild (one 4 KiB read per slot).  Measured on the
-2-core CPU machine, 50k slots of 2 MiB: cold (headers from the device) 4.9 s with 1 thread,
-3.0 with 2, 2.3 with 4, 2.2 with 8, 2.3 with 16 and 32 (the disk's random-read rate);
-warm (page cache) 0.67 s with 1 thread, rising to 1.2 with 8 and 1.6 with 32, as parsing
-the headers holds the GIL.  Cold is the case a restart after a reboot meets."""
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 _MAX_RUN: Final = 256
 """Slots per vector call: three iovecs each stays under Linux's IOV_MAX of 1024."""
@@ -120,160 +87,6 @@ _MAX_RUN: Final = 256
 
 _VectorCall = Callable[[int, Sequence[memoryview], int], int]
 """os.preadv or os.pwritev."""
-
-
-def rank_dir(base: str | os.PathLike[str], rank: int, namespace: str = "target") -> Path:
-    """The directory of one rank's slot store: ``base/<namespace>/rank_<rank>``.
-
-    A draft model's cache uses another namespace (e.g. ``"draft"``), so it never shares slot
-    files with the target model's.
-    """
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ConfigError("rank", f"must be an integer >= 0, got {rank!r}")
-    if (
-        not isinstance(namespace, str) or not namespace or namespace in {".", ".."}
-        or "/" in namespace or "\x00" in namespace or (os.altsep and os.altsep in namespace)
-    ):
-        raise ConfigError("namespace", f"must be a plain directory name, got {namespace!r}")
-    if not isinstance(base, str | os.PathLike):
-        raise ConfigError("directory", f"must be a path, got {base!r}")
-    return Path(base) / namespace / f"rank_{rank}"
-
-
-def prepare_directory(directory: str | os.PathLike[str]) -> Path:
-    """Make sure `directory` exists as a directory; missing components are created 0700.
-
-    raises: ConfigError("directory") when it is not a path, exists as something other than a
-    directory, or cannot be created.
-    """
-    return _prepare_directory(directory)[0]
-
-
-def _prepare_directory(directory: str | os.PathLike[str]) -> tuple[Path, list[Path]]:
-    """`directory`, and the components this call created (deepest last)."""
-    if not isinstance(directory, str | os.PathLike):
-        raise ConfigError("directory", f"must be a path, got {directory!r}")
-    text = os.fspath(directory)
-    if not isinstance(text, str) or not text or "\x00" in text:
-        raise ConfigError("directory", f"must be a non-empty text path, got {directory!r}")
-    path = Path(text)
-    created: list[Path] = []
-    try:
-        _make_private_directory(path, created)
-    except OSError as exc:
-        _remove_created(created)
-        raise ConfigError("directory", f"cannot use {path}: {exc}") from None
-    except BaseException:
-        _remove_created(created)
-        raise
-    return path, created
-
-
-def _remove_created(created: list[Path]) -> None:
-    """Undo _make_private_directory: remove the directories it created, deepest first."""
-    for component in reversed(created):
-        with contextlib.suppress(OSError):
-            os.rmdir(component)
-
-
-def _make_private_directory(path: Path, created: list[Path]) -> None:
-    missing: list[Path] = []
-    probe = path
-    while not probe.exists():
-        if probe.is_symlink():
-            raise ConfigError("directory", f"{probe} is a dangling symbolic link")
-        missing.append(probe)
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    for component in reversed(missing):
-        try:
-            os.mkdir(component, 0o700)
-        except FileExistsError:
-            pass  # another rank created it between our check and our mkdir
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot create {component}: {exc}") from None
-        else:
-            created.append(component)
-            # mkdir's mode is filtered by the umask; chmod is not.
-            os.chmod(component, 0o700)
-    if not path.is_dir():
-        raise ConfigError("directory", f"{path} exists but is not a directory")
-
-
-def check_private(what: Path, info: os.stat_result) -> None:
-    """raises: ConfigError("directory") unless `info` (of `what`) belongs to the effective
-    user and no one else can write it.
-
-    Another local user who owns the slot directory or data file, or may write to it, can
-    replace spilled KV with bytes of their choosing (a CRC is no defence): the cache would
-    serve them to this user's requests.
-    """
-    euid = os.geteuid()
-    if info.st_uid != euid:
-        raise ConfigError(
-            "directory", f"{what} belongs to uid {info.st_uid}, not to this process's "
-            f"effective uid {euid}: another user could rewrite the cached KV"
-        )
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o022:
-        raise ConfigError(
-            "directory", f"{what} has mode {mode:o}: group or others may write it "
-            "(chmod go-w, or use a private directory)"
-        )
-    if mode & 0o044:
-        _log.warning("%s has mode %o: other users can read cached KV", what, mode)
-
-
-@attrs.frozen(kw_only=True)
-class RecoveredSlot:
-    """A slot an index rebuild found servable: its key and what its header says."""
-
-    slot: SlotId
-    key: BlockHash
-    meta: SlotMeta
-
-
-@attrs.frozen(kw_only=True)
-class Recovery:
-    """What opening a store found in its directory, slot by slot.
-
-    Every slot with a header is either restorable or reclaimed for one counted reason.
-    """
-
-    slots: tuple[RecoveredSlot, ...]
-    """Restorable slots, in slot order."""
-    foreign: int = 0
-    """Written under another config fingerprint (model, layout, block size) or without the
-    fields a rebuild needs: never served."""
-    corrupt: int = 0
-    """A header that fails its checksum, names another slot, or is not a slot header (a
-    write torn by a crash, media rot)."""
-    unauthenticated: int = 0
-    """Written without a MAC while this store requires one."""
-    duplicates: int = 0
-    """A second slot under a key found already (the older write is reclaimed)."""
-    beyond_capacity: int = 0
-    """Slots past the configured size (the data file shrank)."""
-    old_files: int = 0
-    """Data files of an older format version, removed."""
-    journal: JournalReplay = attrs.field(factory=JournalReplay)
-    """What replaying the retention journal found: deadlines lengthened after their slot
-    was written (applied to `slots`), and the records ignored, by why."""
-    index: IndexReplay = attrs.field(factory=IndexReplay)
-    """How the index was rebuilt: from the index journal (no header scan), or by the scan
-    (and why the journal was not used).  With the journal, the slots the scan would have
-    reclaimed are not looked at: their counts above stay 0 (the open that wrote them
-    counted them)."""
-
-    @property
-    def reclaimed(self) -> int:
-        return (self.foreign + self.corrupt + self.unauthenticated + self.duplicates
-                + self.beyond_capacity)
-
-
-def _written(entry: RecoveredSlot) -> tuple[float, int]:
-    return entry.meta.written_at, entry.meta.sequence
 
 
 @attrs.frozen(kw_only=True)
@@ -311,31 +124,6 @@ class SlotStoreStatistics:
     which scans the headers)."""
 
 
-def host_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy).
-
-    The view does not keep the tensor alive: the caller holds the tensor while it is used.
-    """
-    nbytes = tensor.numel() * tensor.element_size()
-    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
-    return memoryview(array).cast("B")
-
-
-def check_block_tensor(field: str, tensor: object, nbytes: int, *, device_type: str) -> None:
-    """raises: UsageError unless `tensor` is a contiguous 1-D uint8 tensor of one block."""
-    if not isinstance(tensor, torch.Tensor):
-        raise UsageError(field, f"must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != device_type:
-        raise UsageError(field, f"must be on {device_type}, got {tensor.device}")
-    if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
-        raise UsageError(
-            field, f"must be a contiguous 1-D uint8 tensor, got {tensor.dtype} "
-            f"{tuple(tensor.shape)}"
-        )
-    if tensor.numel() != nbytes:
-        raise UsageError(field, f"must hold one block of {nbytes} bytes, got {tensor.numel()}")
-
-
 class _Buffer:
     """One aligned slot-sized buffer: header block, payload, padding."""
 
@@ -367,7 +155,7 @@ _SlotCall = Callable[[SlotIO, _Buffer, str], None]
 
 
 class PosixSlotStore:
-    """:class:`~io_actors.interfaces.SlotStore` over one preallocated file.
+    """:class:`~io_actors.storage.interfaces.SlotStore` over one preallocated file.
 
     ``directory`` is created 0700 if missing; the data file is created 0600.  Both must
     belong to the effective user and be writable by no one else.  ``direct_io`` asks for
@@ -426,48 +214,16 @@ class PosixSlotStore:
             layout=(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype),
             block_size=config.block_size,
         )
-        self._directory, created = _prepare_directory(directory)
-        self._path = self._directory / DATA_FILE
-        self._dir_fd = -1
-        self._fd = -1
-        journal: RetentionJournal | None = None
-        index: IndexJournal | None = None
-        try:
-            self._dir_fd = self._lock_directory()
-            journal = RetentionJournal(
-                self._directory, self._dir_fd, slots=self._slots, config=self._config_fp,
-                mac_key=self._mac_key, sync=sync_writes,
-            )
-            index = IndexJournal(
-                self._directory, self._dir_fd, slots=self._slots, config=self._config_fp,
-                mac_key=self._mac_key, sync=sync_writes,
-            )
-            # Vetted before anything changes on disk, like the data file.
-            records = journal.vet()
-            index_data = index.vet()
-            with gc_paused():
-                self._fd, recovery, found = self._open_data_file(
-                    preallocate, persist, index, index_data if persist else None
-                )
-            self._recovery = self._replay(journal, recovery, records if persist else None)
-            file_id = self._file_id(os.fstat(self._fd))
-            if found is None or not index.resume(found, file_id):
-                index.start(
-                    [(e.slot, bytes(e.key), e.meta) for e in self._recovery.slots], file_id
-                )
-        except BaseException:
-            if index is not None:
-                index.abandon()
-            if journal is not None:
-                journal.close()
-            if self._fd >= 0:
-                os.close(self._fd)
-            if self._dir_fd >= 0:
-                os.close(self._dir_fd)
-            _remove_created(created)
-            raise
-        self._journal = journal
-        self._index = index
+        opened = StoreOpening(
+            directory, slots=self._slots, slot_bytes=self._slot_bytes,
+            payload_len=self._payload_len, config_fp=self._config_fp, mac_key=self._mac_key,
+        ).run(preallocate=preallocate, persist=persist, sync_writes=sync_writes)
+        self._path = opened.path
+        self._dir_fd = opened.dir_fd
+        self._fd = opened.fd
+        self._recovery = opened.recovery
+        self._journal = opened.journal
+        self._index = opened.index
         self._direct = direct_io and self._enable_direct_io()
         self._cond = threading.Condition()
         self._closed = False
@@ -487,342 +243,6 @@ class PosixSlotStore:
         self._read_failures = 0
         self._mac_failures = 0
         self._bounced = 0
-
-    # --- construction -----------------------------------------------------------------------
-
-    def _lock_directory(self) -> int:
-        """Open, vet and lock the directory itself (a lock file would be one more thing to
-        create, and to clean up after a failed open)."""
-        try:
-            fd = os.open(self._directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot open {self._directory}: {exc}") from None
-        try:
-            check_private(self._directory, os.fstat(fd))
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise DirectoryInUse(
-                    "directory", f"{self._directory} is in use by another slot store (locked "
-                    "by another cache, in this process or another)"
-                ) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _entries(self) -> tuple[list[Path], bool]:
-        """Older data files (to reclaim) and whether a half-created one is left over.
-
-        raises: NewerFormat for a data file of a newer format version.
-        """
-        older: list[Path] = []
-        leftover = False
-        try:
-            names = os.listdir(self._dir_fd)
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot list {self._directory}: {exc}") from None
-        for name in sorted(names):
-            match = _VERSIONED.match(name)
-            if match is None:
-                continue
-            version = int(match.group(1))
-            if version > FORMAT_VERSION:
-                raise NewerFormat(
-                    "directory", f"{self._directory / name} was written by a newer statekv "
-                    f"(slot format version {version}; this build writes {FORMAT_VERSION}): "
-                    "upgrade, or give this cache another directory"
-                )
-            if version < FORMAT_VERSION:
-                older.append(self._directory / name)
-            elif match.group(2):
-                leftover = True
-        return older, leftover
-
-    def _file_id(self, info: os.stat_result) -> bytes:
-        return identity(inode=info.st_ino, size=info.st_size, slot_bytes=self._slot_bytes,
-                        payload_len=self._payload_len)
-
-    def _open_data_file(
-        self, preallocate: bool, persist: bool, index: IndexJournal, index_data: bytes | None,
-    ) -> tuple[int, Recovery, IndexFound | None]:
-        """The data file, opened (and resized), what its index holds, and the index journal
-        it was read from (None when the headers were scanned, or nothing was read)."""
-        older, leftover = self._entries()
-        try:
-            info: os.stat_result | None = os.lstat(self._path)
-        except FileNotFoundError:
-            info = None
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot inspect {self._path}: {exc}") from None
-        if info is not None:
-            if not stat.S_ISREG(info.st_mode):
-                raise ConfigError(
-                    "directory", f"{self._path} is not a regular file (a link or a device)"
-                )
-            check_private(self._path, info)
-        fd = -1
-        recovery = Recovery(slots=())
-        found: IndexFound | None = None
-        if info is not None and persist:
-            fd = self._open_existing()
-            try:
-                recovery, found = self._rebuild(fd, info, index, index_data)
-                self._resize(fd, info, preallocate)
-            except BaseException:
-                os.close(fd)
-                raise
-        else:
-            if leftover:
-                # A crash or failure during an earlier open: never renamed, so never used.
-                _log.warning("%s: removing a half-created data file", self._directory)
-                os.unlink(self._directory / _NEW_FILE)
-            fd = self._create(preallocate)
-            if info is not None:
-                _log.warning("%s: persist is off, existing slots are wiped", self._path)
-        # Only now, with the new file in place, is anything removed.
-        for path in older:
-            _log.warning("%s: slot format of an older version, reclaimed (removed)", path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        if leftover and info is not None and persist:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._directory / _NEW_FILE)
-        return fd, attrs.evolve(recovery, old_files=len(older)), found
-
-    def _replay(
-        self, journal: RetentionJournal, recovery: Recovery, records: bytes | None
-    ) -> Recovery:
-        """Apply the journal's lengthened deadlines to the restored slots (the later deadline
-        wins), then rewrite the journal with the records that still say something."""
-        if not records:
-            journal.start(())
-            return recovery
-        restored: dict[int, bytes] = {entry.slot: bytes(entry.key) for entry in recovery.slots}
-        latest, counts = replay(records, restored=restored, slots=self._slots,
-                                config=self._config_fp, mac_key=self._mac_key)
-        slots: list[RecoveredSlot] = []
-        keep: list[RetentionRecord] = []
-        for found in recovery.slots:
-            deadline = latest.get(found.slot)
-            if deadline is not None and (found.meta.expiry is None
-                                         or deadline > found.meta.expiry):
-                slots.append(attrs.evolve(found, meta=attrs.evolve(found.meta, expiry=deadline)))
-                keep.append(RetentionRecord(slot=found.slot, key=found.key, expiry=deadline))
-            else:
-                slots.append(found)
-        if counts.ignored:
-            _log.warning(
-                "%s: %d retention records ignored (%d torn, %d unauthenticated, %d foreign)",
-                journal.path, counts.ignored, counts.torn, counts.unauthenticated,
-                counts.foreign,
-            )
-        journal.start(keep)
-        return attrs.evolve(recovery, slots=tuple(slots), journal=counts)
-
-    def _open_existing(self) -> int:
-        try:
-            return os.open(self._path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot open {self._path}: {exc}") from None
-
-    def _check_free_space(self, needed: int) -> None:
-        try:
-            fs = os.statvfs(self._directory)
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot stat {self._directory}: {exc}") from None
-        free = fs.f_bavail * fs.f_frsize
-        if needed > free:
-            raise ConfigError(
-                "disk_blocks", f"{self._slots} slots of {self._slot_bytes} bytes need "
-                f"{needed} more bytes; {self._directory} has {free} bytes free"
-            )
-
-    def _create(self, preallocate: bool) -> int:
-        """A fresh data file, allocated under a temporary name and renamed into place only
-        once complete: a failure (no space, an I/O error) leaves no partly allocated file."""
-        needed = self._slots * self._slot_bytes
-        new = self._directory / _NEW_FILE
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-        try:
-            fd = os.open(new, flags, 0o600)
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot create {new}: {exc}") from None
-        try:
-            os.fchmod(fd, 0o600)
-            if preallocate:
-                # Before a byte is allocated: posix_fallocate may fill the disk, then fail.
-                self._check_free_space(needed)
-            self._allocate(fd, 0, needed, preallocate)
-            os.replace(new, self._path)
-            os.fsync(self._dir_fd)  # the rename is durable before any slot is
-        except BaseException as exc:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(new)
-            if isinstance(exc, OSError):
-                raise ConfigError("directory", f"cannot prepare {self._path}: {exc}") from None
-            raise
-        return fd
-
-    def _allocate(self, fd: int, start: int, end: int, preallocate: bool) -> None:
-        """Reserve bytes [start, end) of the file (the size becomes at least `end`)."""
-        if preallocate and end > start:
-            try:
-                os.posix_fallocate(fd, start, end - start)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise ConfigError(
-                        "disk_blocks", f"{self._slots} slots of {self._slot_bytes} bytes need "
-                        f"{end} bytes; {self._directory} has not that much free space"
-                    ) from None
-                if exc.errno not in {errno.EOPNOTSUPP, errno.EINVAL}:
-                    raise
-                _log.warning("%s: cannot preallocate (%s); using a sparse file", self._path, exc)
-            else:
-                return
-        if os.fstat(fd).st_size < end:
-            os.ftruncate(fd, end)
-
-    def _resize(self, fd: int, info: os.stat_result, preallocate: bool) -> None:
-        """Bring an existing data file to the configured size; restore it on failure."""
-        needed = self._slots * self._slot_bytes
-        current = info.st_size
-        try:
-            if current > needed:
-                # The slots past the new end were counted as reclaimed by the scan.
-                os.ftruncate(fd, needed)
-                _log.warning("%s: shrunk from %d to %d bytes", self._path, current, needed)
-            elif current < needed or preallocate:
-                if preallocate:
-                    self._check_free_space(max(0, needed - info.st_blocks * 512))
-                try:
-                    # From 0: an earlier open may have left the file sparse (holes are
-                    # filled; allocated ranges cost nothing).
-                    self._allocate(fd, 0, needed, preallocate)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(fd, current)
-                    raise
-        except OSError as exc:
-            raise ConfigError("directory", f"cannot resize {self._path}: {exc}") from None
-
-    def _rebuild(
-        self, fd: int, info: os.stat_result, index: IndexJournal, index_data: bytes | None,
-    ) -> tuple[Recovery, IndexFound | None]:
-        """The index of an existing data file: from the index journal when it is complete
-        and names this file (one sequential read), else from the slot headers (a read per
-        slot), with the reason logged."""
-        self._check_first_block(fd, info.st_size)
-        found, replay = index.read(index_data, self._file_id(info))
-        if found is None:
-            if info.st_size // self._slot_bytes:
-                _log.warning("%s: index rebuilt from the slot headers: %s", self._path,
-                             replay.reason)
-            return attrs.evolve(self._scan(fd, info.st_size), index=replay), None
-        if replay.torn:
-            _log.warning("%s: %d torn index record(s) at the end ignored (an append torn "
-                         "by a crash)", index.path, replay.torn)
-        return Recovery(
-            slots=tuple(RecoveredSlot(slot=SlotId(slot), key=BlockHash(key), meta=meta)
-                        for slot, key, meta in found.entries),
-            duplicates=replay.duplicates, beyond_capacity=replay.beyond_capacity,
-            index=replay,
-        ), found
-
-    def _check_first_block(self, fd: int, size: int) -> None:
-        """raises: ConfigError("directory") when the file is not a statekv data file (its
-        first header block is neither empty nor a slot header), before anything changes."""
-        if size < HEADER_SIZE:
-            return
-        first = os.pread(fd, HEADER_SIZE, 0)
-        if any(first) and not first.startswith(MAGIC):
-            raise ConfigError(
-                "directory", f"{self._path} is not a statekv slot file (foreign or corrupt: "
-                "its first header block is not a slot header); move it away"
-            )
-
-    def _scan(self, fd: int, size: int) -> Recovery:
-        """Read every slot header of an existing data file: the index rebuild's input.
-
-        Only headers are read (4 KiB a slot, in parallel): a payload is verified when it is
-        read back, as always, so a slot torn by a crash is found then and never served.
-
-        raises: ConfigError("directory") when the file is not a statekv data file (its first
-        header block is neither empty nor a slot header), before anything changes.
-        """
-        nslots = size // self._slot_bytes
-        if nslots == 0:
-            return Recovery(slots=())
-        with contextlib.suppress(OSError, AttributeError):
-            # One header per slot, far apart: read-ahead would only read payloads.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        step = -(-nslots // SCAN_THREADS)
-        ranges = [(lo, min(lo + step, nslots)) for lo in range(0, nslots, step)]
-        with ThreadPoolExecutor(len(ranges), thread_name_prefix="statekv-scan") as pool:
-            parts = list(pool.map(lambda r: self._scan_range(fd, *r), ranges))
-        found: dict[bytes, RecoveredSlot] = {}
-        counts = {"foreign": 0, "corrupt": 0, "unauthenticated": 0, "duplicates": 0,
-                  "beyond_capacity": 0}
-        for slots, part_counts in parts:
-            for name, n in part_counts.items():
-                counts[name] += n
-            for entry in slots:
-                if entry.slot >= self._slots:
-                    counts["beyond_capacity"] += 1
-                    continue
-                other = found.get(entry.key)
-                if other is not None:
-                    counts["duplicates"] += 1
-                    # Same key, same bytes by construction; keep the newer write.
-                    if _written(other) >= _written(entry):
-                        continue
-                found[entry.key] = entry
-        return Recovery(
-            slots=tuple(sorted(found.values(), key=lambda e: e.slot)),
-            foreign=counts["foreign"], corrupt=counts["corrupt"],
-            unauthenticated=counts["unauthenticated"], duplicates=counts["duplicates"],
-            beyond_capacity=counts["beyond_capacity"],
-        )
-
-    def _scan_range(self, fd: int, lo: int, hi: int) -> tuple[list[RecoveredSlot],
-                                                              dict[str, int]]:
-        slots: list[RecoveredSlot] = []
-        counts = {"foreign": 0, "corrupt": 0, "unauthenticated": 0}
-        buffer = page_aligned_buffer(HEADER_SIZE)
-        view = host_view(buffer)
-        zero = bytes(len(MAGIC))
-        for slot in range(lo, hi):
-            try:
-                got = os.preadv(fd, [view], slot * self._slot_bytes)
-            except OSError:
-                counts["corrupt"] += 1
-                continue
-            if got != HEADER_SIZE:
-                counts["corrupt"] += 1
-                continue
-            magic = bytes(view[: len(MAGIC)])
-            if magic == zero and not any(view):
-                continue  # never written
-            if magic != MAGIC:
-                counts["corrupt"] += 1
-                continue
-            try:
-                header = SlotHeader.unpack(view, what=f"slot {slot}")
-            except TransferFailed:
-                counts["corrupt"] += 1
-                continue
-            if header.slot != slot:
-                counts["corrupt"] += 1
-            elif (header.config != self._config_fp or header.meta is None
-                  or header.payload_len != self._payload_len):
-                counts["foreign"] += 1
-            elif self._mac_key is not None and header.mac is None:
-                counts["unauthenticated"] += 1
-            else:
-                slots.append(RecoveredSlot(slot=SlotId(slot), key=BlockHash(header.key),
-                                           meta=header.meta))
-        return slots, counts
 
     def _enable_direct_io(self) -> bool:
         """Turn on O_DIRECT and prove it with one aligned read; fall back, logged."""

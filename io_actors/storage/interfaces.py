@@ -1,9 +1,10 @@
 """The seams between the actors and the things that move bytes.
 
 The actors (scheduler, writer pool, reader pool) are written against these protocols only;
-the concrete backends live in ``io_actors.backends`` and the torch memory pools in
-``io_actors.memory``.  Tests and the fuzz suite wrap them (fault injection, completion gates)
-at exactly these seams.
+the concrete slot stores live next to this module in ``io_actors.storage`` (opened by name
+through ``io_actors.storage.open_store``) and the torch memory pools in
+``io_actors.memory.pools``.  Tests and the fuzz suite wrap them (fault injection, completion
+gates) at exactly these seams.
 
 All methods of a :class:`SlotStore` block and are called from worker threads, never from the
 trio thread.  They raise :class:`statekv.errors.TransferFailed` on any failure (I/O error,
@@ -18,8 +19,8 @@ from typing import Protocol, runtime_checkable
 import attrs
 import torch
 
-from io_actors.retention_journal import RetentionRecord
-from io_actors.slot_format import SlotMeta
+from io_actors.storage.retention_journal import RetentionRecord
+from io_actors.storage.slot_format import SlotMeta
 from statekv.errors import TransferFailed
 from statekv.ids import BlockHash, PageId, SlotId
 

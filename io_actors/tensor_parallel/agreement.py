@@ -74,10 +74,10 @@ import torch
 import torch.distributed as dist
 import trio
 
+from io_actors.actors.scheduler import CloseReport, WallClock
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.interfaces import SlotStore
-from io_actors.scheduler import CloseReport, WallClock
+from io_actors.storage.interfaces import SlotStore
 from statekv.config import KVLayout
 from statekv.errors import ConfigError, InvariantViolation, StateKVError, UsageError
 from statekv.ids import TransferId

@@ -1,6 +1,6 @@
 """The slot format's payload checksum of many GPU pages in one kernel launch.
 
-:func:`io_actors.slot_format.payload_checksum_torch` computes ``zlib.crc32`` of one device
+:func:`io_actors.storage.slot_format.payload_checksum_torch` computes ``zlib.crc32`` of one device
 buffer from gathers and XORs on int32 tensors: exact on any torch device, but about a dozen
 kernel launches and tensor temporaries per block, all issued from Python.  A reader that
 verifies a batch of pages read straight into GPU memory would pay that per block, on a
@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import torch
 
-from io_actors.slot_format import (
+from io_actors.storage.slot_format import (
     _CRC_CHUNK,
     _crc_device_tables,
     _crc_of_zeros,
