@@ -538,9 +538,6 @@ class Driver:
             # checksum's CRC tables, torch's per-thread handles and workspaces: see
             # fuzz.memory_probe): what is held now beyond it, this cache kept after closing.
             self.cache = None
-            # The scheduler holds the pools too: dropped with the cache, or they would be
-            # counted as kept by it.
-            del self.scheduler
             held = self.memory_probe()  # it collects garbage first
             if held != self.gpu_memory_at_start:
                 holders = tensor_holders() if self.device == "cuda" else ""
