@@ -115,6 +115,7 @@ class SystemSpec:
             protect_unexpired=self.protect_unexpired, drop_on_pressure=self.drop_on_pressure,
             priority_levels=self.priority_levels, max_batch_blocks=self.max_batch_blocks,
             reclaim_prefetched_first=self.reclaim_prefetched_first,
+            model_fingerprint="fuzz-system",
         )
 
 

@@ -30,7 +30,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import torch
@@ -41,11 +41,11 @@ if TYPE_CHECKING:  # needs the optional redis-py: imported where a shared tier i
 
 from io_actors.backends import open_slot_store, public_config_error
 from io_actors.backends.posix import Recovery
-from io_actors.config import StateKVConfig
+from io_actors.config import StateKVConfig, public_size_error
 from io_actors.gate import CompletionGate, OpenGate
 from io_actors.gc_pause import gc_paused
 from io_actors.interfaces import SlotStore
-from io_actors.memory import KVPools, TorchCopyEngine
+from io_actors.memory import KVPools, TorchCopyEngine, physical_memory
 from io_actors.reader_pool import ReaderPool
 from io_actors.scheduler import (
     CloseReport,
@@ -90,6 +90,28 @@ def resolve_device(name: str) -> torch.device:
         # device is its own GPU (its local rank), not device 0.
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
+
+
+CORE_BYTES_PER_BLOCK: Final = 400
+"""What the core keeps per page and slot (its preallocated records and free lists), rounded
+up from about 390 bytes measured with tracemalloc at a million disk slots."""
+
+
+def check_bookkeeping_fits(config: CacheConfig) -> None:
+    """Refuse sizes whose bookkeeping alone exceeds this machine's memory: a ConfigError
+    naming the largest size, before anything is allocated (not a MemoryError, or the
+    process killed by the kernel, halfway through building the core)."""
+    sizes = {"gpu": config.gpu_blocks, "host": config.host_blocks,
+             "reserved_host": config.reserved_host_blocks, "disk": config.disk_blocks}
+    need = sum(sizes.values()) * CORE_BYTES_PER_BLOCK
+    physical = physical_memory()
+    if physical is not None and need > physical // 2:
+        field = max(sizes, key=lambda name: sizes[name])
+        raise ConfigError(
+            field, f"{sizes[field]} blocks need about {need} bytes of bookkeeping "
+            f"({CORE_BYTES_PER_BLOCK} per block), more than half of this machine's "
+            f"{physical} bytes of memory"
+        )
 
 
 def restore_from_disk(
@@ -280,7 +302,11 @@ async def open_cache(
         trace = recorder
     core_config = config.core_config()
     device = resolve_device(config.device)
-    pools = KVPools(core_config, device)
+    check_bookkeeping_fits(core_config)
+    try:
+        pools = KVPools(core_config, device)
+    except ConfigError as exc:
+        raise public_size_error(exc) from None
     copies = TorchCopyEngine(pools)
     clock = clock or WallClock()
     owns_store = store is None

@@ -52,6 +52,7 @@ from ._models import config as model_config
 from ._models import model as model_module
 from ._models import serving_loop
 from .engine import Engine, EngineStopped, GenerateRequest
+from .shutdown import sigterm_raises
 
 DEFAULT_MAX_TOKENS: Final = 16
 """Tokens generated when a request names no max_tokens (the model never stops on its own)."""
@@ -500,8 +501,13 @@ def create_app(options: ServerOptions, server: Server | None = None) -> FastAPI:
             "id": options.served_model_name, "object": "model", "created": 0,
             "owned_by": "statekv", "max_model_len": server.context_length}]}
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, str] | JSONResponse:
+        # A load balancer must stop sending requests once the serving loop failed: every
+        # request would be refused.
+        if not current().engine.healthy:
+            return JSONResponse({"status": "unhealthy", "reason": "the serving loop is not "
+                                 "running"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -526,6 +532,12 @@ def run_server(options: ServerOptions, listener: socket.socket, *,
 
     The model, cache and engine are built first, here: a typed error (an impossible budget)
     reaches the caller before the app starts."""
+    with sigterm_raises():  # serve/shutdown.py: every `finally` below runs on SIGTERM
+        _serve_until_stopped(options, listener, log_level=log_level, on_ready=on_ready)
+
+
+def _serve_until_stopped(options: ServerOptions, listener: socket.socket, *, log_level: str,
+                         on_ready: Callable[[], None] | None) -> None:
     with tempfile.TemporaryDirectory(prefix="statekv-serve-") as tmp:
         server = Server(options, options.disk_dir if options.disk_dir is not None else Path(tmp))
         try:

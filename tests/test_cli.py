@@ -241,3 +241,32 @@ def test_the_console_script_is_the_command() -> None:
                           text=True, check=False)
     assert done.returncode == EXIT_USAGE
     assert "--users" in one_line_error(done.stderr)
+
+
+def test_sigterm_ends_serve_with_status_143_and_removes_its_temporary_directory(
+    tmp_path: Path,
+) -> None:
+    """Without --disk-dir the server keeps its slots in a temporary directory: SIGTERM (a
+    container stop, systemd) must remove it, as a clean exit does."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    process = subprocess.Popen(
+        [*STATEKV, "serve", "--port", "0", "--host", "127.0.0.1"], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(tmp), "PYTHONFAULTHANDLER": "1"},
+    )
+    assert process.stdout is not None
+    try:
+        first = process.stdout.readline()
+        assert first.startswith("statekv serve:"), first
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("statekv-serve-")]
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "statekv serve: terminated", err
+    assert "Traceback" not in err
+    assert [p.name for p in tmp.iterdir()] == []

@@ -221,7 +221,7 @@ def test_bad_remote_options_are_refused_naming_the_field(field: str, value: obje
     from statekv import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        StateKVConfig(layout=_layout(), gpu=4, **{field: value})  # type: ignore[arg-type]
+        StateKVConfig(layout=_layout(), gpu=4, model_fingerprint="m", **{field: value})  # type: ignore[arg-type]
     assert info.value.field == field
 
 
@@ -229,7 +229,8 @@ def test_the_shared_tier_is_off_by_default_and_on_with_a_url() -> None:
     from io_actors.config import StateKVConfig
 
     assert not StateKVConfig(layout=_layout(), gpu=4).core_config().shared_tier  # type: ignore[arg-type]
-    on = StateKVConfig(layout=_layout(), gpu=4, remote_url="redis://127.0.0.1:1")  # type: ignore[arg-type]
+    on = StateKVConfig(layout=_layout(), gpu=4, remote_url="redis://127.0.0.1:1",
+                        model_fingerprint="m")  # type: ignore[arg-type]
     assert on.core_config().shared_tier
 
 
@@ -239,7 +240,8 @@ def test_an_unreachable_cluster_is_a_config_error_naming_remote_url() -> None:
     from statekv import ConfigError
 
     cfg = StateKVConfig(layout=_layout(), gpu=4, device="cpu",  # type: ignore[arg-type]
-                        remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2)
+                        remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2,
+                        model_fingerprint="m")
     with pytest.raises(ConfigError) as info:
         BlockingCache(cfg)
     assert info.value.field == "remote_url"

@@ -359,3 +359,22 @@ def test_metrics_are_scraped_and_follow_statistics(small: Running) -> None:
 
 def test_every_statistics_field_is_exported() -> None:
     assert set(CACHE_FIELDS) == set(attrs.fields_dict(CacheStatistics))
+
+
+def test_health_answers_503_once_the_serving_loop_failed(
+    small: Running, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert httpx.get(f"{small.url}/health").json() == {"status": "ok"}
+
+    def broken_step() -> list[Any]:
+        raise RuntimeError("a planted failure of the serving loop")
+
+    monkeypatch.setattr(small.server.engine._loop, "step", broken_step)
+    monkeypatch.setattr(threading, "excepthook", lambda _args: None)  # expected: quiet
+    reply = httpx.post(f"{small.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert reply.status_code >= 500
+    wait_until(lambda: not small.server.engine.healthy, "the engine saw its loop fail")
+    health = httpx.get(f"{small.url}/health")
+    assert health.status_code == 503
+    assert health.json()["status"] == "unhealthy"
