@@ -229,8 +229,8 @@ def test_the_shared_tier_is_off_by_default_and_on_with_a_url() -> None:
     from io_actors.config import StateKVConfig
 
     assert not StateKVConfig(layout=_layout(), gpu=4).core_config().shared_tier  # type: ignore[arg-type]
-    on = StateKVConfig(layout=_layout(), gpu=4, remote_url="redis://127.0.0.1:1",
-                        model_fingerprint="m")  # type: ignore[arg-type]
+    on = StateKVConfig(layout=_layout(), gpu=4,  # type: ignore[arg-type]
+                       remote_url="redis://127.0.0.1:1", model_fingerprint="m")
     assert on.core_config().shared_tier
 
 
