@@ -272,6 +272,12 @@ def test_a_bad_completion_field_is_a_400_in_openai_shape(
     ('{"model": "statekv-tiny", "prompt": "' + "x" * 200 + '"}', "prompt"),
     ('{"model": "statekv-tiny"}', "prompt"),
     ('{"model": "statekv-tiny", "prompt": "\\ud800"}', "prompt"),
+    ('{"model": "statekv-tiny", "prompt": 7}', "prompt"),
+    ('{"model": "statekv-tiny", "prompt": [1, "a"]}', "prompt"),
+    ('{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ('{"model": "statekv-tiny", "prompt": "hi", "user": "\\udfff"}', "user"),
+    ('{"model": "statekv-tiny", "prompt": "hi", "cache_salt": "\\ud800"}', "cache_salt"),
+    ('{"model": "statekv-tiny", "prompt": "the body ends he', None),
     ('not json', None),
 ])
 def test_a_bad_prompt_is_a_400(small: Running, body: str, param: str | None) -> None:
@@ -279,8 +285,7 @@ def test_a_bad_prompt_is_a_400(small: Running, body: str, param: str | None) -> 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
-    if param is not None:
-        assert error["param"] == param
+    assert error["param"] == param
 
 
 @pytest.mark.parametrize(("messages", "param"), [
