@@ -52,6 +52,7 @@ from . import tokenizer
 from ._models import config as model_config
 from ._models import model as model_module
 from ._models import serving_loop
+from .accept_errors import accept_errors_limited
 from .engine import Engine, EngineStopped, GenerateRequest
 from .shutdown import sigterm_raises
 
@@ -554,7 +555,9 @@ def run_server(options: ServerOptions, listener: socket.socket, *,
 
     The model, cache and engine are built first, here: a typed error (an impossible budget)
     reaches the caller before the app starts."""
-    with sigterm_raises():  # serve/shutdown.py: every `finally` below runs on SIGTERM
+    # serve/shutdown.py: every `finally` below runs on SIGTERM; serve/accept_errors.py: a
+    # process short of file descriptors logs that once per interval, not once per retry.
+    with sigterm_raises(), accept_errors_limited():
         _serve_until_stopped(options, listener, log_level=log_level, on_ready=on_ready)
 
 
