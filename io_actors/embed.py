@@ -326,6 +326,12 @@ async def open_cache(
     copies = TorchCopyEngine(pools)
     clock = clock or WallClock()
     owns_store = store is None
+    # All or nothing: the shared tier is connected first, because opening the slot store
+    # creates the directory and data file (and with persist=False wipes what was there).
+    # An unreachable cluster must leave the disk as it found it.
+    shared: RedisClusterStore | None = (
+        open_shared_store(config, core_config) if config.remote_url is not None else None
+    )
     if core_config.disk_blocks and store is None:
         directory = config.rank_directory()
         assert directory is not None
@@ -334,16 +340,18 @@ async def open_cache(
                 config.backend, directory, core_config, persist=config.persist,
                 sync_writes=config.disk_sync == "data", mac_key=config.disk_mac_key,
             )
-        except ConfigError as exc:
-            raise public_config_error(exc) from None
-    shared: RedisClusterStore | None = None
+        except BaseException as exc:
+            if shared is not None:
+                shared.close()
+            if isinstance(exc, ConfigError):
+                raise public_config_error(exc) from None
+            raise
     try:
         remote = None
-        if config.remote_url is not None:
+        if shared is not None:
             from io_actors.remote_fetcher import RemoteFetcher
             from io_actors.remote_publisher import RemotePublisher
 
-            shared = open_shared_store(config, core_config)
             remote = RemoteTier(
                 publisher=RemotePublisher(shared, core_config,
                                           queue_depth=config.remote_queue_depth),
