@@ -346,8 +346,8 @@ async def open_cache(
             if isinstance(exc, ConfigError):
                 raise public_config_error(exc) from None
             raise
+    remote: RemoteTier | None = None
     try:
-        remote = None
         if shared is not None:
             from io_actors.remote_fetcher import RemoteFetcher
             from io_actors.remote_publisher import RemotePublisher
@@ -355,7 +355,8 @@ async def open_cache(
             remote = RemoteTier(
                 publisher=RemotePublisher(shared, core_config,
                                           queue_depth=config.remote_queue_depth),
-                fetcher=RemoteFetcher(shared, core_config),
+                fetcher=RemoteFetcher(shared, core_config,
+                                      lookup_timeout_s=config.remote_timeout_s),
                 host_page=pools.host_page, gpu_page=pools.gpu_page,
             )
         inline = InlineIO(store, pools, device) if synchronous_io and store is not None else None
@@ -393,6 +394,8 @@ async def open_cache(
                         drain=cache.drain_on_close and ok
                     )
     finally:
+        if remote is not None:
+            remote.fetcher.close()
         if shared is not None:
             shared.close()
         if store is not None and owns_store:
