@@ -128,7 +128,7 @@ def test_a_typed_error_from_below_is_one_line_naming_the_flag(
     argv = [*SMALL_DEMO, "--host-blocks", "0", "--reserved-host-blocks", "0", "--no-identity"]
     assert main(argv) == EXIT_USAGE
     line = one_line_error(capsys.readouterr().err)
-    assert line.startswith("statekv demo: error: argument --disk-blocks: disk_blocks:")
+    assert line.startswith("statekv demo: error: argument --disk-blocks: disk:")
 
 
 def test_serve_reports_an_impossible_budget_before_it_listens(
