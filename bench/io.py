@@ -84,6 +84,7 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         disk=2 * n, disk_dir=directory, writers=args.threads, readers=args.threads,
         write_queue_depth=max(64, n), device=args.device, spill_mode="retained_only",
         backend=args.backend, max_batch_blocks=args.batch_blocks,
+        model_fingerprint="bench-io-transfer",
     )
     block_bytes = config.block_bytes
     out: dict[str, float] = {}

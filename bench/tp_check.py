@@ -256,6 +256,7 @@ def run_agreement(
         layout=AGREEMENT_LAYOUT, block_size=BLOCK_SIZE, gpu=gpu_blocks, host=4,
         reserved_host=2, disk=32, disk_dir=disk_dir, device=device, writers=2, readers=2,
         write_queue_depth=4, drop_on_pressure=drop_on_pressure, namespace="agreement",
+        model_fingerprint="tp-agreement",
     )
     store = make_store(
         attrs.evolve(config, rank=rank), seed=1000 * seed + rank, max_read_s=max_read_s,

@@ -140,6 +140,7 @@ def serving_run(prompts: list[list[tuple[str, list[int]]]], users: int, director
         layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16"),
         block_size=BLOCK_SIZE, gpu=gpu, host=host, reserved_host=8, disk=disk,
         disk_dir=directory, device="cpu", writers=2, readers=2,
+        model_fingerprint="trace-cost",
     )
     inside = 0.0
     with BlockingCache(config, recorder=recorder) as cache:

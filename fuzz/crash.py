@@ -66,6 +66,7 @@ def workload_config(directory: Path, **overrides: object) -> StateKVConfig:
     args: dict[str, object] = {
         "layout": LAYOUT, "block_size": BLOCK_SIZE, "gpu": 6, "host": 2, "reserved_host": 1,
         "disk": 10, "disk_dir": directory, "writers": 2, "readers": 2, "device": "cpu",
+        "model_fingerprint": "crash-workload",
     }
     args.update(overrides)
     return StateKVConfig(**args)  # type: ignore[arg-type]

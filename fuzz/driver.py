@@ -88,6 +88,11 @@ def layout_for(block_size: int) -> KVLayout:
                     dtype="float32")
 
 
+FUZZ_FINGERPRINT = "fuzz-system"
+"""The weights the machines' caches serve (a persistent disk tier needs one): part of every
+key the oracle derives."""
+
+
 @attrs.frozen(kw_only=True)
 class SystemSpec:
     """Sizes, policies and thread counts of one cache under test."""
@@ -119,6 +124,7 @@ class SystemSpec:
             protect_unexpired=self.protect_unexpired, drop_on_pressure=self.drop_on_pressure,
             priority_levels=self.priority_levels, max_batch_blocks=self.max_batch_blocks,
             reclaim_prefetched_first=self.reclaim_prefetched_first,
+            model_fingerprint=FUZZ_FINGERPRINT,
         )
 
 
@@ -277,7 +283,7 @@ class Driver:
         """The chained keys of the request's first `upto` full blocks."""
         bs = self.block_size
         keys = req.keys
-        parent = keys[-1] if keys else root_key("", req.salt, None)
+        parent = keys[-1] if keys else root_key(FUZZ_FINGERPRINT, req.salt, None)
         while len(keys) < upto:
             i = len(keys)
             parent = chain_key(parent, token_bytes(req.tokens[i * bs:(i + 1) * bs]))

@@ -71,6 +71,24 @@ def blocks_from_size(field: str, value: object, block_bytes: int) -> int:
     raise ConfigError(field, f"must be a block count or a size like '8 GiB', got {value!r}")
 
 
+CORE_SIZE_FIELDS: Final = {
+    "gpu_blocks": "gpu", "host_blocks": "host", "reserved_host_blocks": "reserved_host",
+    "disk_blocks": "disk",
+}
+"""The core's size fields (blocks) -> the StateKVConfig fields the user set (blocks or bytes)."""
+
+
+def public_size_error(exc: ConfigError) -> ConfigError:
+    """`exc` naming StateKVConfig's size fields instead of the core's, in its field and in its
+    message (same class)."""
+    field = CORE_SIZE_FIELDS.get(exc.field, exc.field)
+    message = re.sub(r"\b(" + "|".join(CORE_SIZE_FIELDS) + r")\b",
+                     lambda m: CORE_SIZE_FIELDS[m.group(1)], exc.message)
+    if field == exc.field and message == exc.message:
+        return exc
+    return type(exc)(field, message)
+
+
 def _nonzero_size(value: object) -> bool:
     """Whether `value` is a size string naming more than zero bytes."""
     match = _SIZE.match(value) if isinstance(value, str) else None
@@ -237,6 +255,22 @@ class StateKVConfig:
         core = self.core_config()
         if core.disk_blocks and self.disk_dir is None:
             raise ConfigError("disk_dir", "a disk tier needs a directory")
+        # Content is keyed by the fingerprint: an empty one would let a process serving other
+        # weights be served this one's KV, from the same disk_dir after a restart or from the
+        # shared tier at once.  Neither can be detected from the bytes, so it is refused here.
+        if not self.model_fingerprint:
+            if core.disk_blocks and self.persist:
+                raise ConfigError(
+                    "model_fingerprint", "persist=True reuses disk content across processes: "
+                    "name the weights (model name and revision, or a hash of the checkpoint), "
+                    "or set persist=False"
+                )
+            if self.remote_url is not None:
+                raise ConfigError(
+                    "model_fingerprint", "a shared tier (remote_url) serves content across "
+                    "replicas: name the weights (model name and revision, or a hash of the "
+                    "checkpoint)"
+                )
 
     @property
     def block_bytes(self) -> int:
@@ -248,7 +282,14 @@ class StateKVConfig:
         return self.layout.block_bytes(self.block_size)
 
     def core_config(self) -> CacheConfig:
-        """The pure core's config, sizes converted to blocks."""
+        """The pure core's config, sizes converted to blocks.  Its errors name the field of
+        this config that the user set (`disk`, not the core's `disk_blocks`)."""
+        try:
+            return self._core_config()
+        except ConfigError as exc:
+            raise public_size_error(exc) from None
+
+    def _core_config(self) -> CacheConfig:
         bb = self.block_bytes
         gpu = blocks_from_size("gpu", self.gpu, bb)
         if gpu < 1:

@@ -30,7 +30,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import torch
@@ -50,8 +50,8 @@ from io_actors.actors.scheduler import (
     WallClock,
 )
 from io_actors.actors.writer_pool import WriterPool
-from io_actors.config import StateKVConfig
-from io_actors.memory.pools import KVPools, TorchCopyEngine
+from io_actors.config import StateKVConfig, public_size_error
+from io_actors.memory.pools import KVPools, TorchCopyEngine, physical_memory
 from io_actors.storage.gc_pause import gc_paused
 from io_actors.storage.interfaces import SlotStore
 from io_actors.storage.open_store import open_slot_store, public_config_error
@@ -92,6 +92,28 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+CORE_BYTES_PER_BLOCK: Final = 400
+"""What the core keeps per page and slot (its preallocated records and free lists), rounded
+up from about 390 bytes measured with tracemalloc at a million disk slots."""
+
+
+def check_bookkeeping_fits(config: CacheConfig) -> None:
+    """Refuse sizes whose bookkeeping alone exceeds this machine's memory: a ConfigError
+    naming the largest size, before anything is allocated (not a MemoryError, or the
+    process killed by the kernel, halfway through building the core)."""
+    sizes = {"gpu": config.gpu_blocks, "host": config.host_blocks,
+             "reserved_host": config.reserved_host_blocks, "disk": config.disk_blocks}
+    need = sum(sizes.values()) * CORE_BYTES_PER_BLOCK
+    physical = physical_memory()
+    if physical is not None and need > physical // 2:
+        field = max(sizes, key=lambda name: sizes[name])
+        raise ConfigError(
+            field, f"{sizes[field]} blocks need about {need} bytes of bookkeeping "
+            f"({CORE_BYTES_PER_BLOCK} per block), more than half of this machine's "
+            f"{physical} bytes of memory"
+        )
+
+
 def restore_from_disk(
     core: KVCacheManager, store: SlotStore | None, now: float
 ) -> Recovery | None:
@@ -99,19 +121,35 @@ def restore_from_disk(
     recovery = getattr(store, "recovery", None)
     if not isinstance(recovery, Recovery):
         return None
+    # A deadline read from disk is bounded by this cache's promise: no request of this
+    # process could have asked for more than max_ttl_seconds from now, whatever a header
+    # says (written under a larger maximum, or by someone else who can write the disk).
+    latest = now + core.config.max_ttl_seconds
+    capped = 0
+
+    def bounded(expiry: float | None) -> float | None:
+        nonlocal capped
+        if expiry is not None and expiry > latest:
+            capped += 1
+            return latest
+        return expiry
+
     with gc_paused():  # a few kept objects per slot: see io_actors/storage/gc_pause.py
         core.restore(
             [
                 RestoredBlock(
                     key=found.key, parent_key=BlockHash(found.meta.parent), slot=found.slot,
                     depth=found.meta.depth, reuse_count=found.meta.reuse_count,
-                    expiry=found.meta.expiry, written_at=found.meta.written_at,
+                    expiry=bounded(found.meta.expiry), written_at=found.meta.written_at,
                     sequence=found.meta.sequence,
                 )
                 for found in recovery.slots
             ],
             now=now,
         )
+    if capped:
+        log.warning("%d restored deadlines lay beyond max_ttl_seconds=%g from now: cut to it",
+                    capped, core.config.max_ttl_seconds)
     if recovery.slots or recovery.reclaimed or recovery.old_files:
         log.info(
             "disk index rebuilt from %s: %d blocks restored; reclaimed %d foreign, %d corrupt,"
@@ -280,10 +318,20 @@ async def open_cache(
         trace = recorder
     core_config = config.core_config()
     device = resolve_device(config.device)
-    pools = KVPools(core_config, device)
+    check_bookkeeping_fits(core_config)
+    try:
+        pools = KVPools(core_config, device)
+    except ConfigError as exc:
+        raise public_size_error(exc) from None
     copies = TorchCopyEngine(pools)
     clock = clock or WallClock()
     owns_store = store is None
+    # All or nothing: the shared tier is connected first, because opening the slot store
+    # creates the directory and data file (and with persist=False wipes what was there).
+    # An unreachable cluster must leave the disk as it found it.
+    shared: RedisClusterStore | None = (
+        open_shared_store(config, core_config) if config.remote_url is not None else None
+    )
     if core_config.disk_blocks and store is None:
         directory = config.rank_directory()
         assert directory is not None
@@ -292,20 +340,23 @@ async def open_cache(
                 config.backend, directory, core_config, persist=config.persist,
                 sync_writes=config.disk_sync == "data", mac_key=config.disk_mac_key,
             )
-        except ConfigError as exc:
-            raise public_config_error(exc) from None
-    shared: RedisClusterStore | None = None
+        except BaseException as exc:
+            if shared is not None:
+                shared.close()
+            if isinstance(exc, ConfigError):
+                raise public_config_error(exc) from None
+            raise
+    remote: RemoteTier | None = None
     try:
-        remote = None
-        if config.remote_url is not None:
+        if shared is not None:
             from io_actors.actors.remote_fetcher import RemoteFetcher
             from io_actors.actors.remote_publisher import RemotePublisher
 
-            shared = open_shared_store(config, core_config)
             remote = RemoteTier(
                 publisher=RemotePublisher(shared, core_config,
                                           queue_depth=config.remote_queue_depth),
-                fetcher=RemoteFetcher(shared, core_config),
+                fetcher=RemoteFetcher(shared, core_config,
+                                      lookup_timeout_s=config.remote_timeout_s),
                 host_page=pools.host_page, gpu_page=pools.gpu_page,
             )
         inline = InlineIO(store, pools, device) if synchronous_io and store is not None else None
@@ -343,6 +394,8 @@ async def open_cache(
                         drain=cache.drain_on_close and ok
                     )
     finally:
+        if remote is not None:
+            remote.fetcher.close()
         if shared is not None:
             shared.close()
         if store is not None and owns_store:

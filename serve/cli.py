@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Final, NoReturn
 
 from statekv.errors import InvariantViolation, StateKVError, UsageError
 
+from .shutdown import Terminated
+
 if TYPE_CHECKING:
     from rich.progress import Progress
 
@@ -35,6 +37,8 @@ EXIT_USAGE: Final = 2
 """A user's mistake (argparse's own status for bad flags)."""
 EXIT_INTERRUPTED: Final = 130
 """Ended by Ctrl-C (128 + SIGINT, the shell's convention)."""
+EXIT_TERMINATED: Final = 143
+"""Ended by SIGTERM (128 + SIGTERM), after a graceful shutdown."""
 
 # Budgets of the demo and the server in tokens: the block counts they default to follow
 # --block-size (40 GPU blocks of 16 tokens are 214 blocks of 3).
@@ -412,6 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except InvariantViolation:
         raise  # statekv's own bug: the traceback is the report
     except (UserMistake, StateKVError) as exc:

@@ -136,6 +136,12 @@ class Engine:
         self._inbox.put(_Statistics(reply))
         return reply.result(timeout)
 
+    @property
+    def healthy(self) -> bool:
+        """Whether the serving loop runs and takes requests (False once it failed or was
+        stopped): what /health reports."""
+        return self._error is None and not self._stop.is_set() and self._thread.is_alive()
+
     def cache_statistics(self) -> SystemStatistics:
         return self.cache.statistics()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import signal
 import socket
 import tempfile
@@ -39,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from io_actors.config import StateKVConfig
@@ -51,7 +52,9 @@ from . import tokenizer
 from ._models import config as model_config
 from ._models import model as model_module
 from ._models import serving_loop
+from .accept_errors import accept_errors_limited
 from .engine import Engine, EngineStopped, GenerateRequest
+from .shutdown import sigterm_raises
 
 DEFAULT_MAX_TOKENS: Final = 16
 """Tokens generated when a request names no max_tokens (the model never stops on its own)."""
@@ -84,6 +87,15 @@ class ServerOptions:
 
 # ---------------------------------------------------------------------- request bodies
 
+def _encodable(value: str) -> str:
+    if not is_utf8_encodable(value):
+        raise ValueError("must be encodable as UTF-8 (it holds a lone surrogate)")
+    return value
+
+
+Text = Annotated[str, Field(strict=True), AfterValidator(_encodable)]
+"""Every text field follows one rule: a string that UTF-8 can encode (a lone surrogate,
+which JSON's \\ud800 escapes can carry, is refused naming the field)."""
 Ttl = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
 Priority = Annotated[int, Field(ge=0, strict=True)]
 MaxTokens = Annotated[int, Field(ge=1, strict=True)]
@@ -99,27 +111,27 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: Text
     max_tokens: MaxTokens | None = None
     stream: Annotated[bool, Field(strict=True)] = False
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0, le=0, strict=True)] | None = None
     """Only greedy decoding: 0 or absent."""
     n: Annotated[int, Field(ge=1, le=1, strict=True)] | None = None
-    user: str | None = None
+    user: Text | None = None
     kv_cache_ttl_seconds: Ttl | None = None
-    cache_salt: Annotated[str, Field(min_length=1, strict=True)] | None = None
+    cache_salt: Annotated[Text, Field(min_length=1)] | None = None
     priority: Priority = 0
 
 
 class CompletionRequest(_Common):
-    prompt: Annotated[str, Field(strict=True)] | list[Annotated[int, Field(strict=True)]]
+    prompt: Text | list[Annotated[int, Field(strict=True)]]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, Field(strict=True)]
+    content: Text
 
 
 class ChatCompletionRequest(_Common):
@@ -278,8 +290,6 @@ class Server:
             raise BadRequest(f"priority must be an integer in [0, "
                              f"{self.options.priority_levels}), got {body.priority}",
                              "priority")
-        if body.cache_salt is not None and not is_utf8_encodable(body.cache_salt):
-            raise BadRequest("cache_salt must be encodable as UTF-8", "cache_salt")
 
     def generate(self, body: _Common, request_id: str, prompt: tuple[int, ...],
                  max_tokens: int) -> _Stream:
@@ -438,6 +448,22 @@ async def _respond(server: Server, request: Request, body: _Common, *, chat: boo
 # ---------------------------------------------------------------------- the app
 
 
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\]|function-\w+\[.*\])")
+"""How pydantic names the member of a union that an error is about (``prompt.str``)."""
+
+
+def _param_of(error: Any) -> str | None:
+    """The request field a validation error is about, as OpenAI names it (``prompt``,
+    ``messages.0.content``): None for a body that is not JSON at all (pydantic puts the
+    byte offset of the syntax error where the field would be)."""
+    if error.get("type") == "json_invalid":
+        return None
+    parts = [part for part in error.get("loc", ()) if part != "body"]
+    kept = [str(part) for part in parts
+            if isinstance(part, int) or not _UNION_TAG.fullmatch(str(part))]
+    return ".".join(kept) or None
+
+
 def create_app(options: ServerOptions, server: Server | None = None) -> FastAPI:
     """The ASGI app.  Its lifespan builds the model, opens the cache and starts the engine,
     unless `server` was built already (the command builds it first, so that a bad option is
@@ -472,11 +498,9 @@ def create_app(options: ServerOptions, server: Server | None = None) -> FastAPI:
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
-            f"{e.get('msg', 'invalid')}" for e in errors)
+        param = _param_of(first)
+        message = "; ".join(f"{_param_of(e) or 'body'}: {e.get('msg', 'invalid')}"
+                            for e in errors)
         return JSONResponse(_error_body(message, param, None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -500,8 +524,13 @@ def create_app(options: ServerOptions, server: Server | None = None) -> FastAPI:
             "id": options.served_model_name, "object": "model", "created": 0,
             "owned_by": "statekv", "max_model_len": server.context_length}]}
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, str] | JSONResponse:
+        # A load balancer must stop sending requests once the serving loop failed: every
+        # request would be refused.
+        if not current().engine.healthy:
+            return JSONResponse({"status": "unhealthy", "reason": "the serving loop is not "
+                                 "running"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -526,6 +555,14 @@ def run_server(options: ServerOptions, listener: socket.socket, *,
 
     The model, cache and engine are built first, here: a typed error (an impossible budget)
     reaches the caller before the app starts."""
+    # serve/shutdown.py: every `finally` below runs on SIGTERM; serve/accept_errors.py: a
+    # process short of file descriptors logs that once per interval, not once per retry.
+    with sigterm_raises(), accept_errors_limited():
+        _serve_until_stopped(options, listener, log_level=log_level, on_ready=on_ready)
+
+
+def _serve_until_stopped(options: ServerOptions, listener: socket.socket, *, log_level: str,
+                         on_ready: Callable[[], None] | None) -> None:
     with tempfile.TemporaryDirectory(prefix="statekv-serve-") as tmp:
         server = Server(options, options.disk_dir if options.disk_dir is not None else Path(tmp))
         try:

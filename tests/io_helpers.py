@@ -27,6 +27,7 @@ def small_config(tmp_path: object, **overrides: object) -> StateKVConfig:
     args: dict[str, object] = {
         "layout": LAYOUT, "block_size": BLOCK_SIZE, "gpu": 8, "host": 2, "reserved_host": 1,
         "disk": 32, "disk_dir": tmp_path, "writers": 2, "readers": 2,
+        "model_fingerprint": "io-test-model",
         # The GPU machine runs the same tests on CUDA: STATEKV_TEST_DEVICE=cuda.
         "device": os.environ.get("STATEKV_TEST_DEVICE", "cpu"),
     }

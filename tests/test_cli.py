@@ -128,7 +128,7 @@ def test_a_typed_error_from_below_is_one_line_naming_the_flag(
     argv = [*SMALL_DEMO, "--host-blocks", "0", "--reserved-host-blocks", "0", "--no-identity"]
     assert main(argv) == EXIT_USAGE
     line = one_line_error(capsys.readouterr().err)
-    assert line.startswith("statekv demo: error: argument --disk-blocks: disk_blocks:")
+    assert line.startswith("statekv demo: error: argument --disk-blocks: disk:")
 
 
 def test_serve_reports_an_impossible_budget_before_it_listens(
@@ -241,3 +241,32 @@ def test_the_console_script_is_the_command() -> None:
                           text=True, check=False)
     assert done.returncode == EXIT_USAGE
     assert "--users" in one_line_error(done.stderr)
+
+
+def test_sigterm_ends_serve_with_status_143_and_removes_its_temporary_directory(
+    tmp_path: Path,
+) -> None:
+    """Without --disk-dir the server keeps its slots in a temporary directory: SIGTERM (a
+    container stop, systemd) must remove it, as a clean exit does."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    process = subprocess.Popen(
+        [*STATEKV, "serve", "--port", "0", "--host", "127.0.0.1"], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(tmp), "PYTHONFAULTHANDLER": "1"},
+    )
+    assert process.stdout is not None
+    try:
+        first = process.stdout.readline()
+        assert first.startswith("statekv serve:"), first
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("statekv-serve-")]
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "statekv serve: terminated", err
+    assert "Traceback" not in err
+    assert [p.name for p in tmp.iterdir()] == []

@@ -95,6 +95,7 @@ def _small_config(world: int, disk_dir: Path, **changes: Any) -> StateKVConfig:
     args: dict[str, Any] = {
         "layout": tp_check.TINY.kv_layout(world), "block_size": 4, "gpu": 16, "host": 2,
         "reserved_host": 1, "disk": 16, "disk_dir": disk_dir, "device": "cpu",
+        "model_fingerprint": "tiny-tp-test",
     }
     args.update(changes)
     if not args["disk"]:

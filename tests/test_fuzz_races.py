@@ -21,7 +21,7 @@ import pytest
 
 from fuzz import planted
 from fuzz.core_machine import DOCUMENTS, ChurnSpec, CoreVsSpec, FetchRace, RequestSpec
-from fuzz.driver import SystemSpec
+from fuzz.driver import FUZZ_FINGERPRINT, SystemSpec
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from fuzz.system_machine import SystemMachine
 from io_actors.storage.faults import Fault, Op
@@ -65,7 +65,7 @@ class Run:
 
     def tiers(self, prompt: tuple[int, ...] = PROMPT, salt: str | None = None) -> list[str]:
         """The state of each full block of `prompt` ("-" when not cached)."""
-        key = root_key("", salt, None)
+        key = root_key(FUZZ_FINGERPRINT, salt, None)
         cached = {b.key: b.state.name for b in self.m.d.core.cached_blocks()}
         out = []
         for i in range(len(prompt) // 2):

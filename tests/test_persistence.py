@@ -435,3 +435,32 @@ def test_reopening_a_sparse_file_with_preallocation_reserves_every_slot(tmp_path
     PosixSlotStore(tmp_path, config()).close()
     full = os.stat(tmp_path / DATA_FILE)
     assert full.st_size == sparse.st_size and full.st_blocks * 512 >= full.st_size
+
+
+def test_a_restored_deadline_never_lies_beyond_max_ttl_from_now(tmp_path: Path) -> None:
+    """Slot headers that claim ten years (written under a larger maximum, or by anyone who
+    can write the disk and holds the key) come back with at most max_ttl_seconds left."""
+    import time
+
+    cfg = small_config(tmp_path, disk_mac_key=MAC_KEY, max_ttl_seconds=86400.0)
+    rank = cfg.rank_directory()
+    assert rank is not None
+    ten_years = time.time() + 10 * 365 * 86400.0
+    store = PosixSlotStore(rank, cfg.core_config(), mac_key=MAC_KEY)
+    for n in range(3):
+        store.write(SlotId(n), key(n), block_for(cfg, n), meta(n, expiry=ten_years))
+    store.close()
+    before = time.time()
+    with BlockingCache(cfg) as cache:
+        expiries = [b.expiry for b in cache.cached_blocks()]
+    assert len(expiries) == 3
+    for expiry in expiries:
+        assert expiry is not None and expiry <= time.time() + 86400.0
+        assert expiry >= before + 86400.0 - 60  # still retained: cut, not dropped
+
+
+def block_for(cfg: StateKVConfig, seed: int) -> torch.Tensor:
+    out = page_aligned_buffer(cfg.block_bytes)
+    out.copy_(torch.randint(0, 256, (out.numel(),), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(seed)))
+    return out

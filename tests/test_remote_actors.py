@@ -421,3 +421,46 @@ def test_a_fetch_batch_that_raises_is_failed_not_hung(
         assert stats.cache.fetch_failures == 3 and stats.cache.cached_blocks == 0
         b.release("b")
         b.check_invariants()
+
+
+def test_a_stopped_master_never_holds_add_request_beyond_the_timeout(
+    own_redis_cluster: LocalRedisCluster,
+) -> None:
+    """A master that is stopped (SIGSTOP: its sockets accept, nothing answers) costs the
+    serving thread at most remote_timeout_s per add_request, in total: the lookup is a hint,
+    and a late one is given up (counted), the request computing instead."""
+    import os
+    import signal
+
+    from io_actors.config import StateKVConfig
+    from io_actors.embed import BlockingCache
+    from tests.remote_replica import BLOCK_SIZE, setup
+
+    cluster = own_redis_cluster
+    _model, cfg, _keys = setup()
+    timeout = 0.5
+
+    def cache() -> BlockingCache:
+        return BlockingCache(StateKVConfig(
+            layout=cfg.layout, block_size=BLOCK_SIZE, gpu=40, host=8, device="cpu",
+            model_fingerprint=cfg.model_fingerprint, remote_url=cluster.url,
+            remote_timeout_s=timeout,
+        ))
+
+    with cache() as b:
+        victim = cluster.nodes[1]
+        assert victim.process is not None
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        try:
+            worst = 0.0
+            for i in range(6):  # keys on every master: some lookups need the stopped one
+                prompt = [(11 * i + 7 * t) % 97 for t in range(6 * BLOCK_SIZE + 1)]
+                started = time.monotonic()
+                b.add_request(f"r{i}", prompt)
+                worst = max(worst, time.monotonic() - started)
+                b.release(f"r{i}")
+        finally:
+            os.kill(victim.process.pid, signal.SIGCONT)
+        assert worst <= timeout + 0.25, f"add_request took {worst:.2f} s"
+        fetcher = b.statistics().fetcher
+        assert fetcher is not None and fetcher.get("lookup_timeouts", 0) >= 1, fetcher

@@ -3,6 +3,8 @@ remote fetcher found, fetches in flight (FETCHING), their failures, and publishi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from statekv import SpillMode, UsageError
@@ -221,7 +223,7 @@ def test_bad_remote_options_are_refused_naming_the_field(field: str, value: obje
     from statekv import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        StateKVConfig(layout=_layout(), gpu=4, **{field: value})  # type: ignore[arg-type]
+        StateKVConfig(layout=_layout(), gpu=4, model_fingerprint="m", **{field: value})  # type: ignore[arg-type]
     assert info.value.field == field
 
 
@@ -229,7 +231,8 @@ def test_the_shared_tier_is_off_by_default_and_on_with_a_url() -> None:
     from io_actors.config import StateKVConfig
 
     assert not StateKVConfig(layout=_layout(), gpu=4).core_config().shared_tier  # type: ignore[arg-type]
-    on = StateKVConfig(layout=_layout(), gpu=4, remote_url="redis://127.0.0.1:1")  # type: ignore[arg-type]
+    on = StateKVConfig(layout=_layout(), gpu=4,  # type: ignore[arg-type]
+                       remote_url="redis://127.0.0.1:1", model_fingerprint="m")
     assert on.core_config().shared_tier
 
 
@@ -239,7 +242,39 @@ def test_an_unreachable_cluster_is_a_config_error_naming_remote_url() -> None:
     from statekv import ConfigError
 
     cfg = StateKVConfig(layout=_layout(), gpu=4, device="cpu",  # type: ignore[arg-type]
-                        remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2)
+                        remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2,
+                        model_fingerprint="m")
     with pytest.raises(ConfigError) as info:
         BlockingCache(cfg)
     assert info.value.field == "remote_url"
+
+
+@pytest.mark.parametrize("persist", [True, False])
+def test_an_unreachable_cluster_leaves_the_disk_as_it_was(tmp_path: Path, persist: bool) -> None:
+    """Every open is all or nothing: a fresh directory stays empty, and a directory with
+    content keeps it byte for byte (persist=False wipes only once the rest of the open has
+    succeeded)."""
+    import attrs
+
+    from io_actors.embed import BlockingCache
+    from statekv import ConfigError
+    from tests.io_helpers import serve, small_config, wait_quiet
+    from tests.test_io_actors import churn
+
+    fresh = tmp_path / "fresh"
+    bad = dict(remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2, persist=persist)
+    with pytest.raises(ConfigError) as info:
+        BlockingCache(small_config(fresh, **bad))
+    assert info.value.field == "remote_url"
+    assert not fresh.exists() or list(fresh.rglob("*")) == []
+    used = tmp_path / "used"
+    cfg = small_config(used)
+    with BlockingCache(cfg) as cache:
+        serve(cache, "p", list(range(13)), ttl_seconds=600)
+        churn(cache, 6)
+        wait_quiet(cache)
+    before = {p: p.read_bytes() for p in used.rglob("*") if p.is_file()}
+    assert before
+    with pytest.raises(ConfigError):
+        BlockingCache(attrs.evolve(cfg, **bad))  # type: ignore[arg-type]
+    assert {p: p.read_bytes() for p in used.rglob("*") if p.is_file()} == before

@@ -272,6 +272,12 @@ def test_a_bad_completion_field_is_a_400_in_openai_shape(
     ('{"model": "statekv-tiny", "prompt": "' + "x" * 200 + '"}', "prompt"),
     ('{"model": "statekv-tiny"}', "prompt"),
     ('{"model": "statekv-tiny", "prompt": "\\ud800"}', "prompt"),
+    ('{"model": "statekv-tiny", "prompt": 7}', "prompt"),
+    ('{"model": "statekv-tiny", "prompt": [1, "a"]}', "prompt"),
+    ('{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ('{"model": "statekv-tiny", "prompt": "hi", "user": "\\udfff"}', "user"),
+    ('{"model": "statekv-tiny", "prompt": "hi", "cache_salt": "\\ud800"}', "cache_salt"),
+    ('{"model": "statekv-tiny", "prompt": "the body ends he', None),
     ('not json', None),
 ])
 def test_a_bad_prompt_is_a_400(small: Running, body: str, param: str | None) -> None:
@@ -279,8 +285,7 @@ def test_a_bad_prompt_is_a_400(small: Running, body: str, param: str | None) -> 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
-    if param is not None:
-        assert error["param"] == param
+    assert error["param"] == param
 
 
 @pytest.mark.parametrize(("messages", "param"), [
@@ -359,3 +364,22 @@ def test_metrics_are_scraped_and_follow_statistics(small: Running) -> None:
 
 def test_every_statistics_field_is_exported() -> None:
     assert set(CACHE_FIELDS) == set(attrs.fields_dict(CacheStatistics))
+
+
+def test_health_answers_503_once_the_serving_loop_failed(
+    small: Running, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert httpx.get(f"{small.url}/health").json() == {"status": "ok"}
+
+    def broken_step() -> list[Any]:
+        raise RuntimeError("a planted failure of the serving loop")
+
+    monkeypatch.setattr(small.server.engine._loop, "step", broken_step)
+    monkeypatch.setattr(threading, "excepthook", lambda _args: None)  # expected: quiet
+    reply = httpx.post(f"{small.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert reply.status_code >= 500
+    wait_until(lambda: not small.server.engine.healthy, "the engine saw its loop fail")
+    health = httpx.get(f"{small.url}/health")
+    assert health.status_code == 503
+    assert health.json()["status"] == "unhealthy"

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 import torch
@@ -68,14 +69,25 @@ class Fetched:
 class RemoteFetcher:
     """Lookups and verified fetches from a shared store."""
 
-    def __init__(self, store: SharedStore, config: CacheConfig) -> None:
+    def __init__(self, store: SharedStore, config: CacheConfig, *,
+                 lookup_timeout_s: float | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise ConfigError("config", f"must be a CacheConfig, got {config!r}")
+        if lookup_timeout_s is not None and not (
+                isinstance(lookup_timeout_s, int | float) and not isinstance(lookup_timeout_s, bool)
+                and 0 < lookup_timeout_s < float("inf")):
+            raise ConfigError("lookup_timeout_s", f"must be a number > 0 or None, got "
+                              f"{lookup_timeout_s!r}")
         self._store = store
         self._config = config
         self._counts: Counter[str] = Counter()
         # Lookups run on the serving thread, fetches on worker threads.
         self._lock = threading.Lock()
+        self._lookup_timeout_s = lookup_timeout_s
+        # With a bound, the lookup runs on this thread and the caller waits at most the bound:
+        # a master that is stopped (not dead) answers nothing, and each of the client's
+        # attempts waits out its own socket timeout, well past the bound the caller was given.
+        self._lookup_thread: ThreadPoolExecutor | None = None
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -87,9 +99,30 @@ class RemoteFetcher:
         self._count("lookups")
         if not keys:
             return ()
-        found = self._store.match_prefix(list(keys))
+        if self._lookup_timeout_s is None:
+            found = self._store.match_prefix(list(keys))
+        else:
+            if self._lookup_thread is None:
+                self._lookup_thread = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="statekv-remote-lookup")
+            future = self._lookup_thread.submit(self._store.match_prefix, list(keys))
+            try:
+                found = future.result(timeout=self._lookup_timeout_s)
+            except TimeoutError:
+                # A hint not worth waiting for: the request computes what it would have
+                # fetched.  A lookup stuck on the thread delays the next ones, which time
+                # out in turn (each caller waits the bound, never more).
+                future.cancel()
+                self._count("lookup_timeouts")
+                return ()
         self._count("lookup_blocks_found", found)
         return tuple(keys[:found])
+
+    def close(self) -> None:
+        """Let go of the lookup thread (a lookup still running ends with its socket
+        timeout)."""
+        if self._lookup_thread is not None:
+            self._lookup_thread.shutdown(wait=False, cancel_futures=True)
 
     def fetch(
         self,

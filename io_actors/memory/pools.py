@@ -53,7 +53,8 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ConfigError("dtype", f"unknown dtype {name!r} (known: {known})") from None
 
 
-def _physical_memory() -> int | None:
+def physical_memory() -> int | None:
+    """Bytes of RAM on this machine (None where the system does not say)."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
@@ -131,7 +132,7 @@ class KVPools:
         if not on_host:
             return
         nbytes = pages * self.block_nbytes
-        physical = _physical_memory()
+        physical = physical_memory()
         if physical is not None and nbytes > physical:
             raise ConfigError(
                 field, f"{pages} pages x {self.block_nbytes} bytes = {nbytes} bytes exceeds "
