@@ -47,7 +47,7 @@ class Refusal(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class RestoredBlock:
-    """One block an index rebuild found on disk, to be adopted by :meth:`DiskTier.restore`.
+    """One block an index rebuild found on disk, for :meth:`KVCacheManager.restore` to adopt.
 
     Everything here was stored with the block by the process that spilled it.
     """
