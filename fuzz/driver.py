@@ -215,8 +215,9 @@ class Driver:
             self.clean_up()
             raise
         self.core: KVCacheManager = self.cache._scheduler._core
-        self.scheduler = self.cache._scheduler
-        self.lock = self.scheduler._lock
+        # The scheduler is reached through the cache, never kept: it holds the KV pools, and
+        # the leak check measures them after the cache is dropped.
+        self.lock = self.cache._scheduler._lock
         self.contract = CommandContract(core_config.max_batch_blocks)
         self.spy = CoreSpy(self.core, on_commands=on_commands, notify=notify)
         self.follower = ModelFollower(ReferenceCache(core_config), self.contract)
@@ -413,7 +414,7 @@ class Driver:
         core = self.core
         self.follower.follow(self.spy.log)
         core.check_invariants()
-        self.scheduler.check_own_invariants_locked()
+        self.api._scheduler.check_own_invariants_locked()
         model = self.follower.model
         stats = core.statistics()
         assert stats == model.statistics(), "statistics() differ from the model's"
