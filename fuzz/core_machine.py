@@ -680,7 +680,7 @@ class CoreVsSpec(RuleBasedStateMachine):
             free = [p for p in real._gpu.empty if p in reading]
             assert not free, f"GPU pages {free} are free while reads fill them"
         if contract.busy:
-            empty = [s for s in real._disk.empty if s in contract.busy]
+            empty = [s for s in real._disk.slots.empty if s in contract.busy]
             assert not empty, f"slots {empty} are empty while transfers use them"
         if contract.prefetch_pages:
             host = real._host

@@ -463,7 +463,7 @@ class Driver:
                     f"{rid}: block {i} (page {table[i]}) holds bytes other than its KV"
                 )
         pools = self.api._pools
-        for block in core._index.values():
+        for block in core._index.blocks.values():
             key = block.key
             assert key is not None
             serial = payloads.known(key)

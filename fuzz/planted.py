@@ -2,7 +2,9 @@
 
 Each entry re-introduces one bug that the seed shipped (its commit list is the race
 catalogue of fuzz/README.md) by wrapping a method of the real code for the duration of a
-``with`` block; nothing is copied or edited.  ``python -m fuzz.planted NAME`` runs the
+``with`` block; nothing is copied or edited.  A bug of the core wraps the method of the
+concern that owns the code (statekv.records, statekv.eviction, statekv.disk_tier,
+statekv.onboarding, statekv.pools).  ``python -m fuzz.planted NAME`` runs the
 machine that should catch it and prints the shrunk steps; tests/test_fuzz_planted.py asserts
 that each is caught, and how short the shrunk example is.
 """
@@ -29,10 +31,13 @@ from io_actors.actors.reader_pool import SlotReader
 from io_actors.actors.scheduler import Scheduler
 from io_actors.storage import posix
 from statekv.block import Block
+from statekv.disk_tier import DiskTier
+from statekv.eviction import Eviction
 from statekv.lifecycle import BlockEvent, BlockState
-from statekv.manager import KVCacheManager
 from statekv.messages import BatchFinished, Completion, SlotRead, SlotReadFailed, outcomes
+from statekv.onboarding import Onboarding
 from statekv.pools import DiskSlots
+from statekv.records import BlockRecords
 
 
 @contextmanager
@@ -52,16 +57,16 @@ def release_during_onboard() -> AbstractContextManager[None]:
     prefill and the late read collided in one GPU page."""
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
-        def _let_go(self: KVCacheManager, req: Any, blocks: list[Block]) -> None:
+        def let_go(self: Eviction, req: Any, blocks: list[Block]) -> None:
             original(self, req, blocks)
             for block in blocks:
                 if block.state is BlockState.ONBOARDING and block.ref_count == 0:
                     assert block.gpu_page is not None
-                    if block.gpu_page not in self._gpu.empty:
-                        self._gpu.empty.append(block.gpu_page)
-        return _let_go
+                    if block.gpu_page not in self.gpu.empty:
+                        self.gpu.empty.append(block.gpu_page)
+        return let_go
 
-    return _wrapped(KVCacheManager, "_let_go", make)
+    return _wrapped(Eviction, "let_go", make)
 
 
 def slot_reused_before_read() -> AbstractContextManager[None]:
@@ -69,13 +74,13 @@ def slot_reused_before_read() -> AbstractContextManager[None]:
     once, so the next spill could overwrite the slot before the read ran."""
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
-        def _start_read(self: KVCacheManager, req: Any, block: Block) -> None:
+        def start_read(self: Onboarding, req: Any, block: Block) -> None:
             original(self, req, block)
             assert block.disk_slot is not None
-            self._disk.empty.append(block.disk_slot)
-        return _start_read
+            self.disk.slots.empty.append(block.disk_slot)
+        return start_read
 
-    return _wrapped(KVCacheManager, "_start_read", make)
+    return _wrapped(Onboarding, "start_read", make)
 
 
 def displaced_identity_left_in_tree() -> AbstractContextManager[None]:
@@ -83,14 +88,14 @@ def displaced_identity_left_in_tree() -> AbstractContextManager[None]:
     the prefix tree kept pointing at a slot whose bytes were recycled."""
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
-        def _discard(self: KVCacheManager, block: Block, event: BlockEvent) -> None:
+        def discard(self: BlockRecords, block: Block, event: BlockEvent) -> None:
             key = block.key if block.state is BlockState.ON_DISK else None
             original(self, block, event)
             if key is not None and event is BlockEvent.DROPPED:
-                self._index[key] = block
-        return _discard
+                self.index.blocks[key] = block
+        return discard
 
-    return _wrapped(KVCacheManager, "_discard", make)
+    return _wrapped(BlockRecords, "discard", make)
 
 
 def spills_displace_before_empty_slots() -> AbstractContextManager[None]:
@@ -98,8 +103,8 @@ def spills_displace_before_empty_slots() -> AbstractContextManager[None]:
     while empty slots sat unused."""
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
-        def _spill(self: KVCacheManager, victim: Block, now: float) -> None:
-            disk = self._disk
+        def spill(self: DiskTier, victim: Block, now: float) -> None:
+            disk = self.slots
             if disk.empty and disk.next_victim(True) is not None:
                 empty, disk.empty = disk.empty, []
                 try:
@@ -108,9 +113,9 @@ def spills_displace_before_empty_slots() -> AbstractContextManager[None]:
                     disk.empty = empty + disk.empty
             else:
                 original(self, victim, now)
-        return _spill
+        return spill
 
-    return _wrapped(KVCacheManager, "_spill", make)
+    return _wrapped(DiskTier, "spill", make)
 
 
 def stale_deadline_kept() -> AbstractContextManager[None]:
@@ -131,14 +136,14 @@ def reap_never_runs() -> AbstractContextManager[None]:
     the disk looked full, so spills wedged for good."""
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
-        def _read_landed(self: KVCacheManager, block: Block) -> None:
+        def read_landed(self: Onboarding, block: Block) -> None:
             slot = block.disk_slot
             original(self, block)
-            if slot in self._disk.empty:
-                self._disk.empty.remove(slot)
-        return _read_landed
+            if slot in self.disk.slots.empty:
+                self.disk.slots.empty.remove(slot)
+        return read_landed
 
-    return _wrapped(KVCacheManager, "_read_landed", make)
+    return _wrapped(Onboarding, "read_landed", make)
 
 
 def checksum_not_verified() -> AbstractContextManager[None]:
@@ -186,11 +191,11 @@ def failed_fetch_published() -> AbstractContextManager[None]:
     the request computes on whatever its page holds."""
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
-        def _fetch_failed(self: KVCacheManager, block: Block) -> None:
-            self._fetch_landed(block)
-        return _fetch_failed
+        def fetch_failed(self: Onboarding, block: Block) -> None:
+            self.fetch_landed(block)
+        return fetch_failed
 
-    return _wrapped(KVCacheManager, "_fetch_failed", make)
+    return _wrapped(Onboarding, "fetch_failed", make)
 
 
 def scheduler_waits_for_writes() -> AbstractContextManager[None]:
@@ -306,17 +311,17 @@ def prefetch_page_freed_on_leave() -> AbstractContextManager[None]:
     eviction's copy (or another prefetch) can take a page the late read still writes into."""
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
-        def _end_prefetch(self: KVCacheManager, rid: Any, now: float) -> None:
-            asked = [b for b in self._queued.get(rid, []) if rid in b.prefetchers]
+        def end_prefetch(self: Onboarding, rid: Any, now: float) -> None:
+            asked = [b for b in self.queued.get(rid, []) if rid in b.prefetchers]
             original(self, rid, now)
             for block in asked:
                 if (block.state is BlockState.PREFETCHING and not block.prefetchers
                         and block.host_page is not None
-                        and block.host_page not in self._host.empty):
-                    self._host.empty.append(block.host_page)
-        return _end_prefetch
+                        and block.host_page not in self.host.empty):
+                    self.host.empty.append(block.host_page)
+        return end_prefetch
 
-    return _wrapped(KVCacheManager, "_end_prefetch", make)
+    return _wrapped(Onboarding, "end_prefetch", make)
 
 
 def pools_kept_after_close() -> AbstractContextManager[None]:

@@ -6,7 +6,7 @@ purpose -- attrs' docs measure frozen slotted instances at about twice the cost 
 these are touched on every operation.  Configuration and messages stay frozen.
 
 A record never holds its own lifecycle logic: `state` changes only through
-:func:`statekv.lifecycle.next_state`, called by the manager.
+:data:`statekv.lifecycle.TRANSITIONS`, applied by :mod:`statekv.records`.
 """
 
 from __future__ import annotations

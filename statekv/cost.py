@@ -5,7 +5,7 @@ A disk hit is worth reading only when the read finishes before a prefill of the 
 would: on a slow disk with a fast model (a small model, short contexts) recomputing wins, and
 a disk tier must never make serving slower than no disk tier.  The manager weighs every
 place the match could end (the starts of its runs of disk and remote blocks) with these
-estimates and keeps the cheapest (``KVCacheManager._cost_cut``).
+estimates and keeps the cheapest (``statekv.onboarding.Onboarding.cost_cut``).
 
 The estimates are measurements reported from outside (sans-IO: the core reads no clock):
 

@@ -9,8 +9,9 @@ comes from per-tier pools; the block points at where its bytes are now, and movi
 tiers changes those pointers and the state, never the block's place in the tree.
 
 Everything that affects a block's lifecycle lives here: the states, the events, and the
-literal table ``TRANSITIONS`` mapping ``(state, event) -> next state``.  The manager changes a
-block's state only through :func:`next_state`; an event that the table does not list for the
+literal table ``TRANSITIONS`` mapping ``(state, event) -> next state``.  A block's state
+changes only through this table, in :mod:`statekv.records` (the contracts of
+:func:`next_state` state its safety properties); an event that the table does not list for the
 block's current state raises :class:`~statekv.errors.IllegalTransition` -- it is never a
 silent no-op.  The specification in ``specs/lifecycle.md`` (diagram and invariants) is
 generated from this table, and a test fails when the two disagree.

@@ -1,9 +1,10 @@
 """Per-tier storage: GPU pages, pinned host pages, disk slots.
 
 Each pool owns the *storage* of its tier and the order in which cached content leaves it;
-the blocks (content) live in the manager.  An empty page or slot is always used before any
-cached content is evicted or displaced -- the seed once filed empty disk slots above fresh
-content, so spills displaced each other while empty slots sat unused.
+the blocks (content) are records of :mod:`statekv.records`, and :mod:`statekv.eviction`
+and :mod:`statekv.disk_tier` decide which of them leave.  An empty page or slot is always
+used before any cached content is evicted or displaced -- the seed once filed empty disk
+slots above fresh content, so spills displaced each other while empty slots sat unused.
 """
 
 from __future__ import annotations

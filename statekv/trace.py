@@ -1,8 +1,9 @@
 """Recording every lifecycle transition.
 
-The manager calls ``sink.record(...)`` once per transition when a sink is attached; with no
-sink the cost is one ``is None`` test per transition.  :class:`RingTrace` keeps the last N
-records in a preallocated ring (bounded memory however long the process runs).
+The block records (:mod:`statekv.records`) call ``sink.record(...)`` once per transition
+when a sink is attached; with no sink the cost is one ``is None`` test per transition.
+:class:`RingTrace` keeps the last N records in a preallocated ring (bounded memory however
+long the process runs).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def test_a_recall_copies_the_recalled_block_back() -> None:
     recalls = [c for c in ex.log[start:] if isinstance(c, CopyHostToGpu)]
     keys = block_keys(doc, ex.bs)
     assert sorted(c.block for c in recalls) == sorted(
-        next(b for b in ex.cache._records if b.key == key).id for key in keys
+        next(b for b in ex.cache._records.all if b.key == key).id for key in keys
     )
 
 

@@ -52,9 +52,9 @@ def spilling() -> Executor:
 
 def _forget_prefetchers(m: KVCacheManager) -> None:
     """The queued request forgets its blocks and they forget it: a PREFETCHED orphan."""
-    for block in m._queued[RequestId("q")]:
+    for block in m._onboarding.queued[RequestId("q")]:
         block.prefetchers.clear()
-    m._queued[RequestId("q")] = []
+    m._onboarding.queued[RequestId("q")] = []
 
 
 def prefetching() -> Executor:
@@ -68,7 +68,7 @@ def prefetching() -> Executor:
 
 
 def blocks(m: KVCacheManager, state: BlockState) -> list[Block]:
-    found = [b for b in m._records if b.state is state]
+    found = [b for b in m._records.all if b.state is state]
     assert found, f"the state has no {state.name} block"
     return found
 
@@ -93,14 +93,14 @@ def best_effort(m: KVCacheManager) -> Block:
 
 
 def _hold_released_block(m: Any) -> None:
-    req = m._requests["pb"]
+    req = m._requests.live["pb"]
     block = released(m)
     req.blocks[0] = block
     req.pages[0] = block.gpu_page
 
 
 def _unhold_gpu_block(m: Any) -> None:
-    req = m._requests["ra"]
+    req = m._requests.live["ra"]
     block = req.blocks.pop()
     req.pages.pop()
     block.ref_count -= 1
@@ -110,7 +110,7 @@ def _unhold_gpu_block(m: Any) -> None:
 
 def _alias_key(m: Any) -> None:
     block = released(m)
-    m._index[BlockHash(b"\x01" * 32)] = block
+    m._index.blocks[BlockHash(b"\x01" * 32)] = block
 
 
 def _overfill_reserve(m: Any) -> None:
@@ -130,25 +130,27 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
      lambda m: m._gpu.empty.append(onboarding(m).gpu_page),
      r"GPU page \d+ owned by 'gpu-empty' and <Block \d+ ONBOARDING"),
     ("slot of disk content on the empty list", parked,
-     lambda m: m._disk.empty.append(on_disk(m).disk_slot),
+     lambda m: m._disk.slots.empty.append(on_disk(m).disk_slot),
      r"slot \d+ owned by 'disk-empty' and <Block \d+ ON_DISK"),
     ("read points at another block", parked,
-     lambda m: m._reads.__setitem__(next(iter(m._reads)), released(m)), "points at"),
+     lambda m: m._onboarding.reads.__setitem__(next(iter(m._onboarding.reads)), released(m)),
+     "points at"),
     ("block table out of step", parked,
-     lambda m: m._requests["pb"].pages.append(PageId(0)), "block table out of step"),
+     lambda m: m._requests.live["pb"].pages.append(PageId(0)), "block table out of step"),
     ("stale page in a block table", parked,
-     lambda m: m._requests["pb"].pages.__setitem__(0, released(m).gpu_page), "page 0 is stale"),
+     lambda m: m._requests.live["pb"].pages.__setitem__(0, released(m).gpu_page),
+     "page 0 is stale"),
     ("request holds a released block", parked, _hold_released_block, "holds"),
     ("request's key differs from its block's", parked,
-     lambda m: m._requests["pb"].keys.__setitem__(0, released(m).key), "has another key"),
+     lambda m: m._requests.live["pb"].keys.__setitem__(0, released(m).key), "has another key"),
     ("pending count wrong", parked,
-     lambda m: setattr(m._requests["pb"], "pending", 1), "pending=1"),
+     lambda m: setattr(m._requests.live["pb"], "pending", 1), "pending=1"),
     ("computed tokens without pages", parked,
-     lambda m: setattr(m._requests["pb"], "num_computed", 99), "computed tokens without"),
+     lambda m: setattr(m._requests.live["pb"], "num_computed", 99), "computed tokens without"),
     ("parked gauge wrong", parked,
-     lambda m: setattr(m, "_parked", 2), "parked gauge"),
+     lambda m: setattr(m._requests, "parked", 2), "parked gauge"),
     ("free record listed twice", parked,
-     lambda m: m._free_records.append(m._free_records[-1]), "free list twice"),
+     lambda m: m._records.free.append(m._records.free[-1]), "free list twice"),
     ("reference count wrong", parked,
      lambda m: setattr(onboarding(m), "ref_count", 2), "ref_count 2, held 1"),
     ("waiter that does not wait", parked,
@@ -162,15 +164,15 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
     ("disk block with a transfer", parked,
      lambda m: setattr(on_disk(m), "transfer", 99), "transfer=99 in state ON_DISK"),
     ("free record off the free list", parked,
-     lambda m: m._free_records.remove(free(m)), "free list membership wrong"),
+     lambda m: m._records.free.remove(free(m)), "free list membership wrong"),
     ("released block not evictable", parked,
      lambda m: m._gpu.evictable.remove(released(m)), "GPU evictable membership wrong"),
     ("disk block out of the displacement order", parked,
-     lambda m: m._disk.unfile(best_effort(m)), "disk order membership wrong"),
+     lambda m: m._disk.slots.unfile(best_effort(m)), "disk order membership wrong"),
     ("expired block left in the deadline set", parked,
-     lambda m: setattr(retained(m), "expiry", m._now), "expired but still in the deadline"),
+     lambda m: setattr(retained(m), "expiry", m._records.now), "expired but still in the deadline"),
     ("live TTL filed as best-effort", parked,
-     lambda m: setattr(best_effort(m), "expiry", m._now + 60.0), "live TTL filed as"),
+     lambda m: setattr(best_effort(m), "expiry", m._records.now + 60.0), "live TTL filed as"),
     ("cached block without a key", parked,
      lambda m: setattr(released(m), "key", None), "cached without a key"),
     ("free record with a key", parked,
@@ -180,28 +182,28 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
     ("free record with an old reuse count", parked,
      lambda m: setattr(free(m), "reuse_count", 1), "kept old fields"),
     ("key indexed to another block", parked,
-     lambda m: m._index.pop(released(m).key), "key not indexed to it"),
+     lambda m: m._index.blocks.pop(released(m).key), "key not indexed to it"),
     ("index maps a key to a block with another key", parked, _alias_key,
      "index maps a key"),
     ("state counts wrong", parked,
-     lambda m: m._state_counts.__setitem__(BlockState.FREE, 0), "state counts"),
+     lambda m: m._records.state_counts.__setitem__(BlockState.FREE, 0), "state counts"),
     ("a GPU page lost", parked,
      lambda m: m._gpu.empty.pop(), r"GPU pages: owned \d+, unowned \[\d+\]"),
     ("a slot lost", parked,
-     lambda m: m._disk.empty.pop(), r"slots: owned \d+, unowned \[\d+\]"),
+     lambda m: m._disk.slots.empty.pop(), r"slots: owned \d+, unowned \[\d+\]"),
     ("a stray slot id", parked,
-     lambda m: m._disk.empty.__setitem__(0, None), r"stray \[None\]"),
+     lambda m: m._disk.slots.empty.__setitem__(0, None), r"stray \[None\]"),
     ("child counts wrong", parked,
-     lambda m: m._children.__setitem__(next(iter(m._children)), 99), "child counts"),
+     lambda m: m._index.children.__setitem__(next(iter(m._index.children)), 99), "child counts"),
     ("write points at another block", spilling,
-     lambda m: setattr(next(w for w in m._writes.values() if w.block is not None), "block",
+     lambda m: setattr(next(w for w in m._disk.writes.values() if w.block is not None), "block",
                        on_gpu(m)), "points at"),
     ("recalled write shares a slot", spilling,
-     lambda m: setattr(m._writes[TransferId(1)], "slot", m._writes[TransferId(2)].slot),
+     lambda m: setattr(m._disk.writes[TransferId(1)], "slot", m._disk.writes[TransferId(2)].slot),
      r"slot \d+ owned by 'write 1' and 'write 2'"),
     ("recalled write shares a host page", spilling,
-     lambda m: setattr(m._writes[TransferId(1)], "host_page",
-                       m._writes[TransferId(2)].host_page),
+     lambda m: setattr(m._disk.writes[TransferId(1)], "host_page",
+                       m._disk.writes[TransferId(2)].host_page),
      r"host page \d+ owned by 'write 1' and 'write 2'"),
     ("spilling block pointed at by no write", spilling,
      lambda m: setattr(blocks(m, BlockState.SPILLING)[0], "transfer", TransferId(1)),
@@ -214,10 +216,10 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
     ("free host page beside an unfilled reserve", lambda: make(reserved_host_blocks=1),
      _reserve_short_with_free_pages, "outside an unfilled reserve"),
     ("prefetched block out of the prefetched order", prefetching,
-     lambda m: m._prefetched.remove(blocks(m, BlockState.PREFETCHED)[0]),
+     lambda m: m._eviction.prefetched.remove(blocks(m, BlockState.PREFETCHED)[0]),
      "prefetched order membership wrong"),
     ("prefetched block wanted by nobody", prefetching,
-     lambda m: m._queued.pop(RequestId("q")), "prefetchers .* disagree"),
+     lambda m: m._onboarding.queued.pop(RequestId("q")), "prefetchers .* disagree"),
     ("prefetched block with no queued request", prefetching, _forget_prefetchers,
      "prefetched for no queued request"),
     ("prefetch read pointing at another block", prefetching,
@@ -227,8 +229,9 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
      lambda m: m._host.empty.append(blocks(m, BlockState.PREFETCHING)[0].host_page),
      r"host page \d+ owned by 'host-free'"),
     ("queued request also admitted", prefetching,
-     lambda m: m._requests.__setitem__(RequestId("q"), next(iter(m._requests.values()), None)
-                                       or object()),
+     lambda m: m._requests.live.__setitem__(RequestId("q"),
+                                            next(iter(m._requests.live.values()), None)
+                                            or object()),
      "both admitted and queued"),
 ]
 

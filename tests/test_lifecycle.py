@@ -167,10 +167,10 @@ def test_a_failed_read_is_never_served_only_discarded() -> None:
 def test_manager_rejects_an_illegal_event_and_leaves_the_block_unchanged() -> None:
     cache = KVCacheManager(config())
     before = cache.statistics()
-    record = cache._records[0]
+    record = cache._records.all[0]
     assert record.state is S.FREE
     with pytest.raises(IllegalTransition) as info:
-        cache._move(record, E.RELEASED)
+        cache._records.move(record, E.RELEASED)
     assert info.value.block == record.id
     assert info.value.state == "FREE" and info.value.event == "RELEASED"
     assert record.state is S.FREE

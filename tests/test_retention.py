@@ -174,7 +174,7 @@ def test_deadline_set_forgets_a_block_when_it_is_onboarded() -> None:
     assert ex.stats().disk_retained_blocks == 1
     ex.add("b", [*doc, 1])
     assert ex.stats().disk_retained_blocks == 0
-    assert len(ex.cache._disk.retained) == 0
+    assert len(ex.cache._disk.slots.retained) == 0
     ex.land_read()
     assert ex.stats().disk_retained_blocks == 0
 
@@ -185,7 +185,7 @@ def test_deadline_set_forgets_a_block_when_it_is_displaced() -> None:
     ex.spill([one_block()])  # displaces it: the disk is full and displacing is allowed
     assert ex.stats().displacements == 1
     assert ex.stats().disk_retained_blocks == 0
-    assert len(ex.cache._disk.retained) == 0
+    assert len(ex.cache._disk.slots.retained) == 0
 
 
 def test_deadline_set_forgets_a_block_when_it_expires() -> None:
@@ -193,8 +193,8 @@ def test_deadline_set_forgets_a_block_when_it_expires() -> None:
     ex.spill([one_block()], ttl=100.0)
     ex.tick(100.0)
     assert ex.stats().disk_retained_blocks == 0
-    assert len(ex.cache._disk.retained) == 0
-    assert len(ex.cache._disk.unmarked) == 1
+    assert len(ex.cache._disk.slots.retained) == 0
+    assert len(ex.cache._disk.slots.unmarked) == 1
 
 
 def test_deadline_set_forgets_a_block_whose_read_failed() -> None:

@@ -2,11 +2,11 @@
 
 A slot header holds the retention deadline its block was spilled with.  A later request with
 a longer TTL that matched the same content lengthens the deadline in memory
-(``KVCacheManager._stamp_retention``, which emits ``PersistRetention``); rewriting the 4 KiB
-header for that would be a read-modify-write racing the slot's own transfers.  Instead the
-new deadline is appended here, next to the data file, and replayed at open: the restored
-block carries the latest deadline of its header and of the records naming its slot *and its
-key* (specs/disk_persistence.md says why no ordering against the slot's writes is needed).
+(``statekv.disk_tier.DiskTier.stamp_retention``, which emits ``PersistRetention``); rewriting
+the 4 KiB header for that would be a read-modify-write racing the slot's own transfers.
+Instead the new deadline is appended here, next to the data file, and replayed at open: the
+restored block carries the latest deadline of its header and of the records naming its slot
+*and its key* (specs/disk_persistence.md says why no ordering against the slot's writes is needed).
 
 File ``retention.v1`` in the slot directory: a sequence of fixed-size records (integers
 little-endian)::

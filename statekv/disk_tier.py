@@ -1,0 +1,310 @@
+"""The disk tier: which slot a spill takes, what it displaces, and how long content is kept.
+
+Owns the disk slots and their displacement order (:class:`~statekv.pools.DiskSlots`), the
+spills in flight, the arrival stamps of the retention order, and the retention deadlines:
+stamping them when a TTL request leaves, letting them run out, and adopting what an earlier
+process left on disk (:meth:`DiskTier.restore`).  It is separate because every rule about a
+slot -- whether a host victim may be spilled, which content it displaces, when a slot is free
+again -- is decided here and nowhere else; the other concerns only file a block that lands on
+disk, unfile one that leaves, and free the slot of a read that is done with it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from statekv.arith import is_live
+from statekv.block import Block
+from statekv.config import CacheConfig, is_finite_number
+from statekv.errors import UsageError
+from statekv.hashing import DIGEST_SIZE
+from statekv.ids import BlockHash, PageId, SlotId, TransferId
+from statekv.lifecycle import BlockEvent, BlockState
+from statekv.messages import FreeSlot, PersistRetention, WriteSlot
+from statekv.outbox import Outbox
+from statekv.policies import Policies
+from statekv.pools import DiskSlots, HostPagePool
+from statekv.prefix_index import PrefixIndex
+from statekv.records import BlockRecords
+from statekv.requests import Request
+from statekv.stats import Counters
+
+_E = BlockEvent
+
+
+class Refusal(enum.Enum):
+    """Why a host victim was dropped instead of spilled."""
+
+    GATE = "the spill mode does not admit it"
+    PRESSURE = "best-effort, and the write queue is full (drop-on-pressure)"
+    ADMISSION = "the disk is full of unexpired retained content (protect_unexpired)"
+    DISK_BUSY = "every slot has a read or write in flight"
+
+
+@attrs.frozen(kw_only=True)
+class RestoredBlock:
+    """One block an index rebuild found on disk, for :meth:`KVCacheManager.restore` to adopt.
+
+    Everything here was stored with the block by the process that spilled it.
+    """
+
+    key: BlockHash
+    parent_key: BlockHash
+    slot: SlotId
+    depth: int
+    reuse_count: int
+    expiry: float | None
+    """Retention deadline on the same clock as `now` (wall-clock seconds)."""
+    written_at: float
+    """When the spill was issued, on the same clock."""
+    sequence: int
+    """Orders spills issued at the same `written_at`."""
+
+
+@attrs.define(eq=False, slots=True)
+class Write:
+    block: Block | None
+    """The spilling block, or None once it was recalled to GPU while its write drained."""
+    host_page: PageId
+    slot: SlotId
+
+
+class DiskTier:
+    """Disk slots, spills in flight and retention, for one manager."""
+
+    __slots__ = ("block_bytes", "config", "counters", "host", "index", "outbox", "policies",
+                 "records", "seq", "slots", "writes")
+
+    def __init__(self, config: CacheConfig, policies: Policies, records: BlockRecords,
+                 index: PrefixIndex, host: HostPagePool, outbox: Outbox,
+                 counters: Counters) -> None:
+        self.config = config
+        self.block_bytes = config.block_bytes
+        self.policies = policies
+        self.records = records
+        self.index = index
+        self.host = host
+        self.outbox = outbox
+        self.counters = counters
+        self.slots = DiskSlots(config.disk_blocks)
+        self.writes: dict[TransferId, Write] = {}
+        self.seq = 0
+
+    # ------------------------------------------------------------------ the order
+
+    def next_seq(self) -> int:
+        """An arrival stamp for the retention heap: first in, first out among equal keys.
+        (The lists order by position and need no stamp.)"""
+        self.seq += 1
+        return self.seq
+
+    def file(self, block: Block, now: float) -> None:
+        """`block` just landed on disk (or came back to it): order it for displacement."""
+        self.slots.file(block, now, self.next_seq())
+
+    def free_slot(self, slot: SlotId) -> None:
+        """Nothing uses `slot` any more: empty again, and the actors free it too."""
+        self.slots.empty.append(slot)
+        self.outbox.commands.append(FreeSlot(slot=slot))
+
+    def expire(self, now: float) -> None:
+        """Content whose TTL ran out becomes best-effort."""
+        expired = self.slots.expire(now)
+        if expired:
+            self.counters.expirations += len(expired)
+
+    # ------------------------------------------------------------------ spills
+
+    def spill_refusal(self, victim: Block, now: float) -> Refusal | None:
+        """Why `victim` may not be spilled now, or None when it may."""
+        policies = self.policies
+        if not policies.spill.admits(victim, now):
+            return Refusal.GATE
+        if policies.pressure.sheds(is_live(victim.expiry, now), len(self.writes)):
+            return Refusal.PRESSURE
+        disk = self.slots
+        if disk.empty:
+            return None
+        if disk.next_victim(policies.admission.may_displace_live()) is not None:
+            return None
+        if disk.next_victim(True) is not None:
+            return Refusal.ADMISSION
+        return Refusal.DISK_BUSY
+
+    def spill(self, victim: Block, now: float) -> None:
+        """Start writing `victim` to a disk slot (displacing the next disk victim if need be)."""
+        disk = self.slots
+        if disk.empty:
+            slot = disk.empty.pop()
+        else:
+            displaced = disk.next_victim(self.policies.admission.may_displace_live())
+            assert displaced is not None
+            disk.unfile(displaced)
+            slot_of = displaced.disk_slot
+            assert slot_of is not None
+            slot = slot_of
+            displaced.disk_slot = None  # the slot passes straight to the new spill
+            self.counters.displacements += 1
+            self.records.discard(displaced, _E.DROPPED)
+        host_page = victim.host_page
+        key = victim.key
+        assert host_page is not None and key is not None
+        tid = self.outbox.new_transfer()
+        self.writes[tid] = Write(block=victim, host_page=host_page, slot=slot)
+        victim.disk_slot = slot
+        victim.transfer = tid
+        self.records.move(victim, _E.SPILL_STARTED)
+        self.outbox.writes.append(
+            WriteSlot(
+                transfer=tid, block=victim.id, key=key, host_page=host_page, slot=slot,
+                retained=is_live(victim.expiry, now), parent=victim.parent_key,
+                depth=victim.depth, reuse_count=victim.reuse_count, expiry=victim.expiry,
+                issued_at=now,
+            )
+        )
+        self.counters.spills += 1
+
+    def write_landed(self, write: Write, now: float) -> None:
+        c = self.counters
+        c.spills_completed += 1
+        c.bytes_written += self.block_bytes
+        self.host.give_back(write.host_page)
+        block = write.block
+        if block is None:
+            # Recalled to GPU while the write drained: the bytes in the slot belong to no
+            # block any more.
+            self.free_slot(write.slot)
+            return
+        block.host_page = None
+        block.transfer = None
+        self.records.move(block, _E.SPILL_LANDED)
+        self.file(block, now)
+
+    def write_failed(self, write: Write) -> None:
+        self.counters.spill_failures += 1
+        self.free_slot(write.slot)
+        block = write.block
+        if block is None:
+            self.host.give_back(write.host_page)
+            return
+        # The bytes are still in the host page: the block stays cached on host.
+        block.disk_slot = None
+        block.transfer = None
+        self.records.move(block, _E.SPILL_FAILED)
+        self.host.evictable.push(block)
+
+    # ------------------------------------------------------------------ retention
+
+    def stamp_retention(self, req: Request, expiry: float, now: float) -> None:
+        """Keep the request's full blocks until `expiry` (never shortening a stamp).
+
+        A block the request computed after another request had committed the same content
+        is a private duplicate; the stamp goes to the cached twin, wherever it is now -- on
+        disk it is re-filed in the retention order at once.  A stamped block that has a disk
+        slot (on disk, being spilled or read back) was written with an earlier deadline in
+        its slot header: a PersistRetention makes the new one survive a restart.
+        """
+        index = self.index.blocks
+        for i in range(req.committed):
+            block = req.blocks[i]
+            target = block if block.key is not None else index.get(req.keys[i])
+            if target is None or (target.expiry is not None and target.expiry >= expiry):
+                continue
+            if target.state is BlockState.ON_DISK:
+                self.slots.unfile(target)
+                target.expiry = expiry
+                self.file(target, now)
+            else:
+                target.expiry = expiry
+            slot, key = target.disk_slot, target.key
+            if slot is not None and key is not None:
+                self.outbox.commands.append(PersistRetention(slot=slot, key=key, expiry=expiry))
+
+    def check_restore(self, blocks: object) -> set[int]:
+        """Validate what :meth:`restore` is given (changing nothing); returns its slots."""
+        if isinstance(blocks, str | bytes) or not isinstance(blocks, Sequence):
+            raise UsageError("blocks", "must be a sequence of RestoredBlock")
+        slots: set[int] = set()
+        keys: set[bytes] = set()
+        for i, entry in enumerate(blocks):
+            self._check_restored(i, entry, slots, keys)
+        return slots
+
+    def restore(self, blocks: Sequence[RestoredBlock], slots: set[int], now: float) -> None:
+        """Adopt blocks checked by :meth:`check_restore`, each ON_DISK in its slot.
+
+        The displacement order is rebuilt as if the blocks had stayed: best-effort content
+        first, in the order it became best-effort (when it was written, or when its deadline
+        passed -- also while the process was down), a deeper block before its prefix among
+        equals; then content whose deadline is still running, by
+        :func:`~statekv.arith.retention_order`.
+        """
+        by_slot = sorted(blocks, key=lambda e: e.slot)
+        live = [e for e in by_slot if is_live(e.expiry, now)]
+        best_effort = [e for e in by_slot if not is_live(e.expiry, now)]
+
+        def became_best_effort(e: RestoredBlock) -> tuple[float, float, int, int]:
+            expired_at = e.expiry if e.expiry is not None else -math.inf
+            return (max(e.written_at, expired_at), e.written_at, e.sequence, -e.depth)
+
+        best_effort.sort(key=became_best_effort)
+        live.sort(key=lambda e: (e.written_at, e.sequence))
+        records, index = self.records, self.index
+        fresh: list[Block] = []
+        for entry in [*best_effort, *live]:
+            block = records.free.pop()
+            fresh.append(block)
+            block.depth = entry.depth
+            block.reuse_count = entry.reuse_count
+            block.expiry = entry.expiry
+            block.disk_slot = entry.slot
+            index.add(block, entry.key, entry.parent_key)
+        records.move_all(fresh, _E.RESTORED)
+        for block in fresh:
+            self.file(block, now)
+        disk = self.slots
+        disk.empty = [slot for slot in disk.empty if slot not in slots]
+        self.counters.restored_blocks += len(fresh)
+
+    def _check_restored(
+        self, i: int, entry: object, slots: set[int], keys: set[bytes]
+    ) -> None:
+        where = f"blocks[{i}]"
+        if not isinstance(entry, RestoredBlock):
+            raise UsageError("blocks", f"{where} is not a RestoredBlock: {entry!r:.80}")
+        hashes: tuple[tuple[str, object], ...] = (
+            ("key", entry.key), ("parent_key", entry.parent_key)
+        )
+        for field, digest in hashes:
+            if not isinstance(digest, bytes) or len(digest) != DIGEST_SIZE:
+                raise UsageError(field, f"{where}: must be a BlockHash, got {digest!r:.80}")
+        slot: object = entry.slot
+        disk_blocks = self.config.disk_blocks
+        if isinstance(slot, bool) or not isinstance(slot, int) or not (
+            0 <= slot < disk_blocks
+        ):
+            raise UsageError(
+                "slot", f"{where}: must be a slot in [0, {disk_blocks}), got {slot!r}"
+            )
+        if slot in slots:
+            raise UsageError("slot", f"{where}: slot {slot} restored twice")
+        assert isinstance(slot, int)
+        if entry.key in keys:
+            raise UsageError("key", f"{where}: key restored twice")
+        counts: tuple[tuple[str, object], ...] = (
+            ("depth", entry.depth), ("reuse_count", entry.reuse_count),
+            ("sequence", entry.sequence),
+        )
+        for field, value in counts:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(field, f"{where}: must be an integer >= 0, got {value!r}")
+        if entry.expiry is not None and not is_finite_number(entry.expiry):
+            raise UsageError("expiry", f"{where}: must be finite seconds or None")
+        if not is_finite_number(entry.written_at):
+            raise UsageError("written_at", f"{where}: must be finite seconds")
+        slots.add(slot)
+        keys.add(entry.key)

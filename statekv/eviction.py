@@ -1,0 +1,214 @@
+"""GPU and host eviction: where a page comes from when none is empty.
+
+Owns the GPU and host page pools with their eviction orders, and the order of PREFETCHED
+blocks (host pages holding a guess, reclaimed newest first).  It decides which cached block
+leaves a tier and where it goes: a GPU victim is copied to host (and offered to the shared
+tier) or dropped; a host victim is spilled (the disk tier says whether it may be) or dropped.
+Blocks enter the GPU order here too, when the last request holding them lets go.  It is
+separate because every page that is taken, evicted or given back passes through these few
+methods, and the cascade GPU -> host -> disk reads top to bottom in one place.
+"""
+
+from __future__ import annotations
+
+from statekv.arith import is_live
+from statekv.block import Block
+from statekv.config import CacheConfig
+from statekv.disk_tier import DiskTier, Refusal
+from statekv.errors import InvariantViolation
+from statekv.ids import PageId
+from statekv.lifecycle import BlockEvent, BlockState
+from statekv.messages import CopyGpuToHost, PublishBlock
+from statekv.orderings import BlockList
+from statekv.outbox import Outbox
+from statekv.policies import Policies
+from statekv.pools import HostPagePool, PagePool
+from statekv.records import BlockRecords
+from statekv.requests import Request
+from statekv.stats import Counters
+
+_S = BlockState
+_E = BlockEvent
+
+
+class Eviction:
+    """The GPU and host tiers' pages, their eviction orders and the cascade between them."""
+
+    __slots__ = ("counters", "disk", "gpu", "has_disk", "has_host", "host", "outbox",
+                 "policies", "prefetched", "reclaim_first", "records", "shared")
+
+    def __init__(self, config: CacheConfig, policies: Policies, records: BlockRecords,
+                 gpu: PagePool, host: HostPagePool, disk: DiskTier, outbox: Outbox,
+                 counters: Counters) -> None:
+        self.policies = policies
+        self.records = records
+        self.gpu = gpu
+        self.host = host
+        self.disk = disk
+        self.outbox = outbox
+        self.counters = counters
+        self.has_host = config.host_blocks + config.reserved_host_blocks > 0
+        self.has_disk = config.disk_blocks > 0
+        self.shared = config.shared_tier
+        self.reclaim_first = config.reclaim_prefetched_first
+        # The PREFETCHED blocks in landing order (the newest is reclaimed first: its request
+        # is the furthest from admission).
+        self.prefetched = BlockList()
+
+    # ------------------------------------------------------------------ giving blocks back
+
+    def let_go(self, req: Request, blocks: list[Block]) -> None:
+        """`req` stops holding `blocks` (tail first, so tails are evicted first)."""
+        rid = req.id
+        priority = req.priority
+        cached: list[Block] = []
+        for block in reversed(blocks):
+            state = block.state
+            if state is not _S.ON_GPU and rid in block.waiters:
+                block.waiters.remove(rid)
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            block.priority = priority
+            if state is _S.ON_GPU:
+                if block.key is not None:
+                    cached.append(block)
+                else:
+                    self.records.discard(block, _E.DISCARDED)
+            elif state is _S.ONBOARDING or state is _S.FETCHING or state is _S.ERROR:
+                # ONBOARDING and FETCHING keep their GPU page until the transfer lands (then
+                # RELEASED); an ERROR block is discarded by the failure handler once nobody
+                # holds it.
+                pass
+            else:
+                raise InvariantViolation(f"request {rid!r} held {block!r}")
+        if cached:
+            self.records.move_all(cached, _E.RELEASED)
+            self.gpu.evictable.push_all(cached, priority)
+
+    # ------------------------------------------------------------------ finding pages
+
+    def take_gpu_page(self, now: float) -> PageId:
+        """An empty GPU page, evicting the coldest cached block if need be.
+
+        Callers check `obtainable()` first, so a page is always found.
+        """
+        gpu = self.gpu
+        if gpu.empty:
+            return gpu.empty.pop()
+        victim = gpu.evictable.pop()
+        page = victim.gpu_page
+        assert page is not None
+        victim.gpu_page = None
+        c = self.counters
+        c.gpu_evictions += 1
+        if self.has_host:
+            host_page = self.take_host_page(now, for_prefetch=False)
+            if host_page is not None:
+                self.outbox.commands.append(
+                    CopyGpuToHost(block=victim.id, gpu_page=page, host_page=host_page)
+                )
+                victim.host_page = host_page
+                self.records.move(victim, _E.OFFLOADED)
+                self.host.evictable.push(victim)
+                c.host_offloads += 1
+                if self.shared:
+                    self.offer_publish(victim, host_page, now)
+                return page
+            c.offloads_skipped += 1
+        self.records.discard(victim, _E.DROPPED)
+        return page
+
+    def offer_publish(self, block: Block, host_page: PageId, now: float) -> None:
+        """Offer a block just copied into `host_page` to the shared tier, when the spill mode
+        admits it (the same gate as a spill: one policy decides what leaves the GPU tier's
+        reach).  Placed right after its copy in the outbox: the publisher copies the page at
+        that point of the command order, before a later command may reuse it."""
+        key, parent = block.key, block.parent_key
+        if key is None or parent is None:
+            return  # private content is never shared
+        if not self.policies.spill.admits(block, now):
+            self.counters.publishes_not_admitted += 1
+            return
+        # A deadline that passed makes the content best-effort: published without expiry.
+        expiry = block.expiry if is_live(block.expiry, now) else None
+        self.outbox.commands.append(PublishBlock(
+            block=block.id, key=key, host_page=host_page, parent=parent, depth=block.depth,
+            reuse_count=block.reuse_count, expiry=expiry,
+        ))
+        self.counters.publishes_offered += 1
+
+    def take_host_page(self, now: float, *, for_prefetch: bool) -> PageId | None:
+        """A host page for a GPU victim or a prefetch: an empty one, else (for a GPU victim)
+        the newest prefetched block's, else from evicting host victims -- or, with
+        ``reclaim_prefetched_first`` off, the prefetched page only after the host victims
+        yielded none.
+
+        Prefetched pages go first by default because giving one back costs nothing (the
+        bytes are still on disk) and a prefetch is only a guess about a request that has not
+        run yet.  A victim that spills keeps its page until the write lands; the caller then
+        gets a reserved page, or the next victim is tried.  A prefetch never takes another's
+        page and evicts at most one host victim: a guess must not spill the whole host tier
+        looking for a page (the spill's page comes back when it lands, for the next call).
+        None when no page can be had now.
+        """
+        host = self.host
+        if host.empty:
+            return host.empty.pop()
+        if for_prefetch:
+            evictable = host.evictable
+            return self.evict_host_victim(evictable.pop(), now) if evictable.size else None
+        if self.reclaim_first and self.prefetched.tail is not None:
+            return self.reclaim_prefetched(now)
+        evictable = host.evictable
+        while evictable.size:
+            victim = evictable.pop()
+            page = self.evict_host_victim(victim, now)
+            if page is not None:
+                return page
+        if self.prefetched.tail is not None:
+            return self.reclaim_prefetched(now)
+        return None
+
+    def reclaim_prefetched(self, now: float) -> PageId:
+        """The newest prefetched block goes back to disk only; its host page is returned."""
+        newest = self.prefetched.tail
+        assert newest is not None
+        self.prefetched.remove(newest)
+        self.counters.prefetches_reclaimed += 1
+        return self.give_up_prefetch(newest, now)
+
+    def give_up_prefetch(self, block: Block, now: float) -> PageId:
+        """PREFETCHED -> ON_DISK (out of every order already): returns its host page, which
+        the caller gives back or passes on."""
+        page = block.host_page
+        assert page is not None
+        block.host_page = None
+        block.prefetchers.clear()
+        self.records.move(block, _E.PREFETCH_CANCELLED)
+        self.disk.file(block, now)
+        return page
+
+    def evict_host_victim(self, victim: Block, now: float) -> PageId | None:
+        """Spill `victim` to disk or drop it; return the host page this frees now, if any."""
+        c = self.counters
+        page = victim.host_page
+        assert page is not None
+        if self.has_disk:
+            refusal = self.disk.spill_refusal(victim, now)
+            if refusal is None:
+                self.disk.spill(victim, now)
+                host = self.host
+                return host.reserved.pop() if host.reserved else None
+            if refusal is Refusal.GATE:
+                c.gate_drops += 1
+            elif refusal is Refusal.PRESSURE:
+                c.pressure_drops += 1
+            elif refusal is Refusal.ADMISSION:
+                c.admission_refusals += 1
+            else:
+                c.disk_busy_refusals += 1
+        c.host_drops += 1
+        victim.host_page = None
+        self.records.discard(victim, _E.DROPPED)
+        return page

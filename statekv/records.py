@@ -1,0 +1,98 @@
+"""The block records and their states: the only code that moves a block through the table.
+
+Owns the fixed set of :class:`~statekv.block.Block` records, the free list they are taken
+from and given back to, the count of records in each state, and the context every
+transition is traced with (the caller's clock and the request that caused it).  It is
+separate because every other concern changes states, and each of them must do it the same
+way: through :data:`statekv.lifecycle.TRANSITIONS`, counted and traced here.
+
+Giving a record back (:meth:`BlockRecords.discard`) also lives here: the content leaves the
+prefix index and the pages it still owns go back to their pools, whichever concern decided
+it leaves (an eviction, a displacement, a failed transfer).
+"""
+
+from __future__ import annotations
+
+import math
+
+from statekv.block import Block
+from statekv.errors import IllegalTransition, InvariantViolation
+from statekv.ids import BlockId, RequestId
+from statekv.lifecycle import TRANSITIONS, BlockEvent, BlockState
+from statekv.pools import HostPagePool, PagePool
+from statekv.prefix_index import PrefixIndex
+from statekv.trace import TraceSink
+
+
+class BlockRecords:
+    """Every block record of one manager, made once and recycled through `free`."""
+
+    __slots__ = ("all", "cause", "free", "gpu", "host", "index", "now", "state_counts",
+                 "trace")
+
+    def __init__(self, count: int, index: PrefixIndex, gpu: PagePool, host: HostPagePool,
+                 trace: TraceSink | None) -> None:
+        # Every live block owns at least one page or slot, so `count` records suffice.
+        self.all = [Block(BlockId(i)) for i in range(count)]
+        self.free = list(reversed(self.all))
+        self.state_counts = [0] * len(BlockState)
+        self.state_counts[BlockState.FREE] = count
+        self.index = index
+        self.gpu = gpu
+        self.host = host
+        self.trace = trace
+        self.now = -math.inf
+        """The caller's clock at the current call (the core never reads one)."""
+        self.cause: RequestId | None = None
+        """The request whose call is making the transitions, for the trace."""
+
+    def move(self, block: Block, event: BlockEvent) -> None:
+        """Change a block's state through the table (the only place a state changes)."""
+        old = block.state
+        new = TRANSITIONS.get((old, event))
+        if new is None:
+            raise IllegalTransition(block.id, old.name, event.name)
+        block.state = new
+        counts = self.state_counts
+        counts[old] -= 1
+        counts[new] += 1
+        if self.trace is not None:
+            self.trace.record(self.now, block.id, self.cause, old, new, event)
+
+    def move_all(self, blocks: list[Block], event: BlockEvent) -> None:
+        """move for a batch of blocks (one call instead of one per block on hot paths)."""
+        table = TRANSITIONS
+        counts = self.state_counts
+        trace = self.trace
+        for block in blocks:
+            old = block.state
+            new = table.get((old, event))
+            if new is None:
+                raise IllegalTransition(block.id, old.name, event.name)
+            block.state = new
+            counts[old] -= 1
+            counts[new] += 1
+            if trace is not None:
+                trace.record(self.now, block.id, self.cause, old, new, event)
+
+    def discard(self, block: Block, event: BlockEvent) -> None:
+        """The content leaves the cache: unindex it, free the GPU or host page it still owns.
+
+        Never a disk slot: whoever takes a block off disk (displacement, a landed or failed
+        read) frees or passes on its slot first, since only it knows whether a transfer still
+        uses the slot.
+        """
+        if block.disk_slot is not None or block.transfer is not None:
+            raise InvariantViolation(f"discarding {block!r} with a disk slot or a transfer")
+        self.move(block, event)
+        self.index.remove(block)
+        if block.gpu_page is not None:
+            self.gpu.empty.append(block.gpu_page)
+        if block.host_page is not None:
+            self.host.give_back(block.host_page)
+        # Back to a FREE record's defaults.  Holders, waiters and the heap position are
+        # already cleared whenever a block is discarded (check_invariants verifies it).
+        block.gpu_page = block.host_page = None
+        block.expiry = None
+        block.reuse_count = block.depth = block.priority = 0
+        self.free.append(block)
