@@ -60,6 +60,8 @@ class RequestTable:
     def check_new_id(self, request_id: object) -> RequestId:
         if not isinstance(request_id, str) or not request_id:
             raise UsageError("request_id", f"must be a non-empty string, got {request_id!r}")
+        if not is_utf8_encodable(request_id):  # the rule for every text field (cache_salt)
+            raise UsageError("request_id", f"must be encodable as UTF-8, got {request_id!r}")
         if request_id in self.live:
             raise UsageError("request_id", f"request {request_id!r} already exists")
         return RequestId(request_id)

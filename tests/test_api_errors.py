@@ -115,6 +115,8 @@ BAD_CALLS: list[tuple[str, BadCall, str]] = [
      "cache_salt"),
     ("salt-bytes", lambda b: lambda c: c.add_request("new", [1], now=LATER, cache_salt=b"t"),
      "cache_salt"),
+    ("request-id-surrogate",
+     lambda b: lambda c: c.add_request("new\udc80", [1], now=LATER), "request_id"),
     ("salt-surrogate",
      lambda b: lambda c: c.add_request("new", [1], now=LATER, cache_salt="\ud800"),
      "cache_salt"),
