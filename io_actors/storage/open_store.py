@@ -45,7 +45,7 @@ def open_slot_store(
         if not torch.cuda.is_available():
             raise ConfigError(
                 "kind", "the kvikio backend needs CUDA, and CUDA is not available here; "
-                "use kind='posix'"
+                "use backend='posix'"
             )
         from io_actors.storage.kvikio_store import KvikioSlotStore
 
