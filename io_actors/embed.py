@@ -339,6 +339,7 @@ async def open_cache(
             store = open_slot_store(
                 config.backend, directory, core_config, persist=config.persist,
                 sync_writes=config.disk_sync == "data", mac_key=config.disk_mac_key,
+                owned_from=config.disk_dir,
             )
         except BaseException as exc:
             if shared is not None:

@@ -109,6 +109,7 @@ class KvikioSlotStore:
         sync_writes: bool = False,
         persist: bool = True,
         mac_key: bytes | None = None,
+        owned_from: str | os.PathLike[str] | None = None,
     ) -> None:
         kvikio = _import_kvikio()
         if mac_key is not None:
@@ -125,7 +126,7 @@ class KvikioSlotStore:
         self._device = device
         self._host = PosixSlotStore(
             directory, config, direct_io=direct_io, preallocate=preallocate,
-            sync_writes=sync_writes, persist=persist,
+            sync_writes=sync_writes, persist=persist, owned_from=owned_from,
         )
         try:
             self._file = kvikio.CuFile(str(self._host.path), "r")

@@ -30,6 +30,7 @@ def open_slot_store(
     persist: bool = True,
     sync_writes: bool = False,
     mac_key: bytes | None = None,
+    owned_from: str | os.PathLike[str] | None = None,
 ) -> SlotStore:
     """Open the slot store `kind` ("posix" or "kvikio") on `directory`.
 
@@ -40,7 +41,7 @@ def open_slot_store(
     """
     if kind == "posix":
         return PosixSlotStore(directory, config, persist=persist, sync_writes=sync_writes,
-                              mac_key=mac_key)
+                              mac_key=mac_key, owned_from=owned_from)
     if kind == "kvikio":
         if not torch.cuda.is_available():
             raise ConfigError(
@@ -50,7 +51,7 @@ def open_slot_store(
         from io_actors.storage.kvikio_store import KvikioSlotStore
 
         return KvikioSlotStore(directory, config, persist=persist, sync_writes=sync_writes,
-                               mac_key=mac_key)
+                               mac_key=mac_key, owned_from=owned_from)
     raise ConfigError("kind", f"unknown slot store {kind!r} (known: {', '.join(BACKENDS)})")
 
 

@@ -189,6 +189,7 @@ class PosixSlotStore:
         sync_writes: bool = False,
         persist: bool = True,
         mac_key: bytes | None = None,
+        owned_from: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(config, CacheConfig):
             raise ConfigError("config", f"must be a CacheConfig, got {config!r}")
@@ -217,6 +218,7 @@ class PosixSlotStore:
         opened = StoreOpening(
             directory, slots=self._slots, slot_bytes=self._slot_bytes,
             payload_len=self._payload_len, config_fp=self._config_fp, mac_key=self._mac_key,
+            owned_from=owned_from,
         ).run(preallocate=preallocate, persist=persist, sync_writes=sync_writes)
         self._path = opened.path
         self._dir_fd = opened.dir_fd

@@ -32,14 +32,26 @@ import attrs
 from io_actors.storage.buffers import host_view, page_aligned_buffer
 from io_actors.storage.gc_pause import gc_paused
 from io_actors.storage.index_journal import IndexFound, IndexJournal, IndexReplay, identity
-from io_actors.storage.ownership import check_private, create_private_directory, remove_created
+from io_actors.storage.ownership import (
+    check_path,
+    check_private,
+    create_private_directory,
+    remove_created,
+)
 from io_actors.storage.retention_journal import (
     JournalReplay,
     RetentionJournal,
     RetentionRecord,
     replay,
 )
-from io_actors.storage.slot_format import FORMAT_VERSION, HEADER_SIZE, MAGIC, SlotHeader, SlotMeta
+from io_actors.storage.slot_format import (
+    ALIGN,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    SlotHeader,
+    SlotMeta,
+)
 from statekv.errors import ConfigError, DirectoryInUse, NewerFormat, TransferFailed
 from statekv.ids import BlockHash, SlotId
 
@@ -48,6 +60,8 @@ _log = logging.getLogger(__name__)
 DATA_FILE: Final = f"slots.v{FORMAT_VERSION}"
 """Name of the data file inside a store's directory (the format version is in the name, so
 a directory written by another version is recognised before a byte of it is read)."""
+DATA_FILE_GRAIN: Final = ALIGN
+"""Every data file of any configuration is a whole number of these (each slot is)."""
 _NEW_FILE: Final = DATA_FILE + ".new"
 """A data file being created: renamed to DATA_FILE only once fully allocated."""
 _VERSIONED = re.compile(r"^slots\.v([0-9]{1,9})(\.new)?$")
@@ -157,8 +171,10 @@ class StoreOpening:
         payload_len: int,
         config_fp: bytes,
         mac_key: bytes | None,
+        owned_from: str | os.PathLike[str] | None = None,
     ) -> None:
         self._requested = directory
+        self._owned_from = owned_from
         self._slots: Final = slots
         self._slot_bytes: Final = slot_bytes
         self._payload_len: Final = payload_len
@@ -179,6 +195,8 @@ class StoreOpening:
         journal: RetentionJournal | None = None
         index: IndexJournal | None = None
         try:
+            check_path(self._directory, owned_from=None if self._owned_from is None
+                       else Path(self._owned_from))
             self._dir_fd = self._lock_directory()
             journal = RetentionJournal(
                 self._directory, self._dir_fd, slots=self._slots, config=self._config_fp,
@@ -286,6 +304,12 @@ class StoreOpening:
                     "directory", f"{self._path} is not a regular file (a link or a device)"
                 )
             check_private(self._path, info)
+            if info.st_size % DATA_FILE_GRAIN:
+                raise ConfigError(
+                    "directory", f"{self._path} is not a statekv slot file: it is "
+                    f"{info.st_size} bytes, a size no slot configuration makes (slots are "
+                    f"whole {DATA_FILE_GRAIN}-byte pages); move it away"
+                )
         fd = -1
         recovery = Recovery(slots=())
         found: IndexFound | None = None
