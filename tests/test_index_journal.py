@@ -411,3 +411,45 @@ def test_under_disk_sync_data_the_journal_is_kept_the_same_way(tmp_path: Path) -
     assert store.recovery.index.source == "journal"
     assert restored(store) == {0: key(0)}
     store.close()
+
+
+def test_a_full_disk_with_no_index_journal_starts_the_cache_and_the_next_open_scans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """ENOSPC while writing a missing index journal: the cache starts (from the header
+    scan), runs without the journal, and a later open finds the content by the scan."""
+    import errno as errno_module
+
+    from io_actors.embed import BlockingCache
+    from io_actors.storage.record_file import RecordFile
+    from tests.io_helpers import serve, small_config, wait_quiet, wait_ready
+    from tests.test_io_actors import churn
+
+    config = small_config(tmp_path)
+    prompt = list(range(13))
+    with BlockingCache(config) as cache:
+        serve(cache, "p", prompt, ttl_seconds=600)
+        churn(cache, 6)
+        wait_quiet(cache)
+    rank = config.rank_directory()
+    assert rank is not None
+    (rank / INDEX_FILE).unlink()
+    real_replace = RecordFile.replace
+
+    def full_disk(self: RecordFile, data: bytes) -> None:
+        if self.path.name == INDEX_FILE:
+            raise OSError(errno_module.ENOSPC, "No space left on device")
+        real_replace(self, data)
+
+    monkeypatch.setattr(RecordFile, "replace", full_disk)
+    with caplog.at_level("WARNING"), BlockingCache(config) as cache:
+        match = cache.add_request("again", prompt)
+        assert match.disk_tokens == 12
+        wait_ready(cache, "again")
+        cache.release("again")
+    assert "this run keeps none" in caplog.text
+    assert not (rank / INDEX_FILE).exists()
+    monkeypatch.setattr(RecordFile, "replace", real_replace)
+    with BlockingCache(config) as cache:
+        assert cache.statistics().recovery.index.source == "scan"  # type: ignore[union-attr]
+        assert cache.add_request("third", prompt).disk_tokens == 12

@@ -63,6 +63,7 @@ record torn in the middle discard the whole index.
 from __future__ import annotations
 
 import array
+import errno
 import hashlib
 import hmac
 import logging
@@ -404,7 +405,20 @@ class IndexJournal:
             self._file.remove_leftover()
             self._rewrite(entries)
         except OSError as exc:
-            raise ConfigError("directory", f"cannot rewrite {self.path}: {exc}") from None
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise ConfigError("directory", f"cannot rewrite {self.path}: {exc}") from None
+            # A full disk is no reason to refuse the cache: it runs without the journal
+            # (the next open scans the slot headers), once no older journal is left to
+            # describe slots this run will change.
+            try:
+                self._file.remove()
+            except OSError as gone:
+                raise ConfigError("directory", f"cannot rewrite {self.path} ({exc}) nor "
+                                  f"remove it ({gone})") from None
+            _log.warning("%s: cannot write the index journal (%s): this run keeps none, and "
+                         "the next open rebuilds the index from the slot headers", self.path,
+                         exc)
+            return
         self._active = True
 
     def _rewrite(self, entries: Sequence[Entry]) -> None:
