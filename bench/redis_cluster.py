@@ -98,7 +98,7 @@ class LocalRedisCluster:
     """Masters on loopback, started by :meth:`start` and stopped by :meth:`stop`."""
 
     def __init__(self, directory: Path, *, masters: int = 3, node_timeout_ms: int = 1000,
-                 maxmemory: str = "256mb") -> None:
+                 maxmemory: str = "256mb", password: str | None = None) -> None:
         tools = find_redis_tools()
         if tools is None:
             raise RuntimeError("redis-server / redis-cli not found: apt-get install -y "
@@ -108,7 +108,13 @@ class LocalRedisCluster:
         self.masters = masters
         self.node_timeout_ms = node_timeout_ms
         self.maxmemory = maxmemory
+        self.password = password
+        """With a password every node requires AUTH (``requirepass``, the default user)."""
         self.nodes: list[RedisNode] = []
+
+    def _auth(self) -> list[str]:
+        # REDISCLI_AUTH would keep it off the command line; these are throwaway test nodes.
+        return [] if self.password is None else ["-a", self.password, "--no-auth-warning"]
 
     @property
     def url(self) -> str:
@@ -117,7 +123,7 @@ class LocalRedisCluster:
 
     def _cli(self, port: int, *args: str, timeout: float = 10.0) -> str:
         done = subprocess.run(
-            [self.cli, "-h", "127.0.0.1", "-p", str(port), *args],
+            [self.cli, "-h", "127.0.0.1", "-p", str(port), *self._auth(), *args],
             capture_output=True, text=True, timeout=timeout, check=False,
         )
         if done.returncode != 0:
@@ -141,6 +147,8 @@ class LocalRedisCluster:
                 "--dir", str(node.directory), "--save", "", "--appendonly", "no",
                 "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
                 "--daemonize", "no",
+                *([] if self.password is None else ["--requirepass", self.password,
+                                                    "--masterauth", self.password]),
             ],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
@@ -168,7 +176,8 @@ class LocalRedisCluster:
             for node in self.nodes:
                 self._wait_ping(node, deadline)
             subprocess.run(
-                [self.cli, "--cluster", "create", *(n.address for n in self.nodes),
+                [self.cli, *self._auth(), "--cluster", "create",
+                 *(n.address for n in self.nodes),
                  "--cluster-replicas", "0", "--cluster-yes"],
                 capture_output=True, text=True, timeout=START_TIMEOUT_S, check=True,
             )

@@ -34,6 +34,9 @@ from models.serving_loop import RequestResult
 
 # ---------------------------------------------------------------------- messages
 
+BENCH_REMOTE_SECRET = b"statekv-bench-replicas-shared-secret"
+"""Signs the shared tier's values in the replicas benchmark (every replica holds it)."""
+
 
 @attrs.frozen(kw_only=True)
 class ReplicaSpec:
@@ -205,6 +208,7 @@ def _one_run(spec: ReplicaSpec, model: Any, device: str, run: StartRun,
             cost_aware_onboarding=spec.cost_aware,
             remote_url=run.remote_url, remote_namespace=run.remote_namespace,
             remote_timeout_s=run.remote_timeout_s,
+            remote_secret=BENCH_REMOTE_SECRET if run.remote_url is not None else None,
         )
         with BlockingCache(config) as cache:
             loop = ServingLoop(model, cache, max_step_tokens=spec.max_step_tokens,

@@ -17,7 +17,7 @@ from typing import Any, Final
 import attrs
 
 from io_actors.storage.cluster_url import MAX_TIMEOUT_S, parse_cluster_url
-from statekv.config import CacheConfig, KVLayout, SpillMode
+from statekv.config import CacheConfig, KVLayout, SpillMode, is_utf8_encodable
 from statekv.errors import ConfigError
 
 _UNITS: Final[dict[str, int]] = {
@@ -163,10 +163,21 @@ class StateKVConfig:
     """Separates caches that must never share slot files (a draft model's from the target's)."""
     remote_url: str | None = attrs.field(default=None)
     """The shared tier (specs/remote_tier.md): a Redis Cluster's startup nodes,
-    ``redis://host:port[,redis://host:port...]``; None (the default) for no shared tier.
-    Every replica pointed at one cluster shares blocks (same model fingerprint, layout, block
-    size, salt and LoRA).  Values are signed with ``disk_mac_key`` when one is set: every
-    replica then needs the same key."""
+    ``redis://[user@]host:port[,...]`` (``rediss://`` for TLS); None (the default) for no
+    shared tier.  Every replica pointed at one cluster shares blocks (same model fingerprint,
+    layout, block size, salt and LoRA).  Read by redis-py's URL parser; a password does not
+    go in the URL (``remote_password``)."""
+    remote_secret: bytes | None = attrs.field(default=None, repr=False)
+    """16-64 secret bytes, the same on every replica, required with a shared tier: every
+    value published is signed with a key derived from it and ``remote_namespace`` (keyed
+    BLAKE2b), and a value without a valid MAC -- forged by anyone who can reach the cluster,
+    or of another deployment -- is never served.  Never stored or logged."""
+    remote_password: str | None = attrs.field(default=None, repr=False)
+    """The cluster's AUTH password (the ACL user's, with ``user@`` in the URL).  Read from a
+    file or the environment at the entry point; never logged."""
+    remote_tls_ca_file: Path | None = attrs.field(default=None)
+    """CA certificates to check the cluster's TLS certificates with (``rediss://``); None:
+    the system's."""
     remote_namespace: str = attrs.field(default="statekv")
     """Prefix of every key in the cluster: deployments sharing a cluster keep theirs apart."""
     remote_timeout_s: float = attrs.field(default=1.0)
@@ -180,6 +191,28 @@ class StateKVConfig:
     def _check_remote_url(self, _attribute: attrs.Attribute[str | None], value: object) -> None:
         if value is not None:
             parse_cluster_url(value, field="remote_url")
+
+    @remote_secret.validator
+    def _check_remote_secret(self, _attribute: attrs.Attribute[bytes | None],
+                             value: object) -> None:
+        if value is not None and (not isinstance(value, bytes) or not 16 <= len(value) <= 64):
+            raise ConfigError(
+                "remote_secret", "must be None or a secret of 16-64 bytes (bytes, not text)"
+            )
+
+    @remote_password.validator
+    def _check_remote_password(self, _attribute: attrs.Attribute[str | None],
+                               value: object) -> None:
+        if value is not None and (not isinstance(value, str) or not value
+                                  or not is_utf8_encodable(value)):
+            raise ConfigError("remote_password", "must be None or a non-empty text password")
+
+    @remote_tls_ca_file.validator
+    def _check_remote_tls_ca_file(self, _attribute: attrs.Attribute[Path | None],
+                                  value: object) -> None:
+        if value is not None and not isinstance(value, Path):
+            raise ConfigError("remote_tls_ca_file", f"must be a pathlib.Path or None, got "
+                              f"{value!r}")
 
     @remote_namespace.validator
     def _check_remote_namespace(self, _attribute: attrs.Attribute[str], value: object) -> None:
@@ -271,6 +304,16 @@ class StateKVConfig:
                     "replicas: name the weights (model name and revision, or a hash of the "
                     "checkpoint)"
                 )
+        if self.remote_url is not None and self.remote_secret is None:
+            # Anyone who can reach the cluster could otherwise replace cached KV, and a
+            # value's checksums are no defence: they can be recomputed.
+            raise ConfigError(
+                "remote_secret", "a shared tier must be authenticated: give 16-64 secret "
+                "bytes, the same on every replica (statekv serve: --remote-secret-file or "
+                "STATEKV_REMOTE_SECRET)"
+            )
+        if self.remote_tls_ca_file is not None and self.remote_url is None:
+            raise ConfigError("remote_tls_ca_file", "is for a shared tier (remote_url)")
 
     @property
     def block_bytes(self) -> int:

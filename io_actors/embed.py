@@ -25,6 +25,7 @@ work to the trio thread.  See README.md for the whole step protocol.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -403,6 +404,14 @@ async def open_cache(
             store.close()
 
 
+def remote_key(secret: bytes, namespace: str) -> bytes:
+    """The shared tier's MAC key for one namespace: keyed BLAKE2b of the namespace under the
+    caller's secret, so that one secret serves several deployments on a cluster and a value
+    of one namespace never verifies in another."""
+    return hashlib.blake2b(namespace.encode(), key=secret, digest_size=32,
+                           person=b"statekv-remote").digest()
+
+
 def open_shared_store(config: StateKVConfig, core_config: CacheConfig) -> RedisClusterStore:
     """Connect to the configured cluster; ConfigError naming the StateKVConfig field."""
     assert config.remote_url is not None
@@ -412,14 +421,19 @@ def open_shared_store(config: StateKVConfig, core_config: CacheConfig) -> RedisC
         raise ConfigError("remote_url", "the shared tier needs redis-py: pip install "
                           f"'statekv[redis]' ({exc})") from None
     try:
+        assert config.remote_secret is not None  # StateKVConfig requires it
         return RedisClusterStore(config.remote_url, core_config,
                                  namespace=config.remote_namespace,
-                                 mac_key=config.disk_mac_key,
-                                 timeout_s=config.remote_timeout_s)
+                                 mac_key=remote_key(config.remote_secret,
+                                                    config.remote_namespace),
+                                 timeout_s=config.remote_timeout_s,
+                                 password=config.remote_password,
+                                 tls_ca_file=config.remote_tls_ca_file)
     except ConfigError as exc:
         field = {"url": "remote_url", "namespace": "remote_namespace",
-                 "mac_key": "disk_mac_key", "timeout_s": "remote_timeout_s"}.get(exc.field,
-                                                                                exc.field)
+                 "mac_key": "remote_secret", "timeout_s": "remote_timeout_s",
+                 "password": "remote_password",
+                 "tls_ca_file": "remote_tls_ca_file"}.get(exc.field, exc.field)
         raise ConfigError(field, str(exc).split(": ", 1)[-1]) from None
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -56,6 +57,8 @@ FIELD_FLAGS: Final[dict[str, str]] = {
     "disk": "--disk-blocks", "disk_blocks": "--disk-blocks", "disk_dir": "--disk-dir",
     "device": "--device", "num_layers": "--layers", "seed": "--seed", "ttl_seconds": "--ttl",
     "remote_url": "--remote-url", "remote_namespace": "--remote-namespace",
+    "remote_secret": "--remote-secret-file", "remote_password": "--remote-password-file",
+    "remote_tls_ca_file": "--remote-tls-ca-file",
 }
 """Configuration fields the flags set: a typed error naming one is reported with its flag."""
 
@@ -240,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--remote-namespace", default="statekv",
                        help="prefix of this deployment's keys in the cluster (default: "
                             "statekv)")
+    serve.add_argument("--remote-secret-file", type=Path, default=None,
+                       help="a file of 16-64 secret bytes, the same on every replica: every "
+                            "shared value is signed with it (required with --remote-url; or "
+                            "the environment variable STATEKV_REMOTE_SECRET, in hex; "
+                            "default: none)")
+    serve.add_argument("--remote-password-file", type=Path, default=None,
+                       help="a file holding the cluster's AUTH password (or the environment "
+                            "variable STATEKV_REMOTE_PASSWORD; default: none)")
+    serve.add_argument("--remote-tls-ca-file", type=Path, default=None,
+                       help="CA certificates for a rediss:// cluster (default: the system's)")
     serve.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="uvicorn's log level (default: info)")
@@ -348,6 +361,39 @@ def _demo(args: argparse.Namespace) -> int:
         raise
 
 
+def _read_secret_file(path: Path, flag: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise UserMistake(f"argument {flag}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _remote_secret(args: argparse.Namespace) -> bytes | None:
+    """The shared tier's secret: the file's bytes (a trailing newline dropped), else the
+    environment's hex string.  Read here, once; never printed."""
+    if args.remote_secret_file is not None:
+        return _read_secret_file(args.remote_secret_file, "--remote-secret-file").rstrip(b"\n")
+    text = os.environ.get("STATEKV_REMOTE_SECRET")
+    if text is None:
+        return None
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise UserMistake("STATEKV_REMOTE_SECRET must be hex (e.g. `openssl rand -hex 32`)"
+                          ) from None
+
+
+def _remote_password(args: argparse.Namespace) -> str | None:
+    if args.remote_password_file is not None:
+        raw = _read_secret_file(args.remote_password_file, "--remote-password-file")
+        try:
+            return raw.decode().rstrip("\n")
+        except UnicodeDecodeError:
+            raise UserMistake("argument --remote-password-file: the password must be UTF-8 "
+                              "text") from None
+    return os.environ.get("STATEKV_REMOTE_PASSWORD")
+
+
 def _serve(args: argparse.Namespace) -> int:
     _check_device(args.device)
     _check_model(args.model)
@@ -361,7 +407,8 @@ def _serve(args: argparse.Namespace) -> int:
         disk_blocks=_blocks(args, "disk_blocks", DISK_TOKENS), disk_dir=args.disk_dir,
         served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         max_running=args.max_running, remote_url=args.remote_url,
-        remote_namespace=args.remote_namespace,
+        remote_namespace=args.remote_namespace, remote_secret=_remote_secret(args),
+        remote_password=_remote_password(args), remote_tls_ca_file=args.remote_tls_ca_file,
     )
     try:
         listener = socket.create_server((args.host, args.port))

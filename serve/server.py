@@ -83,6 +83,10 @@ class ServerOptions:
     remote_url: str | None = None
     """The shared tier's cluster (StateKVConfig.remote_url); None: no shared tier."""
     remote_namespace: str = "statekv"
+    remote_secret: bytes | None = attrs.field(default=None, repr=False)
+    """Signs every shared value (StateKVConfig.remote_secret); required with remote_url."""
+    remote_password: str | None = attrs.field(default=None, repr=False)
+    remote_tls_ca_file: Path | None = None
 
 
 # ---------------------------------------------------------------------- request bodies
@@ -240,6 +244,8 @@ class Server:
             model_fingerprint=self.model_config.fingerprint(),
             max_ttl_seconds=options.max_ttl_seconds, priority_levels=options.priority_levels,
             remote_url=options.remote_url, remote_namespace=options.remote_namespace,
+            remote_secret=options.remote_secret, remote_password=options.remote_password,
+            remote_tls_ca_file=options.remote_tls_ca_file,
         )
         self.context_length = min(options.max_model_len,
                                   options.gpu_blocks * options.block_size)

@@ -21,6 +21,8 @@ from statekv.config import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
 BLOCK_SIZE = 4
+TEST_REMOTE_SECRET = b"statekv-tests-remote-secret"
+"""Signs the shared tier's values in the tests (every replica of a test shares it)."""
 
 
 def small_config(tmp_path: object, **overrides: object) -> StateKVConfig:
@@ -32,6 +34,8 @@ def small_config(tmp_path: object, **overrides: object) -> StateKVConfig:
         "device": os.environ.get("STATEKV_TEST_DEVICE", "cpu"),
     }
     args.update(overrides)
+    if args.get("remote_url") is not None:
+        args.setdefault("remote_secret", TEST_REMOTE_SECRET)
     return StateKVConfig(**args)  # type: ignore[arg-type]
 
 

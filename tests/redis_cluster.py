@@ -31,9 +31,10 @@ def redis_tools() -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def running_cluster(directory: Path, *, masters: int = 3) -> Iterator[LocalRedisCluster]:
+def running_cluster(directory: Path, *, masters: int = 3,
+                    password: str | None = None) -> Iterator[LocalRedisCluster]:
     redis_tools()
-    cluster = LocalRedisCluster(directory, masters=masters)
+    cluster = LocalRedisCluster(directory, masters=masters, password=password)
     cluster.start()
     try:
         yield cluster

@@ -41,6 +41,7 @@ from statekv.config import CacheConfig, KVLayout
 from statekv.hashing import extend_chain, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, PageId
 from statekv.messages import PublishBlock
+from tests.io_helpers import TEST_REMOTE_SECRET
 
 BLOCK_SIZE = 16
 PROMPT = [(7 * i + 3) % 97 for i in range(6 * BLOCK_SIZE + 5)]
@@ -138,6 +139,7 @@ def cache_config(url: str, namespace: str, config: CacheConfig) -> StateKVConfig
     return StateKVConfig(
         layout=config.layout, block_size=BLOCK_SIZE, gpu=GPU_BLOCKS, host=16, device="cpu",
         model_fingerprint=config.model_fingerprint, remote_url=url,
+        remote_secret=TEST_REMOTE_SECRET,
         remote_namespace=namespace, remote_timeout_s=0.5,
     )
 

@@ -147,16 +147,37 @@ def test_serve_reports_an_impossible_budget_before_it_listens(
     ("--remote-namespace", "a b"),
 ])
 def test_serve_reports_a_bad_shared_tier_naming_its_flag(
-    capsys: pytest.CaptureFixture[str], flag: str, value: str,
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, tmp_path: Path,
 ) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"0123456789abcdef0123\n")
     argv = ["serve", "--port", "0", "--disk-blocks", "0", "--reserved-host-blocks", "0", flag,
-            value]
+            value, "--remote-secret-file", str(secret)]
     if flag == "--remote-namespace":
         argv += ["--remote-url", "redis://127.0.0.1:1"]
     assert main(argv) == EXIT_USAGE
     captured = capsys.readouterr()
     assert f"argument {flag}" in one_line_error(captured.err)
     assert captured.out == ""
+
+
+@pytest.mark.parametrize(("extra", "flag"), [
+    ([], "--remote-secret-file"),  # a shared tier must be authenticated
+    (["--remote-secret-file", "/nonexistent/secret"], "--remote-secret-file"),
+    (["--remote-url", "redis://user:pw@127.0.0.1:1"], "--remote-url"),  # no password in URLs
+])
+def test_serve_refuses_an_unauthenticated_shared_tier_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], extra: list[str], flag: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("STATEKV_REMOTE_SECRET", raising=False)
+    argv = ["serve", "--port", "0", "--disk-blocks", "0", "--reserved-host-blocks", "0"]
+    if "--remote-url" not in extra:
+        argv += ["--remote-url", "redis://127.0.0.1:1"]
+    assert main([*argv, *extra]) == EXIT_USAGE
+    line = one_line_error(capsys.readouterr().err)
+    assert f"argument {flag}" in line or flag in line, line
+    assert "pw" not in line  # a password is never repeated
 
 
 def test_a_gpu_pool_too_small_for_one_request_names_gpu_blocks(

@@ -121,7 +121,8 @@ def _phase_refusals(out: _Out, rank: int, world: int, tmp: Path) -> None:
             _small_config(world, tmp, rank=world + 5 if rank == 0 else 0, namespace="rank"),
             group))
         found["remote_url"] = _refusal(lambda: TensorParallelCache(attrs.evolve(
-            _small_config(world, tmp, namespace="remote"), remote_url="redis://127.0.0.1:1"),
+            _small_config(world, tmp, namespace="remote"), remote_url="redis://127.0.0.1:1",
+            remote_secret=b"s" * 16),
             group))
         # Refused caches left nothing behind: the same directories open now.
         with TensorParallelCache(_small_config(world, tmp, namespace="mismatch"), group) as tp:

@@ -116,8 +116,9 @@ def test_cuda_resolves_to_the_callers_current_device(
 
 
 @pytest.mark.parametrize(("store_field", "config_field"), [
-    ("url", "remote_url"), ("namespace", "remote_namespace"), ("mac_key", "disk_mac_key"),
-    ("timeout_s", "remote_timeout_s"), ("other", "other"),
+    ("url", "remote_url"), ("namespace", "remote_namespace"), ("mac_key", "remote_secret"),
+    ("timeout_s", "remote_timeout_s"), ("password", "remote_password"),
+    ("tls_ca_file", "remote_tls_ca_file"), ("other", "other"),
 ])
 def test_a_shared_store_refusal_names_the_statekv_config_field(
     store_field: str, config_field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -29,6 +29,7 @@ from statekv.errors import ConfigError, UsageError
 from statekv.hashing import extend_chain, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, PageId, TransferId
 from statekv.messages import FetchBlock, PublishBlock, SlotRead, SlotReadFailed
+from tests.io_helpers import TEST_REMOTE_SECRET
 from tests.redis_cluster import LocalRedisCluster
 from tests.test_redis_store import SENTINEL, blank, block, chain
 
@@ -332,6 +333,7 @@ def test_a_master_killed_under_two_caches_serves_no_wrong_bytes_and_never_hangs(
         return BlockingCache(StateKVConfig(
             layout=cfg.layout, block_size=BLOCK_SIZE, gpu=30, host=40, device="cpu",
             model_fingerprint=cfg.model_fingerprint, remote_url=cluster.url,
+            remote_secret=TEST_REMOTE_SECRET,
             remote_timeout_s=0.25,
         ))
 
@@ -396,6 +398,7 @@ def test_a_fetch_batch_that_raises_is_failed_not_hung(
         return BlockingCache(StateKVConfig(
             layout=cfg.layout, block_size=BLOCK_SIZE, gpu=8, host=8, device="cpu",
             model_fingerprint=cfg.model_fingerprint, remote_url=redis_cluster.url,
+            remote_secret=TEST_REMOTE_SECRET,
             remote_namespace=namespace, remote_timeout_s=0.25,
         ))
 
@@ -444,6 +447,7 @@ def test_a_stopped_master_never_holds_add_request_beyond_the_timeout(
         return BlockingCache(StateKVConfig(
             layout=cfg.layout, block_size=BLOCK_SIZE, gpu=40, host=8, device="cpu",
             model_fingerprint=cfg.model_fingerprint, remote_url=cluster.url,
+            remote_secret=TEST_REMOTE_SECRET,
             remote_timeout_s=timeout,
         ))
 
@@ -464,3 +468,63 @@ def test_a_stopped_master_never_holds_add_request_beyond_the_timeout(
         assert worst <= timeout + 0.25, f"add_request took {worst:.2f} s"
         fetcher = b.statistics().fetcher
         assert fetcher is not None and fetcher.get("lookup_timeouts", 0) >= 1, fetcher
+
+
+def _publish_then_fetch(url: str, directory: Path, *, namespace: str,
+                        writer: dict[str, object], reader: dict[str, object]) -> tuple[int, int]:
+    """Cache A (writer's settings) serves a prompt and pushes it off its GPU (published);
+    cache B (reader's) asks for it: (remote tokens B matched, blocks B fetched)."""
+    from io_actors.embed import BlockingCache
+    from tests.io_helpers import BLOCK_SIZE, serve, small_config, wait_quiet
+    from tests.test_io_actors import churn
+
+    prompt = [(13 * i + 5) % 83 for i in range(3 * BLOCK_SIZE + 1)]
+    common = dict(model_fingerprint="model-a", remote_url=url, remote_namespace=namespace,
+                  remote_timeout_s=0.5)
+    with BlockingCache(small_config(directory / "a", **common, **writer)) as a:
+        serve(a, "a", prompt)
+        churn(a, 6)
+        wait_quiet(a)
+    with BlockingCache(small_config(directory / "b", **common, **reader)) as b:
+        match = b.add_request("b", prompt)
+        assert b.wait_ready("b", timeout=10)
+        fetched = b.statistics().cache.fetches_completed
+        b.release("b")
+    return match.remote_tokens, fetched
+
+
+def test_a_cluster_that_requires_auth_is_used_with_the_password_only(tmp_path: Path) -> None:
+    from io_actors.embed import BlockingCache
+    from statekv.errors import ConfigError
+    from tests.io_helpers import BLOCK_SIZE, small_config
+    from tests.redis_cluster import running_cluster
+
+    password = "correct-horse-battery"
+    with running_cluster(tmp_path / "rc", password=password) as cluster:
+        matched, fetched = _publish_then_fetch(
+            cluster.url, tmp_path, namespace="auth",
+            writer={"remote_password": password}, reader={"remote_password": password})
+        assert (matched, fetched) == (3 * BLOCK_SIZE, 3)
+        for wrong in (None, "wrong-password"):
+            with pytest.raises(ConfigError) as info:
+                BlockingCache(small_config(tmp_path / "x", model_fingerprint="m",
+                                           remote_url=cluster.url, remote_password=wrong))
+            assert info.value.field == "remote_password", info.value
+            assert password not in str(info.value)
+        config = small_config(tmp_path / "y", model_fingerprint="m", remote_url=cluster.url,
+                              remote_password=password)
+        assert password not in repr(config)
+
+
+def test_values_signed_under_another_secret_are_never_served(
+    redis_cluster: LocalRedisCluster, tmp_path: Path,
+) -> None:
+    """Someone who can reach the cluster but does not hold the deployment's secret (or
+    another deployment sharing the namespace by mistake) publishes values: found by the
+    lookup, refused by the fetch (MAC), recomputed."""
+    namespace = f"f{uuid.uuid4().hex[:12]}"
+    matched, fetched = _publish_then_fetch(
+        redis_cluster.url, tmp_path, namespace=namespace,
+        writer={"remote_secret": b"the-forgers-own-secret"},
+        reader={"remote_secret": b"the-deployments-secret"})
+    assert matched > 0 and fetched == 0

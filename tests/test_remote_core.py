@@ -232,7 +232,8 @@ def test_the_shared_tier_is_off_by_default_and_on_with_a_url() -> None:
 
     assert not StateKVConfig(layout=_layout(), gpu=4).core_config().shared_tier  # type: ignore[arg-type]
     on = StateKVConfig(layout=_layout(), gpu=4,  # type: ignore[arg-type]
-                       remote_url="redis://127.0.0.1:1", model_fingerprint="m")
+                       remote_url="redis://127.0.0.1:1", model_fingerprint="m",
+                       remote_secret=b"s" * 16)
     assert on.core_config().shared_tier
 
 
@@ -243,6 +244,7 @@ def test_an_unreachable_cluster_is_a_config_error_naming_remote_url() -> None:
 
     cfg = StateKVConfig(layout=_layout(), gpu=4, device="cpu",  # type: ignore[arg-type]
                         remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2,
+                        remote_secret=b"s" * 16,
                         model_fingerprint="m")
     with pytest.raises(ConfigError) as info:
         BlockingCache(cfg)

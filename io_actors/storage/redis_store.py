@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -46,14 +47,14 @@ import attrs
 import torch
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from io_actors.storage.buffers import check_block_tensor, host_view
 from io_actors.storage.cluster_url import (
     MAX_TIMEOUT_S,
     ClusterAddress,
-    parse_cluster_url,
+    parse_cluster,
 )
 from io_actors.storage.slot_format import (
     HEADER_SIZE,
@@ -177,7 +178,8 @@ def _check_ttl(ttl_s: object) -> int | None:
 class RedisClusterStore:
     """Blocks in a Redis Cluster, shared by every cache that opens the same cluster.
 
-    ``url`` lists startup nodes (:func:`parse_cluster_url`); ``namespace`` prefixes every key
+    ``url`` lists startup nodes (:func:`parse_cluster`: ``rediss://`` for TLS, ``user@`` for
+    an ACL user; ``password`` and ``tls_ca_file`` separately); ``namespace`` prefixes every key
     (deployments sharing one cluster for other things keep theirs apart); ``mac_key`` (16-64
     bytes, held by every replica, never stored) signs every published block and refuses
     blocks without a valid MAC; ``timeout_s`` bounds every network wait, connect included,
@@ -196,10 +198,20 @@ class RedisClusterStore:
         namespace: str = DEFAULT_NAMESPACE,
         mac_key: bytes | None = None,
         timeout_s: float = 1.0,
+        password: str | None = None,
+        tls_ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(config, CacheConfig):
             raise ConfigError("config", f"must be a CacheConfig, got {config!r}")
-        nodes = parse_cluster_url(url)
+        target = parse_cluster(url)
+        nodes = target.nodes
+        if password is not None and (not isinstance(password, str) or not password):
+            raise ConfigError("password", "must be a non-empty string or None")
+        if tls_ca_file is not None and not target.tls:
+            raise ConfigError("tls_ca_file", "a CA file is for TLS: use rediss:// URLs")
+        self._target = target
+        self._password = password
+        self._tls_ca_file = None if tls_ca_file is None else os.fspath(tls_ca_file)
         self._namespace = _check_namespace(namespace)
         try:
             self._mac_key = check_mac_key("mac_key", mac_key)
@@ -240,12 +252,21 @@ class RedisClusterStore:
                     ],
                     socket_timeout=self._timeout_s,
                     socket_connect_timeout=self._timeout_s,
+                    username=self._target.username,
+                    password=self._password,
+                    ssl=self._target.tls,
+                    ssl_ca_certs=self._tls_ca_file,
                     require_full_coverage=False,
                     socket_read_size=1 << 20,
                     retry=Retry(NoBackoff(), retries=1),
                 )
                 break
             except (RedisError, RedisClusterException, OSError) as exc:
+                if _refused_credentials(exc):
+                    raise ConfigError(
+                        "password", f"the cluster refused the credentials (user "
+                        f"{self._target.username or 'default'}): {type(exc).__name__}"
+                    ) from None
                 if attempt + 1 < attempts:
                     continue
                 where = ", ".join(f"{n.host}:{n.port}" for n in nodes)
@@ -264,6 +285,9 @@ class RedisClusterStore:
                 error = exc
         else:
             client.close()
+            if error is not None and _refused_credentials(error):
+                raise ConfigError("password", "the cluster refused the credentials (user "
+                                  f"{self._target.username or 'default'})") from None
             raise ConfigError("url", f"the cluster does not answer: {error}") from None
         return client
 
@@ -541,3 +565,13 @@ class RedisClusterStore:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _refused_credentials(exc: BaseException) -> bool:
+    """Whether the cluster said no to the credentials (not a network failure: retrying
+    another node would only repeat it)."""
+    text = str(exc)
+    return (isinstance(exc, AuthenticationError) or "NOAUTH" in text or "WRONGPASS" in text
+            or "invalid username-password" in text or "Authentication required" in text
+            # Redis 7 refuses the client's first command (HELLO) this way without AUTH.
+            or "HELLO must be called with the client already authenticated" in text)
