@@ -1,12 +1,13 @@
 """Under `disk_mac_key`, a slot without a valid MAC is refused on every path that reads
 slots: the single read, the vectored batch read (zero-copy runs and bounced slots), the
-restore from the header scan and from the index journal, and the kvikio store's reads into
-GPU memory and host memory.  A slot is "without a valid MAC" when it was written without the
-key (an older cache, or someone who cannot sign) or with another key."""
+restore from the header scan and from the index journal; the kvikio path, which cannot check
+a MAC in GPU memory, is refused outright under a key.  A slot is "without a valid MAC" when it
+was written without the key (an older cache, or someone who cannot sign) or with another
+key."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,6 @@ from io_actors.storage.index_journal import INDEX_FILE
 from io_actors.storage.interfaces import SlotIO
 from io_actors.storage.posix import PosixSlotStore
 from io_actors.storage.slot_format import MacMismatch
-from statekv.errors import TransferFailed
 from statekv.ids import SlotId
 from tests.test_persistence import MAC_KEY, block, config, key, meta
 
@@ -104,12 +104,6 @@ def test_the_restore_refuses_it(tmp_path: Path, signer: bytes | None, rebuild: s
         store.close()
 
 
-def _kvikio_store(directory: Path) -> object:
-    from io_actors.storage.kvikio_store import KvikioSlotStore
-
-    return KvikioSlotStore(directory, config(), mac_key=MAC_KEY)
-
-
 def _kvikio_ready() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -122,20 +116,22 @@ def _kvikio_ready() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _kvikio_ready(), reason="needs CUDA and kvikio")
-@pytest.mark.parametrize("where", ["gpu", "host"])
-def test_the_kvikio_reads_refuse_it(tmp_path: Path, signer: bytes | None, where: str) -> None:
-    write_slots(tmp_path, signer, range(3))
-    store = _kvikio_store(tmp_path)
-    make: Callable[[], torch.Tensor] = (
-        (lambda: torch.zeros(config().block_bytes, dtype=torch.uint8, device="cuda"))
-        if where == "gpu" else (lambda: page_aligned_buffer(config().block_bytes)))
-    try:
-        with pytest.raises(TransferFailed):
-            store.read(SlotId(0), key(0), make())  # type: ignore[attr-defined]
-        reads = [SlotIO(slot=SlotId(s), key=key(s), buffer=make()) for s in range(4)]
-        outcome = store.read_many(reads)  # type: ignore[attr-defined]
-        assert all(isinstance(o, TransferFailed) for o in outcome[:3]), outcome
-        assert outcome[3] is None
-        assert torch.equal(reads[3].buffer.cpu(), block(3))
-    finally:
-        store.close()  # type: ignore[attr-defined]
+def test_the_kvikio_path_is_never_taken_under_a_key(tmp_path: Path) -> None:
+    """kvikio reads straight into GPU memory, where a keyed MAC cannot be checked: under a
+    key the store refuses to open (naming the key), so no slot is ever read that way; the
+    cache with backend='kvikio' and disk_mac_key is refused naming disk_mac_key."""
+    from io_actors.embed import BlockingCache
+    from io_actors.storage.kvikio_store import KvikioSlotStore
+    from statekv.errors import ConfigError
+    from tests.io_helpers import small_config
+
+    write_slots(tmp_path / "store", None, range(3))
+    with pytest.raises(ConfigError) as info:
+        KvikioSlotStore(tmp_path / "store", config(), mac_key=MAC_KEY)
+    assert info.value.field == "mac_key"
+    cache_config = small_config(tmp_path / "cache", backend="kvikio", disk_mac_key=MAC_KEY,
+                                device="cuda")
+    with pytest.raises(ConfigError) as info:
+        BlockingCache(cache_config)
+    assert info.value.field == "disk_mac_key"
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("slots*"))
