@@ -442,7 +442,8 @@ def test_a_full_disk_with_no_index_journal_starts_the_cache_and_the_next_open_sc
         real_replace(self, data)
 
     monkeypatch.setattr(RecordFile, "replace", full_disk)
-    with caplog.at_level("WARNING"), BlockingCache(config) as cache:
+    with caplog.at_level("WARNING", logger="io_actors.storage.index_journal"), \
+            BlockingCache(config) as cache:
         match = cache.add_request("again", prompt)
         assert match.disk_tokens == 12
         wait_ready(cache, "again")
