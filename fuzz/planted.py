@@ -34,6 +34,7 @@ from statekv.block import Block
 from statekv.disk_tier import DiskTier
 from statekv.eviction import Eviction
 from statekv.lifecycle import BlockEvent, BlockState
+from statekv.manager import KVCacheManager
 from statekv.messages import BatchFinished, Completion, SlotRead, SlotReadFailed, outcomes
 from statekv.onboarding import Onboarding
 from statekv.pools import DiskSlots
@@ -303,6 +304,30 @@ def waiter_assumes_its_request_is_live() -> AbstractContextManager[None]:
         return wait_ready
 
     return _wrapped(Scheduler, "wait_ready", make)
+
+
+def disk_rate_not_reported() -> AbstractContextManager[None]:
+    """Issue 23: the scheduler stops passing the readers' measurements to the core, so the
+    cost gate never learns the disk is slow and reads however slow it is."""
+
+    def make(_original: Callable[..., None]) -> Callable[..., None]:
+        def report_disk_read(self: Scheduler, num_bytes: int, seconds: float) -> None:
+            del self, num_bytes, seconds
+        return report_disk_read
+
+    return _wrapped(Scheduler, "report_disk_read", make)
+
+
+def fetch_rate_not_reported() -> AbstractContextManager[None]:
+    """Issue 23: the shared tier's fetch rate never reaches the core: every remote run is
+    fetched however slow the cluster."""
+
+    def make(_original: Callable[..., None]) -> Callable[..., None]:
+        def report_fetch(self: KVCacheManager, num_bytes: int, seconds: float) -> None:
+            del self, num_bytes, seconds
+        return report_fetch
+
+    return _wrapped(KVCacheManager, "report_fetch", make)
 
 
 def prefetch_page_freed_on_leave() -> AbstractContextManager[None]:

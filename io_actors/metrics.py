@@ -113,6 +113,9 @@ CACHE_FIELDS: Final[dict[str, tuple[str, str, dict[str, str], str]]] = {
     "onboard_tokens_skipped_as_too_slow": ("onboard_tokens_skipped_as_too_slow", COUNTER, {},
                                            "Disk hit tokens recomputed because reading them "
                                            "back was estimated slower."),
+    "cost_probes": ("cost_gate_probes", COUNTER, {},
+                    "Requests read anyway to measure a tier the cost gate had stopped "
+                    "reading."),
     "cached_blocks": ("cached_blocks", GAUGE, {}, "Blocks in the prefix index, on any tier."),
     "gpu_free_pages": ("free_pages", GAUGE, {"tier": "gpu"}, "Free pages, by tier."),
     "host_free_pages": ("free_pages", GAUGE, {"tier": "host"}, ""),

@@ -64,6 +64,8 @@ GPU, HOST, SPILLING, DISK, READING = "gpu", "host", "spilling", "disk", "reading
 PREFETCHING, PREFETCHED = "prefetching", "prefetched"
 FETCHING = "fetching"
 SMOOTHING = 0.25
+PROBE_EVERY = 16
+"""Gated requests in a row, without a new measurement of the tier, before one reads anyway."""
 
 TIER_OF_STATE = {
     BlockState.ON_GPU: GPU,
@@ -196,6 +198,9 @@ class ReferenceCache:
         self.queued: dict[str, list[MBlock]] = {}
         self.disk_rate: float | None = None
         self.prefill: dict[int, float] = {}
+        # Gated requests since each tier was last measured (a probe reads at PROBE_EVERY).
+        self.disk_drops = 0
+        self.net_drops = 0
         self.next_transfer = 0
         self.last_prefetch = (0, 0, 0, 0)
         self.counter = 0
@@ -214,7 +219,7 @@ class ReferenceCache:
                 "displacements", "expirations", "restored_blocks",
                 "prefetches", "prefetches_completed", "prefetch_failures", "prefetch_hits",
                 "prefetches_taken_over", "prefetches_cancelled", "prefetches_reclaimed",
-                "onboards_skipped_as_too_slow",
+                "onboards_skipped_as_too_slow", "cost_probes",
                 "hit_blocks_remote", "fetches", "fetches_completed", "fetch_failures",
                 "bytes_fetched", "fetches_skipped_as_too_slow", "publishes_offered",
                 "publishes_not_admitted",
@@ -424,8 +429,20 @@ class ReferenceCache:
             remote.append(key)
         skipped = skipped_remote = 0
         if self.cfg.cost_aware_onboarding:
-            matched, skipped, remote, skipped_remote = self._cost_cut(matched, remote,
+            cut, skipped, cut_remote, skipped_remote = self._cost_cut(matched, remote,
                                                                       len(tokens))
+            if skipped:
+                self.disk_drops += 1
+            if skipped_remote:
+                self.net_drops += 1
+            if (skipped or skipped_remote) and (self.disk_drops >= PROBE_EVERY
+                                                or self.net_drops >= PROBE_EVERY):
+                # A probe: everything is read, so the tier not measured for so long is.
+                self.disk_drops = self.net_drops = 0
+                self.c["cost_probes"] += 1
+                skipped = skipped_remote = 0
+            else:
+                matched, remote = cut, cut_remote
         needs = len(remote) + sum(1 for b in matched if b.tier in (
             HOST, SPILLING, DISK, PREFETCHING, PREFETCHED))
         released = sum(1 for b in matched if b.tier == GPU and b.holders == 0)
@@ -589,6 +606,7 @@ class ReferenceCache:
         rate = num_bytes / float(seconds)
         old = self.disk_rate
         self.disk_rate = rate if old is None else old + SMOOTHING * (rate - old)
+        self.disk_drops = 0
 
     def report_fetch(self, num_bytes: int, seconds: float) -> None:
         if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 1:
@@ -598,6 +616,7 @@ class ReferenceCache:
         rate = num_bytes / float(seconds)
         old = self.net_rate
         self.net_rate = rate if old is None else old + SMOOTHING * (rate - old)
+        self.net_drops = 0
 
     def report_prefill(self, num_tokens: int, seconds: float, *, context_tokens: int) -> None:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
@@ -984,6 +1003,7 @@ class ReferenceCache:
             prefetching_requests=len(self.queued),
             onboards_skipped_as_too_slow=c["onboards_skipped_as_too_slow"],
             onboard_tokens_skipped_as_too_slow=c["onboards_skipped_as_too_slow"] * bs,
+            cost_probes=c["cost_probes"],
             cached_blocks=len(self.entries),
             gpu_free_pages=self.gpu_free,
             gpu_evictable_blocks=sum(1 for b in self.entries.values()

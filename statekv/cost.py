@@ -35,6 +35,11 @@ from statekv.errors import UsageError
 
 SMOOTHING: Final = 0.25
 """Weight of the newest measurement in each moving average."""
+PROBE_EVERY: Final = 16
+"""A request whose disk or remote hits the gate would drop reads them anyway when this many
+drops in a row came without a new measurement of that tier: the gate recomputes instead of
+reading, so without a probe a disk (or cluster) that was slow once would never be measured,
+nor used, again.  A probe costs at most one slow read per this many gated requests."""
 
 
 def _bucket(context_tokens: int) -> int:
@@ -60,25 +65,46 @@ def check_count(field: str, value: object, *, low: int) -> int:
 class OnboardCosts:
     """Running estimates of the disk read rate and the prefill time per token."""
 
-    __slots__ = ("_prefill", "disk_bytes_per_second", "network_bytes_per_second")
+    __slots__ = ("_prefill", "disk_bytes_per_second", "disk_drops", "network_bytes_per_second",
+                 "network_drops")
 
     def __init__(self) -> None:
         self.disk_bytes_per_second: float | None = None
         self.network_bytes_per_second: float | None = None
         self._prefill: dict[int, float] = {}
         """Seconds per prefilled token, by context-length bucket."""
+        self.disk_drops = 0
+        """Requests whose disk hits were dropped since the disk was last measured."""
+        self.network_drops = 0
+        """Requests whose remote hits were dropped since the cluster was last measured."""
+
+    def probe_due(self, dropped_disk: bool, dropped_remote: bool) -> bool:
+        """Count a decision that drops disk and/or remote hits; True when this one is to be
+        read anyway (PROBE_EVERY drops in a row of a tier not measured meanwhile)."""
+        due = False
+        if dropped_disk:
+            self.disk_drops += 1
+            due = self.disk_drops >= PROBE_EVERY
+        if dropped_remote:
+            self.network_drops += 1
+            due = due or self.network_drops >= PROBE_EVERY
+        if due:
+            self.disk_drops = self.network_drops = 0
+        return due
 
     def observe_read(self, num_bytes: float, seconds: float) -> None:
         """One completed read: `num_bytes` in `seconds` (both checked by the caller)."""
         rate = num_bytes / seconds
         old = self.disk_bytes_per_second
         self.disk_bytes_per_second = rate if old is None else old + SMOOTHING * (rate - old)
+        self.disk_drops = 0
 
     def observe_fetch(self, num_bytes: float, seconds: float) -> None:
         """One completed fetch from the shared tier (both checked by the caller)."""
         rate = num_bytes / seconds
         old = self.network_bytes_per_second
         self.network_bytes_per_second = rate if old is None else old + SMOOTHING * (rate - old)
+        self.network_drops = 0
 
     def observe_prefill(self, num_tokens: int, seconds: float, context_tokens: int) -> None:
         """One prefill of `num_tokens` new tokens that took `seconds`, ending at a context of

@@ -128,6 +128,10 @@ class Onboarding:
             previous = kind
         skipped_disk = sum(1 for b in matched[best:] if b.state is on_disk)
         kept_remote = max(0, best - n_local)
+        if (skipped_disk or kept_remote < remote) and costs.probe_due(
+                bool(skipped_disk), kept_remote < remote):
+            self.counters.cost_probes += 1
+            return matched, 0, remote, 0  # read anyway: a fresh measurement (cost.py)
         return matched[:best], skipped_disk, kept_remote, remote - kept_remote
 
     # ------------------------------------------------------------------ taking a match

@@ -49,6 +49,7 @@ class Counters:
     prefetches_cancelled: int = 0
     prefetches_reclaimed: int = 0
     onboards_skipped_as_too_slow: int = 0
+    cost_probes: int = 0
     hit_blocks_remote: int = 0
     fetches: int = 0
     fetches_completed: int = 0
@@ -157,6 +158,9 @@ class CacheStatistics:
     onboards_skipped_as_too_slow: int
     """Disk hits not read back because recomputing their tokens was estimated faster."""
     onboard_tokens_skipped_as_too_slow: int
+    cost_probes: int = 0
+    """Requests whose hits the cost gate would have dropped that read them anyway, to measure
+    a tier again that had not been read for PROBE_EVERY drops in a row (statekv.cost)."""
 
     # Occupancy now.
     cached_blocks: int
@@ -252,6 +256,7 @@ def snapshot(
         prefetching_requests=prefetching_requests,
         onboards_skipped_as_too_slow=c.onboards_skipped_as_too_slow,
         onboard_tokens_skipped_as_too_slow=c.onboards_skipped_as_too_slow * bs,
+        cost_probes=c.cost_probes,
         hit_blocks_remote=c.hit_blocks_remote,
         fetches=c.fetches,
         fetches_completed=c.fetches_completed,

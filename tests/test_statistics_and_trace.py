@@ -227,6 +227,18 @@ def onboard_too_slow() -> tuple[Executor, Trigger]:
     return ex, lambda: ex.add("b", [*doc, 1])
 
 
+def cost_probe() -> tuple[Executor, Trigger]:
+    """PROBE_EVERY - 1 requests dropped their slow disk hits: the next reads them anyway."""
+    from statekv.cost import PROBE_EVERY
+
+    ex, trigger = onboard_too_slow()
+    for _ in range(PROBE_EVERY - 1):
+        trigger()
+        ex.release("b")
+    assert ex.stats().onboards_skipped_as_too_slow == PROBE_EVERY - 1
+    return ex, trigger
+
+
 def remote_hit() -> tuple[Executor, Trigger]:
     """A shared-tier cache; the trigger adds a request whose one full block the shared tier
     holds."""
@@ -318,6 +330,7 @@ CASES: list[tuple[str, Setup, int]] = [
     ("prefetches_reclaimed", prefetched("pressure"), 1),
     ("prefetches_taken_over", prefetch_taken_over, 1),
     ("onboards_skipped_as_too_slow", onboard_too_slow, 1),
+    ("cost_probes", cost_probe, 1),
     ("onboard_tokens_skipped_as_too_slow", onboard_too_slow, BS),
     ("hit_blocks_remote", remote_hit, 1),
     ("fetches", remote_hit, 1),
