@@ -330,6 +330,25 @@ def fetch_rate_not_reported() -> AbstractContextManager[None]:
     return _wrapped(KVCacheManager, "report_fetch", make)
 
 
+def publishes_in_flight_uncounted() -> AbstractContextManager[None]:
+    """Issue 23: the publisher forgets the batch it is publishing (counted only while
+    queued), so a slow cluster lets it hold a batch more than its bound."""
+    from io_actors.actors.remote_publisher import RemotePublisher
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        async def _publish(self: RemotePublisher, jobs: list[Any]) -> None:
+            with self._lock:
+                self._waiting -= len(jobs)
+            try:
+                await original(self, jobs)
+            finally:
+                with self._lock:
+                    self._waiting += len(jobs)  # the original takes them off again
+        return _publish
+
+    return _wrapped(RemotePublisher, "_publish", make)
+
+
 def prefetch_page_freed_on_leave() -> AbstractContextManager[None]:
     """Prefetch (issue 12): a queued request that leaves while its prefetch reads are in
     flight gives their host pages back at once, as it does for landed ones -- so a GPU

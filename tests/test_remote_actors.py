@@ -6,14 +6,17 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import trio
+import trio.testing
 
 from io_actors.actors.remote_fetcher import RemoteFetcher
 from io_actors.actors.remote_publisher import Offer, RemotePublisher
@@ -528,3 +531,80 @@ def test_values_signed_under_another_secret_are_never_served(
         writer={"remote_secret": b"the-forgers-own-secret"},
         reader={"remote_secret": b"the-deployments-secret"})
     assert matched > 0 and fetched == 0
+
+
+class HeldCluster:
+    """A shared store whose publish batches wait at a gate (a slow or stopped cluster): the
+    test counts, independently of the publisher, the publishes each batch holds."""
+
+    def __init__(self, inner: RedisClusterStore) -> None:
+        self.inner = inner
+        self.go = threading.Event()
+        self.in_flight = 0
+        self.landed = 0
+
+    def publish_many(self, items: Any) -> Any:
+        self.in_flight = len(items)
+        assert self.go.wait(30), "the test never let the cluster answer"
+        try:
+            return self.inner.publish_many(items)
+        finally:
+            self.landed += len(items)
+            self.in_flight = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def held_publishes_scenario(store: RedisClusterStore) -> None:
+    """Offers keep coming while the cluster holds a batch: what the publisher holds (queued
+    plus the batch being published) never exceeds twice remote_queue_depth, best-effort
+    content is shed past the depth, and every refusal is counted."""
+    depth = 4
+    cluster = HeldCluster(store)
+    publisher = RemotePublisher(cluster, config(drop_on_pressure=True, max_batch_blocks=3),
+                                queue_depth=depth)
+    keys = chain(40)
+    accepted = 0
+    worst = 0
+    outcomes: list[Offer] = []
+
+    async def main() -> None:
+        nonlocal accepted, worst
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher.run)
+            for i, k in enumerate(keys):
+                outcome = publisher.offer(record(i, k, expiry=None if i % 2 else 99.0),
+                                          block(i), now=0.0, wall_now=0.0)
+                outcomes.append(outcome)
+                accepted += outcome is Offer.QUEUED
+                await trio.testing.wait_all_tasks_blocked()  # the run task took its batch
+                worst = max(worst, accepted - cluster.landed)
+            cluster.go.set()
+            publisher.close()
+
+    trio.run(main)
+    assert cluster.in_flight == 0
+    assert worst <= 2 * depth, f"the publisher held {worst} publishes"
+    stats = publisher.statistics()
+    assert stats.offers["shed"] > 0 and stats.offers["full"] > 0, stats
+    assert stats.offers["queued"] == accepted == cluster.landed
+    assert sum(stats.offers.values()) == len(keys)
+    # Only best-effort content is shed; retained content is refused at the hard bound only.
+    assert all(o is not Offer.SHED for i, o in enumerate(outcomes) if i % 2 == 0)
+
+
+def test_a_held_cluster_never_makes_the_publisher_hold_more_than_its_bound(
+    store: RedisClusterStore,
+) -> None:
+    held_publishes_scenario(store)
+
+
+def test_the_publish_bound_test_fails_when_the_batch_in_flight_is_not_counted(
+    store: RedisClusterStore,
+) -> None:
+    from fuzz import planted
+
+    with planted.publishes_in_flight_uncounted(), pytest.raises(AssertionError,
+                                                                match="the publisher held"):
+        held_publishes_scenario(store)

@@ -39,7 +39,7 @@ from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import BlockHash
 from statekv.messages import PublishBlock
-from statekv.policies import Policies
+from statekv.policies import PressurePolicy, QueueOnPressure, ShedBestEffortOnPressure
 
 log = logging.getLogger(__name__)
 _U32 = 2**32 - 1
@@ -84,7 +84,11 @@ class RemotePublisher:
             raise ConfigError("queue_depth", f"must be an integer >= 1, got {depth!r}")
         self._store = store
         self._config = config
-        self._policies = Policies.from_config(config)
+        # The publisher's own depth is what sheds: with the pool's write_queue_depth instead
+        # (the spill path's), a remote_queue_depth below it let the queue reach its hard
+        # bound -- refusing retained content -- before any best-effort offer was shed.
+        self._pressure: PressurePolicy = (ShedBestEffortOnPressure(depth)
+                                          if config.drop_on_pressure else QueueOnPressure())
         self._depth = depth
         self._bound = 2 * depth
         self._batch = config.max_batch_blocks
@@ -140,7 +144,7 @@ class RemotePublisher:
             token.run_sync_soon(self._wakeup.set)
 
     def _decide(self, retained: bool) -> Offer:
-        if self._policies.pressure.sheds(retained, self._waiting):
+        if self._pressure.sheds(retained, self._waiting):
             return Offer.SHED
         if self._waiting >= self._bound:
             return Offer.FULL
