@@ -17,6 +17,7 @@ status 2, never a traceback; Ctrl-C ends with status 130.  statekv's own bugs
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import socket
@@ -39,6 +40,8 @@ EXIT_USAGE: Final = 2
 EXIT_INTERRUPTED: Final = 130
 """Ended by Ctrl-C (128 + SIGINT, the shell's convention)."""
 EXIT_TERMINATED: Final = 143
+EXIT_BROKEN_PIPE: Final = 141
+"""The reader of our output went away (128 + SIGPIPE, what a shell reports)."""
 """Ended by SIGTERM (128 + SIGTERM), after a graceful shutdown."""
 
 # Budgets of the demo and the server in tokens: the block counts they default to follow
@@ -413,7 +416,14 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as exc:
-        raise UserMistake(f"argument --port: cannot listen on {args.host}:{args.port}: "
+        # An address that does not resolve or is not this machine's is the host's fault; a
+        # port in use or reserved is the port's.
+        # (create_server re-raises a resolver error as a plain OSError: its EAI_* numbers
+        # are negative.)
+        host_fault = isinstance(exc, socket.gaierror) or exc.errno in (
+            errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or (exc.errno or 0) < 0
+        flag = "--host" if host_fault else "--port"
+        raise UserMistake(f"argument {flag}: cannot listen on {args.host}:{args.port}: "
                           f"{exc.strerror or exc}") from None
     host, port = listener.getsockname()[:2]
 
@@ -442,6 +452,8 @@ def _trace(args: argparse.Namespace) -> int:
             out = write_chrome_trace(
                 trace, args.output or args.trace.with_suffix(".perfetto.json"))
             print(f"wrote {out}; open it at https://ui.perfetto.dev or chrome://tracing")
+    except BrokenPipeError:
+        raise  # the reader of stdout went away: main() ends quietly
     except OSError as exc:
         raise UserMistake(f"cannot write {exc.filename}: {exc.strerror or exc}") from None
     return 0
@@ -460,6 +472,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
+    except BrokenPipeError:
+        # The reader went away (`statekv trace summary F | head`): stop quietly, as a
+        # process that SIGPIPE ends does, and keep Python from complaining at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

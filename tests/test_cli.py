@@ -291,3 +291,29 @@ def test_sigterm_ends_serve_with_status_143_and_removes_its_temporary_directory(
     assert err.strip().splitlines()[-1] == "statekv serve: terminated", err
     assert "Traceback" not in err
     assert [p.name for p in tmp.iterdir()] == []
+
+
+def test_trace_summary_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`statekv trace summary F | head`: the reader leaves early; no error, no traceback."""
+    trace = tmp_path / "t.jsonl"
+    done = subprocess.run([*STATEKV, "demo", "--users", "2", "--rounds", "2", "--trace",
+                           str(trace), "--no-identity"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    reader = subprocess.Popen(["head", "-n", "1"], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL)
+    summary = subprocess.run([*STATEKV, "trace", "summary", str(trace), "--top", "100000"],
+                             cwd=REPO, stdout=reader.stdin, stderr=subprocess.PIPE,
+                             text=True, timeout=120, check=False)
+    assert reader.stdin is not None
+    reader.stdin.close()
+    reader.wait(30)
+    assert summary.returncode in (0, 141), summary.stderr
+    assert summary.stderr == "", summary.stderr
+
+
+def test_a_host_that_is_not_this_machines_is_blamed_on_host(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--host", "999.1.1.1", "--port", "0"]) == EXIT_USAGE
+    assert "argument --host" in one_line_error(capsys.readouterr().err)
