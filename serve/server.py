@@ -188,7 +188,10 @@ class _Stream:
 
 def _usage(result: serving_loop.RequestResult) -> dict[str, Any]:
     completion = len(result.output)
-    cached = result.gpu_tokens + result.host_tokens + result.disk_tokens
+    # Every prompt token the model did not compute came from the cache, whichever tier
+    # (the shared tier's included), and a failed read that made it recompute counts as
+    # computed: what the request was really spared.
+    cached = result.prompt_tokens - result.recomputed_tokens
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": completion,
@@ -538,6 +541,16 @@ def create_app(options: ServerOptions, server: Server | None = None) -> FastAPI:
             return JSONResponse({"status": "unhealthy", "reason": "the serving loop is not "
                                  "running"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from importlib import metadata
+
+        try:
+            found = metadata.version("statekv")
+        except metadata.PackageNotFoundError:  # run from a source tree, not installed
+            found = "unknown"
+        return {"version": found}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -383,3 +383,25 @@ def test_health_answers_503_once_the_serving_loop_failed(
     health = httpx.get(f"{small.url}/health")
     assert health.status_code == 503
     assert health.json()["status"] == "unhealthy"
+
+
+def test_cached_tokens_count_every_tier_the_prompt_was_spared_from() -> None:
+    """usage.prompt_tokens_details.cached_tokens: tokens from the shared tier count too, and
+    tokens recomputed after a failed read do not."""
+    from serve._models import serving_loop
+    from serve.server import _usage
+
+    fetched = serving_loop.RequestResult(request_id="r", prompt_tokens=200, gpu_tokens=8,
+                                         remote_tokens=192, recomputed_tokens=0)
+    assert _usage(fetched)["prompt_tokens_details"]["cached_tokens"] == 200
+    fell_back = serving_loop.RequestResult(request_id="s", prompt_tokens=100, disk_tokens=96,
+                                           recomputed_tokens=36, fell_back=True)
+    assert _usage(fell_back)["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+def test_version_names_the_installed_package(small: Running) -> None:
+    from importlib import metadata
+
+    reply = httpx.get(f"{small.url}/version")
+    assert reply.status_code == 200
+    assert reply.json() == {"version": metadata.version("statekv")}
