@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import math
 import os
 import socket
@@ -152,6 +153,26 @@ def _blocks(args: argparse.Namespace, flag: str, tokens: int) -> int:
 # ---------------------------------------------------------------------- the parser
 
 
+LOG_LEVELS: Final = ("critical", "error", "warning", "info", "debug")
+LIBRARY_LOGGERS: Final = ("statekv", "io_actors", "models", "serve")
+"""The loggers of this package's code; uvicorn's have their own configuration."""
+
+
+def _add_log_level(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--log-level", default=default, choices=LOG_LEVELS,
+                   help=f"what statekv's own loggers (and the server's) print (default: "
+                        f"{default})")
+
+
+def configure_logging(level: str) -> None:
+    """The one logging setup, at the entry point (library code never configures logging):
+    records on stderr with their time, level and logger, statekv's at `level`."""
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(level.upper())
+
+
 def _add_cache_flags(p: argparse.ArgumentParser, *, gpu_tokens: int, host_tokens: int,
                      reserved_tokens: int, disk_tokens: int) -> None:
     """Model, device and cache budgets, shared by demo and serve."""
@@ -195,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "expected) and without reuse.")
     _add_cache_flags(demo, gpu_tokens=GPU_TOKENS, host_tokens=HOST_TOKENS,
                      reserved_tokens=RESERVED_HOST_TOKENS, disk_tokens=DISK_TOKENS)
+    _add_log_level(demo, "warning")
     demo.add_argument("--users", type=_int_at_least(1), default=8,
                       help="chat users (default: 8)")
     demo.add_argument("--rounds", type=_int_at_least(1), default=4,
@@ -256,9 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "variable STATEKV_REMOTE_PASSWORD; default: none)")
     serve.add_argument("--remote-tls-ca-file", type=Path, default=None,
                        help="CA certificates for a rediss:// cluster (default: the system's)")
-    serve.add_argument("--log-level", default="info",
-                       choices=("critical", "error", "warning", "info", "debug"),
-                       help="uvicorn's log level (default: info)")
+    _add_log_level(serve, "info")
     serve.set_defaults(handler=_serve)
 
     trace = sub.add_parser("trace", help="view or summarize a recorded state trace",
@@ -469,6 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a bad flag (already reported)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     prog = f"statekv {args.command}"
+    configure_logging(getattr(args, "log_level", "warning"))
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,3 +23,14 @@ def own_redis_cluster(tmp_path: Path) -> Iterator[LocalRedisCluster]:
     """A cluster for one test that harms it (kills a master)."""
     with running_cluster(tmp_path / "redis-cluster") as cluster:
         yield cluster
+
+
+@pytest.fixture(autouse=True)
+def _library_log_levels_restored() -> Iterator[None]:
+    """`statekv` commands run in-process set the package's logger levels (their one logging
+    setup, --log-level): each test starts from the levels it found."""
+    names = ("statekv", "io_actors", "models", "serve")
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)

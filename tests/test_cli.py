@@ -317,3 +317,31 @@ def test_a_host_that_is_not_this_machines_is_blamed_on_host(
 ) -> None:
     assert main(["serve", "--host", "999.1.1.1", "--port", "0"]) == EXIT_USAGE
     assert "argument --host" in one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_log_level_reaches_statekvs_own_loggers(command: str) -> None:
+    import logging
+
+    from serve.cli import LIBRARY_LOGGERS, configure_logging
+
+    args = build_parser().parse_args([command, "--log-level", "debug"])
+    assert args.log_level == "debug"
+    configure_logging(args.log_level)
+    for name in LIBRARY_LOGGERS:
+        assert logging.getLogger(name).getEffectiveLevel() == logging.DEBUG
+    assert logging.getLogger("io_actors.storage.posix").isEnabledFor(logging.DEBUG)
+
+
+def test_a_library_warning_is_printed_with_its_level_and_logger() -> None:
+    """After the entry point's setup a library record is a formatted line on stderr (time,
+    level, logger), not the bare message Python prints for an unconfigured logger."""
+    code = ("import logging; from serve.cli import configure_logging; "
+            "configure_logging('info'); "
+            "logging.getLogger('io_actors.storage.posix').warning('a warning of the store'); "
+            "logging.getLogger('io_actors.embed').debug('not shown at info')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.endswith(" WARNING io_actors.storage.posix: a warning of the store"), line
