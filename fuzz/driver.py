@@ -440,8 +440,10 @@ class Driver:
             if ready and reading:
                 pending = [p for p in core.block_table(rid) if p in reading]
                 assert not pending, f"{rid} is ready while reads fill its pages {pending}"
+        # Disk content, and the disk copies of blocks on GPU or host, whose deadline runs.
         live_on_disk = sum(1 for b in cached
-                           if b.state is BlockState.ON_DISK and is_live(b.expiry, model.now))
+                           if (b.state is BlockState.ON_DISK or b.has_disk_copy)
+                           and is_live(b.expiry, model.now))
         assert stats.disk_retained_blocks == live_on_disk, "deadline set != retained blocks"
         self._check_bytes_locked()
         violations = self.fuzz_store.violations
@@ -512,7 +514,8 @@ class Driver:
         assert stats.gpu_free_pages + stats.gpu_evictable_blocks == spec.gpu
         assert (stats.host_free_pages + stats.host_reserved_pages + stats.host_cached_blocks
                 == spec.host + spec.reserved_host)
-        assert stats.disk_empty_slots + stats.disk_cached_blocks == spec.disk
+        assert (stats.disk_empty_slots + stats.disk_cached_blocks + stats.disk_copy_blocks
+                == spec.disk)
         report = self.close_within(self.api, CLOSE_TIMEOUT, drain=True)
         # Nothing was in flight: nothing to drop, nothing finished during the close.
         assert report == CloseReport(

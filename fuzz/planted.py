@@ -134,17 +134,36 @@ def stale_deadline_kept() -> AbstractContextManager[None]:
 
 def reap_never_runs() -> AbstractContextManager[None]:
     """Seed: slots whose reads had landed were reclaimed only by a reap that never ran while
-    the disk looked full, so spills wedged for good."""
+    the disk looked full, so spills wedged for good.  Here: the slot a landed read keeps (a
+    disk copy) never goes back into the displacement order."""
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
-        def read_landed(self: Onboarding, block: Block) -> None:
-            slot = block.disk_slot
-            original(self, block)
-            if slot in self.disk.slots.empty:
-                self.disk.slots.empty.remove(slot)
+        def read_landed(self: Onboarding, block: Block, now: float) -> None:
+            original(self, block, now)
+            if block.disk_slot is not None:
+                self.disk.slots.unfile(block)
         return read_landed
 
     return _wrapped(Onboarding, "read_landed", make)
+
+
+def displaced_copy_kept() -> AbstractContextManager[None]:
+    """Inclusive tiers: a spill that displaced the disk copy of a block on GPU or host left
+    the block pointing at the slot, so a later eviction trusts bytes that were overwritten
+    (and the slot has two owners)."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def spill(self: DiskTier, victim: Block, now: float) -> None:
+            slots = self.slots
+            displaced = None if slots.empty else slots.next_victim(
+                self.policies.admission.may_displace_live())
+            slot = None if displaced is None else displaced.disk_slot
+            original(self, victim, now)
+            if displaced is not None and displaced.state is not BlockState.FREE:
+                displaced.disk_slot = slot
+        return spill
+
+    return _wrapped(DiskTier, "spill", make)
 
 
 def checksum_not_verified() -> AbstractContextManager[None]:
@@ -410,6 +429,8 @@ PLANTED = {
                 CoreVsSpec, 1000),
         Planted("stale-deadline-kept", stale_deadline_kept, CoreVsSpec, 1000),
         Planted("reap-never-runs", reap_never_runs, CoreVsSpec, 1000),
+        Planted("displaced-copy-kept", displaced_copy_kept, CoreVsSpec, 1000),
+        Planted("displaced-copy-kept-system", displaced_copy_kept, SystemMachine, 1000),
         Planted("checksum-not-verified", checksum_not_verified, SystemMachine, 1000),
         Planted("failed-read-published", failed_read_published, SystemMachine, 1000),
         Planted("release-during-onboard-system", release_during_onboard, SystemMachine, 1000),

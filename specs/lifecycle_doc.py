@@ -27,7 +27,9 @@ Checked by `KVCacheManager.check_invariants()` after every step of the fuzz suit
 2. **Storage follows the state.** A block owns a GPU page exactly in ON_GPU, RELEASED,
    ONBOARDING, FETCHING and ERROR; a host page exactly in ON_HOST, SPILLING, PREFETCHING and
    PREFETCHED (and in ONBOARDING when it is a prefetch an admitted request took over); a disk
-   slot exactly in SPILLING, ON_DISK, ONBOARDING, PREFETCHING and PREFETCHED; a transfer id
+   slot in SPILLING, ON_DISK, ONBOARDING, PREFETCHING and PREFETCHED always, and in ON_GPU,
+   RELEASED and ON_HOST when it keeps a valid disk copy (never in any other state); a
+   transfer id
    exactly in SPILLING, ONBOARDING, PREFETCHING and FETCHING.
 3. **Nothing is owned twice, nothing is lost.** Every GPU page, host page and disk slot is
    owned by exactly one of: a block, a free list, or a write whose block was recalled to GPU
@@ -45,9 +47,12 @@ Checked by `KVCacheManager.check_invariants()` after every step of the fuzz suit
    ERROR never do.
    Only full blocks are keyed; a partially filled block is private to its request.
 7. **Eviction orders.** The GPU evictable order holds exactly the RELEASED blocks, the host
-   order exactly the ON_HOST blocks, the disk orders exactly the ON_DISK blocks, and the
+   order exactly the ON_HOST blocks, the disk orders exactly the ON_DISK blocks and the
+   blocks with a disk copy (so no slot a read or write is in flight on is displaceable), and
+   the
    prefetched order (reclaimed newest first) exactly the PREFETCHED blocks.
-8. **Deadlines.** The retention heap holds exactly the ON_DISK blocks whose TTL is running at
+8. **Deadlines.** The retention heap holds exactly the ON_DISK blocks and disk copies
+   whose TTL is running at
    the manager's current time; best-effort disk content is in the FIFO, never in the heap.
 9. **Reserve.** The host reserve never exceeds its target, and no host page is free while the
    reserve is below it (a returning page refills the reserve first).
@@ -78,6 +83,13 @@ still in flight, takes it over as its onboard (PREFETCHING ACQUIRED -> ONBOARDIN
 read; a host -> GPU copy follows the landing). PREFETCH_CANCELLED returns a PREFETCHED block
 to ON_DISK for free, when every queued request that wanted it left or when a GPU victim
 needs its host page; PREFETCH_FAILED drops content whose prefetch read failed.
+
+Inclusive disk tier (a full block is immutable, so its slot stays valid when it moves up):
+READ_LANDED and the RECALLED of a PREFETCHED block keep the slot as the block's *disk copy*
+(ON_GPU, RELEASED or ON_HOST with a slot), filed for displacement as ON_DISK content of its
+retention class.  COPY_KEPT: evicting such a block (from host, or from GPU with no host
+page) makes it ON_DISK in that slot with no write. COPY_DISPLACED: a spill takes the slot;
+the block stays where it is and a later eviction spills it again normally.
 
 The shared tier (specs/remote_tier.md): the remote fetcher looks up the keys past a prompt's
 local match (`remote_candidates`) in the cluster and hands those found to `add_request`;

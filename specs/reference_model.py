@@ -23,6 +23,13 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
   duplicate, the cached twin) with max(current stamp, now + ttl); content is retained while
   now < expiry.  A stamp that lengthens the deadline of a block with a disk slot (on disk,
   spilling, being read) emits PersistRetention.
+* Inclusive disk tier: a disk read that lands, and a host hit on a prefetched block, leave
+  the slot holding the content: the block has a *disk copy* while it is on GPU or host,
+  filed in the disk order as disk content of its retention class (it expires there, a
+  lengthened deadline re-files it and emits PersistRetention).  Evicting a block with a
+  copy (from host, or from GPU with no host page) makes it disk content again with no write
+  (spills_saved_by_disk_copy); a spill that displaces a copy takes only the copy (the block
+  stays where it is).  A copy is a disk candidate even while its block is matched.
 * Prefetch: a queued request's matched disk blocks are read into host pages, in prefix order,
   each page an empty one or the page evicting one host victim yields (a drop's, or a reserved
   one for a spill), never another prefetch's; a block whose page cannot be had goes back to
@@ -118,9 +125,12 @@ def block_keys(tokens: Sequence[int], block_size: int, *,
     return keys
 
 
-def observed(blocks: Iterable[CachedBlock]) -> dict[BlockHash, tuple[str, int, int, float | None]]:
+def observed(
+    blocks: Iterable[CachedBlock],
+) -> dict[BlockHash, tuple[str, int, int, float | None, bool]]:
     """The real core's `cached_blocks()` in the form of :meth:`ReferenceCache.cached`."""
-    return {b.key: (TIER_OF_STATE[b.state], b.ref_count, b.reuse_count, b.expiry)
+    return {b.key: (TIER_OF_STATE[b.state], b.ref_count, b.reuse_count, b.expiry,
+                    b.has_disk_copy)
             for b in blocks}
 
 
@@ -144,6 +154,10 @@ class MBlock:
     prefetchers: list[str] = attrs.field(factory=list)
     host_page: bool = False
     """READING with a host page: a prefetch an admitted request took over."""
+    copy: bool = False
+    """On GPU or host and also in a disk slot (a valid disk copy, filed in the disk order)."""
+    disk_stamp: int = 0
+    """Order in the disk best-effort order (on disk, or a copy)."""
 
 
 @attrs.define(eq=False)
@@ -214,6 +228,7 @@ class ReferenceCache:
                 "hit_blocks_disk_retained",
                 "gpu_evictions", "host_offloads", "host_recalls", "offloads_skipped",
                 "host_drops", "spills", "spills_completed", "spill_failures", "bytes_written",
+                "spills_saved_by_disk_copy",
                 "onboards", "onboards_completed", "onboard_failures", "bytes_read",
                 "gate_drops", "pressure_drops", "admission_refusals", "disk_busy_refusals",
                 "displacements", "expirations", "restored_blocks",
@@ -242,12 +257,13 @@ class ReferenceCache:
         self.now = now
         expired = sorted(
             (b for b in self.entries.values()
-             if b.tier == DISK and b.retained_key is not None and not is_live(b.expiry, now)),
+             if (b.tier == DISK or b.copy) and b.retained_key is not None
+             and not is_live(b.expiry, now)),
             key=lambda b: b.retained_key or (0.0, 0, 0),
         )
         for b in expired:
             b.retained_key = None
-            b.stamp = self._stamp()
+            b.disk_stamp = self._stamp()
         self.c["expirations"] += len(expired)
 
     def _request(self, rid: str) -> MRequest:
@@ -267,7 +283,7 @@ class ReferenceCache:
             self.host_free += 1
 
     def _drop(self, b: MBlock) -> None:
-        assert b.key is not None
+        assert b.key is not None and not b.copy
         del self.entries[b.key]
 
     def gpu_obtainable(self) -> int:
@@ -297,18 +313,32 @@ class ReferenceCache:
                         self.c["publishes_not_admitted"] += 1
                 return
             self.c["offloads_skipped"] += 1
-        self._drop(victim)
+        if victim.copy:
+            self._keep_copy(victim)
+        else:
+            self._drop(victim)
+
+    def _keep_copy(self, b: MBlock) -> None:
+        """Evicted with a valid disk copy: disk content again, at its place, no write."""
+        b.tier = DISK
+        b.copy = False
+        self.c["spills_saved_by_disk_copy"] += 1
 
     def _file_on_disk(self, b: MBlock) -> None:
         """`b` (re)enters the disk order now, as the newest of its class."""
         b.tier = DISK
+        self._file(b)
+
+    def _file(self, b: MBlock) -> None:
+        """`b`'s slot (its content on disk, or its disk copy) is filed now, newest of its
+        class."""
         stamp = self._stamp()
         if is_live(b.expiry, self.now):
             assert b.expiry is not None
             b.retained_key = (b.expiry, -b.depth, stamp)
         else:
             b.retained_key = None
-            b.stamp = stamp
+            b.disk_stamp = stamp
 
     def _give_up_prefetch(self, b: MBlock) -> None:
         b.prefetchers.clear()
@@ -341,10 +371,10 @@ class ReferenceCache:
                 return True
 
     def _disk_victim(self, may_displace_live: bool) -> MBlock | None:
-        disk = self._candidates(DISK)
+        disk = self._candidates(DISK) + [b for b in self.entries.values() if b.copy]
         best_effort = [b for b in disk if b.retained_key is None]
         if best_effort:
-            return min(best_effort, key=lambda b: b.stamp)
+            return min(best_effort, key=lambda b: b.disk_stamp)
         retained = [b for b in disk if b.retained_key is not None]
         if retained and may_displace_live:
             return min(retained, key=lambda b: b.retained_key or (0.0, 0, 0))
@@ -360,6 +390,9 @@ class ReferenceCache:
 
     def _evict_host_victim(self, v: MBlock) -> bool:
         now = self.now
+        if v.copy:
+            self._keep_copy(v)
+            return True
         if self.cfg.disk_blocks:
             cfg = self.cfg
             admitted = self._spill_mode_admits(v)
@@ -393,7 +426,11 @@ class ReferenceCache:
             displaced = self._disk_victim(live_ok)
             assert displaced is not None
             self.c["displacements"] += 1
-            self._drop(displaced)
+            if displaced.tier == DISK:
+                self._drop(displaced)
+            else:  # a copy: the block stays where it is
+                displaced.copy = False
+                displaced.retained_key = None
         self.next_transfer += 1
         self.writes[self.next_transfer] = v
         v.tier = SPILLING
@@ -482,8 +519,8 @@ class ReferenceCache:
                 self.commands.append(("CopyHostToGpu", b.key))
                 if b.tier == PREFETCHED:
                     self._give_back_host()
-                    self.disk_empty += 1
-                    self.commands.append(("FreeSlot", None))
+                    self._file(b)  # the slot is kept: a disk copy
+                    b.copy = True
                     b.prefetchers.clear()
                     self.c["prefetch_hits"] += 1
                 elif b.tier == HOST:
@@ -751,9 +788,10 @@ class ReferenceCache:
                 if target is None or (target.expiry is not None and target.expiry >= expiry):
                     continue
                 target.expiry = expiry
-                if target.tier == DISK:
+                if target.tier == DISK or target.copy:
                     target.retained_key = (expiry, -target.depth, self._stamp())
-                if target.tier in (DISK, SPILLING, READING, PREFETCHING, PREFETCHED):
+                if target.copy or target.tier in (DISK, SPILLING, READING, PREFETCHING,
+                                                  PREFETCHED):
                     # Its slot header holds an earlier deadline: the new one is journaled.
                     self.commands.append(("PersistRetention", target.key))
         self._let_go(req, req.blocks)
@@ -807,7 +845,7 @@ class ReferenceCache:
                 assert e.expiry is not None
                 b.retained_key = (e.expiry, -e.depth, stamp)
             else:
-                b.stamp = stamp
+                b.disk_stamp = stamp
             self.entries[e.key] = b
         self.disk_empty -= len(blocks)
         self.c["restored_blocks"] += len(blocks)
@@ -834,7 +872,7 @@ class ReferenceCache:
                 assert v.expiry is not None
                 v.retained_key = (v.expiry, -v.depth, stamp)
             else:
-                v.stamp = stamp
+                v.disk_stamp = stamp
         else:
             self.c["spill_failures"] += 1
             self.disk_empty += 1
@@ -864,18 +902,20 @@ class ReferenceCache:
                 self.commands.append(("CopyHostToGpu", b.key))
             self._give_back_host()
             b.host_page = False
-        self.disk_empty += 1
-        self.commands.append(("FreeSlot", None))
         if ok:
             self.c["onboards_completed"] += 1
             self.c["bytes_read"] += self.cfg.block_bytes
             b.tier = GPU
+            self._file(b)  # the slot is kept: a disk copy
+            b.copy = True
             for rid in b.waiters:
                 self.requests[rid].pending -= 1
             b.waiters.clear()
             if b.holders == 0:
                 b.stamp = self._stamp()
             return
+        self.disk_empty += 1
+        self.commands.append(("FreeSlot", None))
         self.c["onboard_failures"] += 1
         self._fail(b)
 
@@ -933,9 +973,10 @@ class ReferenceCache:
 
     # ------------------------------------------------------------------ observation
 
-    def cached(self) -> dict[BlockHash, tuple[str, int, int, float | None]]:
-        """key -> (tier, holders, reuse count, expiry) for every cached block."""
-        return {k: (b.tier, b.holders, b.reuse, b.expiry) for k, b in self.entries.items()}
+    def cached(self) -> dict[BlockHash, tuple[str, int, int, float | None, bool]]:
+        """key -> (tier, holders, reuse count, expiry, disk copy) for every cached block."""
+        return {k: (b.tier, b.holders, b.reuse, b.expiry, b.copy)
+                for k, b in self.entries.items()}
 
     def statistics(self) -> CacheStatistics:
         c = self.c
@@ -976,6 +1017,7 @@ class ReferenceCache:
             spills=c["spills"],
             spills_completed=c["spills_completed"],
             spill_failures=c["spill_failures"],
+            spills_saved_by_disk_copy=c["spills_saved_by_disk_copy"],
             bytes_written=c["bytes_written"],
             writes_in_flight=len(self.writes),
             onboards=c["onboards"],
@@ -1014,7 +1056,9 @@ class ReferenceCache:
             disk_empty_slots=self.disk_empty,
             disk_cached_blocks=tiers.count(DISK),
             disk_retained_blocks=sum(1 for b in self.entries.values()
-                                     if b.tier == DISK and b.retained_key is not None),
+                                     if (b.tier == DISK or b.copy)
+                                     and b.retained_key is not None),
+            disk_copy_blocks=sum(1 for b in self.entries.values() if b.copy),
             blocks_by_state=tuple((s.name, by_state[s]) for s in BlockState),
             hit_blocks_remote=c["hit_blocks_remote"],
             fetches=c["fetches"],

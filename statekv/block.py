@@ -49,12 +49,18 @@ class Block:
     gpu_page: PageId | None = None
     host_page: PageId | None = None
     disk_slot: SlotId | None = None
+    """The slot holding the bytes: in SPILLING, ON_DISK, ONBOARDING, PREFETCHING and
+    PREFETCHED; in ON_GPU, RELEASED or ON_HOST it is a valid disk copy (lifecycle)."""
     transfer: TransferId | None = None
     """The read or write in flight for this block (SPILLING / ONBOARDING)."""
 
     # Intrusive links of the one ordered list that holds the block, if any.
     prev: Block | None = None
     next: Block | None = None
+    # Links of the disk tier's best-effort order: a block with a disk copy is in it while it
+    # is also in a GPU or host order.
+    disk_prev: Block | None = None
+    disk_next: Block | None = None
     heap_pos: int = -1
     """Index in the retention heap, -1 when not in it."""
     heap_key: tuple[float, int, int] = (0.0, 0, 0)

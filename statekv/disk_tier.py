@@ -23,7 +23,7 @@ from statekv.config import CacheConfig, is_finite_number
 from statekv.errors import UsageError
 from statekv.hashing import DIGEST_SIZE
 from statekv.ids import BlockHash, PageId, SlotId, TransferId
-from statekv.lifecycle import BlockEvent, BlockState
+from statekv.lifecycle import COPY_STATES, BlockEvent, BlockState
 from statekv.messages import FreeSlot, PersistRetention, WriteSlot
 from statekv.outbox import Outbox
 from statekv.policies import Policies
@@ -106,6 +106,12 @@ class DiskTier:
         """`block` just landed on disk (or came back to it): order it for displacement."""
         self.slots.file(block, now, self.next_seq())
 
+    def keep_copy(self, block: Block) -> None:
+        """`block` (RELEASED or ON_HOST, its other page already taken) is evicted while its
+        disk copy is valid: it is ON_DISK in its slot, where it is filed already -- no write."""
+        self.records.move(block, _E.COPY_KEPT)
+        self.counters.spills_saved_by_disk_copy += 1
+
     def free_slot(self, slot: SlotId) -> None:
         """Nothing uses `slot` any more: empty again, and the actors free it too."""
         self.slots.empty.append(slot)
@@ -149,7 +155,11 @@ class DiskTier:
             slot = slot_of
             displaced.disk_slot = None  # the slot passes straight to the new spill
             self.counters.displacements += 1
-            self.records.discard(displaced, _E.DROPPED)
+            if displaced.state is BlockState.ON_DISK:
+                self.records.discard(displaced, _E.DROPPED)
+            else:
+                # A disk copy of a block on GPU or host: only the copy goes.
+                self.records.move(displaced, _E.COPY_DISPLACED)
         host_page = victim.host_page
         key = victim.key
         assert host_page is not None and key is not None
@@ -206,7 +216,9 @@ class DiskTier:
         is a private duplicate; the stamp goes to the cached twin, wherever it is now -- on
         disk it is re-filed in the retention order at once.  A stamped block that has a disk
         slot (on disk, being spilled or read back) was written with an earlier deadline in
-        its slot header: a PersistRetention makes the new one survive a restart.
+        its slot header: a PersistRetention makes the new one survive a restart.  So does a
+        block on GPU or host that keeps a disk copy, re-filed in the retention order as an
+        ON_DISK block is.
         """
         index = self.index.blocks
         for i in range(req.committed):
@@ -214,13 +226,15 @@ class DiskTier:
             target = block if block.key is not None else index.get(req.keys[i])
             if target is None or (target.expiry is not None and target.expiry >= expiry):
                 continue
-            if target.state is BlockState.ON_DISK:
+            slot = target.disk_slot
+            if slot is not None and (target.state is BlockState.ON_DISK
+                                     or target.state in COPY_STATES):
                 self.slots.unfile(target)
                 target.expiry = expiry
                 self.file(target, now)
             else:
                 target.expiry = expiry
-            slot, key = target.disk_slot, target.key
+            key = target.key
             if slot is not None and key is not None:
                 self.outbox.commands.append(PersistRetention(slot=slot, key=key, expiry=expiry))
 

@@ -4,6 +4,8 @@ Owns the GPU and host page pools with their eviction orders, and the order of PR
 blocks (host pages holding a guess, reclaimed newest first).  It decides which cached block
 leaves a tier and where it goes: a GPU victim is copied to host (and offered to the shared
 tier) or dropped; a host victim is spilled (the disk tier says whether it may be) or dropped.
+A victim that keeps a valid disk copy (statekv.lifecycle, "Inclusive disk tier") is neither
+dropped nor written again: it becomes ON_DISK in the slot it already owns.
 Blocks enter the GPU order here too, when the last request holding them lets go.  It is
 separate because every page that is taken, evicted or given back passes through these few
 methods, and the cascade GPU -> host -> disk reads top to bottom in one place.
@@ -116,7 +118,10 @@ class Eviction:
                     self.offer_publish(victim, host_page, now)
                 return page
             c.offloads_skipped += 1
-        self.records.discard(victim, _E.DROPPED)
+        if victim.disk_slot is not None:
+            self.disk.keep_copy(victim)  # still on disk: nothing is lost
+        else:
+            self.records.discard(victim, _E.DROPPED)
         return page
 
     def offer_publish(self, block: Block, host_page: PageId, now: float) -> None:
@@ -190,10 +195,18 @@ class Eviction:
         return page
 
     def evict_host_victim(self, victim: Block, now: float) -> PageId | None:
-        """Spill `victim` to disk or drop it; return the host page this frees now, if any."""
+        """Spill `victim` to disk or drop it; return the host page this frees now, if any.
+
+        A victim whose disk copy is valid is neither: it is on disk already (no write), and
+        its page is free at once.
+        """
         c = self.counters
         page = victim.host_page
         assert page is not None
+        if victim.disk_slot is not None:
+            victim.host_page = None
+            self.disk.keep_copy(victim)
+            return page
         if self.has_disk:
             refusal = self.disk.spill_refusal(victim, now)
             if refusal is None:

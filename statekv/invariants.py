@@ -16,7 +16,7 @@ from statekv.block import Block
 from statekv.config import CacheConfig
 from statekv.errors import InvariantViolation
 from statekv.ids import BlockHash, PageId, RequestId, SlotId
-from statekv.lifecycle import BlockState
+from statekv.lifecycle import COPY_STATES, BlockState
 
 if TYPE_CHECKING:
     from statekv.disk_tier import DiskTier
@@ -132,8 +132,10 @@ def check_invariants(
         expect_host = st in (_S.ON_HOST, _S.SPILLING, _S.PREFETCHING, _S.PREFETCHED) or (
             st is _S.ONBOARDING and block.host_page is not None
         )
-        expect_slot = st in (_S.SPILLING, _S.ON_DISK, _S.ONBOARDING, _S.PREFETCHING,
-                             _S.PREFETCHED)
+        # A copy state may own a slot: the block's valid disk copy (lifecycle).
+        has_copy = st in COPY_STATES and block.disk_slot is not None
+        expect_slot = has_copy or st in (_S.SPILLING, _S.ON_DISK, _S.ONBOARDING,
+                                         _S.PREFETCHING, _S.PREFETCHED)
         expect_transfer = st in (_S.SPILLING, _S.ONBOARDING, _S.PREFETCHING, _S.FETCHING)
         for what, value, expected in (
             ("gpu_page", block.gpu_page, expect_gpu),
@@ -155,9 +157,13 @@ def check_invariants(
             raise InvariantViolation(f"{block!r}: GPU evictable membership wrong")
         if (id(block) in host_lru) != (st is _S.ON_HOST):
             raise InvariantViolation(f"{block!r}: host evictable membership wrong")
+        # The disk orders hold the ON_DISK blocks and the disk copies, nothing with a
+        # transfer on its slot: so a spill never displaces a slot a read or write uses.
         on_disk = id(block) in unmarked or id(block) in retained
-        if on_disk != (st is _S.ON_DISK):
+        if on_disk != (st is _S.ON_DISK or has_copy):
             raise InvariantViolation(f"{block!r}: disk order membership wrong")
+        if has_copy and block.key is None:
+            raise InvariantViolation(f"{block!r}: a disk copy of private content")
         if (id(block) in prefetched) != (st is _S.PREFETCHED):
             raise InvariantViolation(f"{block!r}: prefetched order membership wrong")
         if id(block) in retained and not is_live(block.expiry, now):
@@ -171,8 +177,8 @@ def check_invariants(
             raise InvariantViolation(f"{block!r}: indexed in state {st.name}")
         if st is _S.FREE and (block.heap_pos != -1 or block.expiry is not None
                               or block.reuse_count or block.waiters or block.prefetchers
-                              or block.prev
-                              or block.next):
+                              or block.prev or block.next
+                              or block.disk_prev or block.disk_next):
             raise InvariantViolation(f"{block!r}: a free record kept old fields")
         if block.key is not None and index.blocks.get(block.key) is not block:
             raise InvariantViolation(f"{block!r}: key not indexed to it")

@@ -34,6 +34,29 @@ PREFETCHED  on disk and in a host page, kept for a queued request  disk slot + h
 FETCHING    shared tier -> GPU fetch in flight                     GPU page
 ==========  =====================================================  ===========================
 
+Inclusive disk tier.  A full block is immutable, so the copy in its disk slot stays valid
+when the block moves up: a block in a *copy state* (ON_GPU, RELEASED, ON_HOST) may also own
+the disk slot holding its bytes (``disk_slot`` set: "has a disk copy").  The slot stays the
+disk tier's to reclaim: the block is filed in the displacement order exactly as an ON_DISK
+block of the same retention class would be (best-effort FIFO, or the deadline heap while its
+TTL runs; the disk order uses its own links, so it is in a GPU or host order at the same
+time), it expires there, and a lengthened deadline reaches its slot header
+(PersistRetention).  A copy is made by a disk read that lands (READ_LANDED: the slot is
+kept, re-filed as a landing spill is) and by a host hit on a PREFETCHED block (RECALLED);
+it ends in one of three ways:
+
+* COPY_KEPT: the block is evicted from GPU (no host page) or from host while its copy is
+  valid -- it becomes ON_DISK in its slot, at its place in the order, with no write
+  (``spills_saved_by_disk_copy`` counts them);
+* COPY_DISPLACED: a spill displaces the slot (the next victim of the displacement order is
+  a copy) -- the block stays where it is, only ``disk_slot`` is cleared, the slot passes
+  straight to the spill as any displaced slot does, and a later eviction spills it again
+  normally;
+* the slot stays with the block when it is onboarded again (ON_DISK -> ONBOARDING).
+
+So a restart finds the content: the slot is never freed (no FreeSlot, so the index journal
+keeps its record) while a copy is kept.
+
 The shared tier (specs/remote_tier.md) adds one state.  Its content is not the cache's: a
 request's prefix is matched past the local tiers only against keys the remote fetcher found
 in the cluster just before ``add_request``, and a record is taken for such a block only when
@@ -69,6 +92,12 @@ Why each state owns what it owns (each row is a race the design rules out):
   never served.
 * ON_DISK -> FREE (displacement) removes the block from the prefix tree in the same step, so
   the tree never points at a slot whose bytes were recycled.
+* A copy is displaced only through the displacement order, which holds no block with a
+  transfer on its slot: ONBOARDING, SPILLING, PREFETCHING and PREFETCHED are not copy
+  states, so no spill overwrites a slot a read is in flight on, and a slot holding one
+  block's copy is owned by that block (check_invariants), never free and never a write's.
+* COPY_DISPLACED clears ``disk_slot`` in the same step, so no later eviction trusts a copy
+  whose slot was rewritten (COPY_KEPT needs ``disk_slot``).
 """
 
 from __future__ import annotations
@@ -125,6 +154,8 @@ class BlockEvent(enum.IntEnum):
     FETCH_STARTED = 118
     FETCH_LANDED = 119
     FETCH_FAILED = 120
+    COPY_KEPT = 121
+    COPY_DISPLACED = 122
 
 
 EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
@@ -196,6 +227,14 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
         "The fetch failed (missing, evicted or expired key, corrupt or foreign value, the "
         "master unavailable): the bytes are never served."
     ),
+    BlockEvent.COPY_KEPT: (
+        "Evicted from GPU or host while its disk copy is valid: no write, the block is on "
+        "disk only, in its slot and at its place in the displacement order."
+    ),
+    BlockEvent.COPY_DISPLACED: (
+        "A spill took the slot holding the disk copy of a block that is on GPU or host: the "
+        "copy is gone, the block stays where it is."
+    ),
 }
 
 
@@ -233,10 +272,19 @@ TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
     (S.FETCHING, E.ACQUIRED): S.FETCHING,
     (S.FETCHING, E.FETCH_LANDED): S.ON_GPU,
     (S.FETCHING, E.FETCH_FAILED): S.ERROR,
+    (S.RELEASED, E.COPY_KEPT): S.ON_DISK,
+    (S.ON_HOST, E.COPY_KEPT): S.ON_DISK,
+    (S.ON_GPU, E.COPY_DISPLACED): S.ON_GPU,
+    (S.RELEASED, E.COPY_DISPLACED): S.RELEASED,
+    (S.ON_HOST, E.COPY_DISPLACED): S.ON_HOST,
 }
 """The single source of truth for the block lifecycle."""
 
 del S, E
+
+COPY_STATES: Final = frozenset({BlockState.ON_GPU, BlockState.RELEASED, BlockState.ON_HOST})
+"""States in which a block may also own a valid disk copy (``disk_slot`` set, filed in the
+displacement order); the only states with a COPY_KEPT or COPY_DISPLACED row."""
 
 # A read in flight ends only by landing or failing: never straight to a free list.
 _READ_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ONBOARDING, BlockState.ON_GPU,
@@ -260,8 +308,14 @@ _LEAVES_FREE: Final = frozenset({BlockEvent.ALLOCATED, BlockEvent.RESTORED,
 # Bytes are on disk only once a write landed, or when an index rebuild at open found them
 # there (in a slot whose header, checksums and fingerprint were checked; restore is FREE-only),
 # or when a prefetched copy is given up (the slot was kept all along, never rewritten).
+# Or when a block with a valid disk copy is evicted (the copy was read from the slot or
+# prefetched from it, and the slot kept since).
 _ENTERS_ON_DISK: Final = frozenset({BlockEvent.SPILL_LANDED, BlockEvent.RESTORED,
-                                    BlockEvent.PREFETCH_CANCELLED})
+                                    BlockEvent.PREFETCH_CANCELLED, BlockEvent.COPY_KEPT})
+# A block becomes RELEASED only by its release (a RELEASED block losing its copy stays one).
+_STAYS_OR_ENTERS_RELEASED: Final = frozenset({BlockEvent.RELEASED, BlockEvent.COPY_DISPLACED})
+# Losing a disk copy changes where nothing else is.
+_COPY_EVENTS: Final = frozenset({BlockEvent.COPY_KEPT, BlockEvent.COPY_DISPLACED})
 # Content leaves the cache only by being dropped, discarded, or failing its prefetch read.
 _ENTERS_FREE: Final = frozenset({BlockEvent.DROPPED, BlockEvent.DISCARDED,
                                  BlockEvent.PREFETCH_FAILED})
@@ -286,7 +340,10 @@ def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
     post: state is not BlockState.PREFETCHING or __return__ in _PREFETCH_IN_FLIGHT_EXITS
     post: __return__ is not BlockState.PREFETCHING or state is BlockState.ON_DISK
     post: __return__ is not BlockState.ON_DISK or event in _ENTERS_ON_DISK
-    post: __return__ is not BlockState.RELEASED or event is BlockEvent.RELEASED
+    post: __return__ is not BlockState.RELEASED or event in _STAYS_OR_ENTERS_RELEASED
+    post: event not in _COPY_EVENTS or state in COPY_STATES
+    post: event is not BlockEvent.COPY_DISPLACED or __return__ is state
+    post: event is not BlockEvent.COPY_KEPT or __return__ is BlockState.ON_DISK
     post: state is not BlockState.ERROR or __return__ is BlockState.FREE
     """
     nxt = TRANSITIONS.get((state, event))

@@ -66,7 +66,7 @@ from statekv.eviction import Eviction
 from statekv.hashing import DIGEST_SIZE, token_bytes
 from statekv.ids import BlockHash, PageId, RequestId
 from statekv.invariants import check_invariants
-from statekv.lifecycle import BlockEvent, BlockState
+from statekv.lifecycle import COPY_STATES, BlockEvent, BlockState
 from statekv.messages import (
     BatchFinished,
     Command,
@@ -162,6 +162,8 @@ class CachedBlock:
     expiry: float | None
     depth: int
     priority: int
+    has_disk_copy: bool = False
+    """On GPU or host and also in a disk slot (a valid copy: evicting it writes nothing)."""
 
 
 def _check_now(now: object, last: float) -> float:
@@ -545,6 +547,7 @@ class KVCacheManager:
                 key=block.key, state=block.state, ref_count=block.ref_count,
                 reuse_count=block.reuse_count, expiry=block.expiry, depth=block.depth,
                 priority=block.priority,
+                has_disk_copy=block.disk_slot is not None and block.state in COPY_STATES,
             )
             for block in self._index.blocks.values()
             if block.key is not None
@@ -630,6 +633,8 @@ class KVCacheManager:
             disk_empty_slots=len(disk.slots.empty),
             disk_cached_blocks=counts[_S.ON_DISK],
             disk_retained_blocks=len(disk.slots.retained),
+            disk_copy_blocks=(len(disk.slots.retained) + len(disk.slots.unmarked)
+                              - counts[_S.ON_DISK]),
             blocks_by_state=tuple((s.name, counts[s]) for s in BlockState),
         )
 

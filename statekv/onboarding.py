@@ -250,13 +250,14 @@ class Onboarding:
         else:
             self.host.give_back(host_page)
             if block.state is _S.PREFETCHED:
-                # The content leaves the disk as an onboard would: its slot is free again.
-                slot = block.disk_slot
-                assert slot is not None
-                block.disk_slot = None
-                self.disk.free_slot(slot)
+                # The slot is kept, as an onboard keeps it: a disk copy, filed for
+                # displacement once the block is on GPU.
                 block.prefetchers.clear()
                 self.counters.prefetch_hits += 1
+                self.records.move(block, _E.RECALLED)
+                self.disk.file(block, self.records.now)
+                self.counters.host_recalls += 1
+                return
         self.records.move(block, _E.RECALLED)
         self.counters.host_recalls += 1
 
@@ -404,7 +405,7 @@ class Onboarding:
         if tid in self.reads:
             block = self.reads.pop(tid)
             if isinstance(event, SlotRead):
-                self.read_landed(block)
+                self.read_landed(block, now)
             else:
                 self.read_failed(block)
         elif tid in self.fetches:
@@ -445,7 +446,10 @@ class Onboarding:
         block.prefetchers.clear()
         self.records.discard(block, _E.PREFETCH_FAILED)
 
-    def read_landed(self, block: Block) -> None:
+    def read_landed(self, block: Block, now: float) -> None:
+        """The bytes are on GPU, and still in the slot: the block keeps it as a disk copy
+        (filed for displacement as a landing spill is), so that evicting it again writes
+        nothing and a restart finds it."""
         c = self.counters
         c.onboards_completed += 1
         c.bytes_read += self.block_bytes
@@ -459,12 +463,10 @@ class Onboarding:
             )
             block.host_page = None
             self.host.give_back(host_page)
-        slot = block.disk_slot
-        assert slot is not None
-        block.disk_slot = None
+        assert block.disk_slot is not None
         block.transfer = None
-        self.disk.free_slot(slot)
         self.records.move(block, _E.READ_LANDED)
+        self.disk.file(block, now)
         self.requests.wake_waiters(block)
         if block.ref_count == 0:
             self.records.move(block, _E.RELEASED)

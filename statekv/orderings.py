@@ -2,13 +2,16 @@
 
 * :class:`BlockList` -- an intrusive doubly linked list (FIFO / LRU), links live in the
   blocks, so removing a block from the middle is O(1) and allocates nothing.
+* :class:`DiskList` -- the same on a second pair of links, for the disk tier's best-effort
+  order (a block with a disk copy is in it and in a GPU or host order at once).
 * :class:`PriorityLRU` -- one BlockList per priority level plus a bitmask of the non-empty
   levels: the victim is the oldest block of the lowest non-empty level, found in O(1).
 * :class:`RetentionHeap` -- an indexed binary min-heap: every block knows its position, so a
   block that leaves the disk is removed at once and no stale entry is ever left behind (the
   seed's deadline list leaked them).
 
-A block is in at most one of these at a time; `check` methods verify the links and are for
+A block is in at most one of the BlockList-based orders and at most one of the disk orders
+(DiskList, RetentionHeap) at a time; `check` methods verify the links and are for
 tests and fuzzing only.
 """
 
@@ -93,6 +96,71 @@ class BlockList:
                 raise InvariantViolation(f"broken back link at {node!r}")
             prev = node
             node = node.next
+            count += 1
+            if count > self.size:
+                raise InvariantViolation("list longer than its size (cycle?)")
+        if prev is not self.tail or count != self.size:
+            raise InvariantViolation(f"list size {self.size} but {count} linked blocks")
+
+
+class DiskList:
+    """BlockList on the blocks' disk links: the disk tier's best-effort order.
+
+    Apart from every other order because a block with a disk copy is in it and, at the same
+    time, in the GPU or host order of the tier it is on.
+    """
+
+    __slots__ = ("head", "size", "tail")
+
+    def __init__(self) -> None:
+        self.head: Block | None = None
+        self.tail: Block | None = None
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, block: Block) -> None:
+        """Add as the newest (displaced last)."""
+        tail = self.tail
+        block.disk_prev = tail
+        block.disk_next = None
+        if tail is None:
+            self.head = block
+        else:
+            tail.disk_next = block
+        self.tail = block
+        self.size += 1
+
+    def remove(self, block: Block) -> None:
+        prev, nxt = block.disk_prev, block.disk_next
+        if prev is None:
+            self.head = nxt
+        else:
+            prev.disk_next = nxt
+        if nxt is None:
+            self.tail = prev
+        else:
+            nxt.disk_prev = prev
+        block.disk_prev = block.disk_next = None
+        self.size -= 1
+
+    def __iter__(self) -> Iterator[Block]:
+        node = self.head
+        while node is not None:
+            yield node
+            node = node.disk_next
+
+    def check(self) -> None:
+        """Verify the links; raises InvariantViolation."""
+        count = 0
+        prev: Block | None = None
+        node = self.head
+        while node is not None:
+            if node.disk_prev is not prev:
+                raise InvariantViolation(f"broken back link at {node!r}")
+            prev = node
+            node = node.disk_next
             count += 1
             if count > self.size:
                 raise InvariantViolation("list longer than its size (cycle?)")

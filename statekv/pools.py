@@ -13,7 +13,7 @@ from statekv.arith import is_live, retention_order
 from statekv.block import Block
 from statekv.errors import InvariantViolation
 from statekv.ids import PageId, SlotId
-from statekv.orderings import BlockList, PriorityLRU, RetentionHeap
+from statekv.orderings import DiskList, PriorityLRU, RetentionHeap
 
 
 class PagePool:
@@ -70,6 +70,10 @@ class DiskSlots:
 
     `retained` holds exactly the disk blocks whose TTL is running: an entry leaves the heap
     the moment its block is onboarded, displaced or expires (no stale deadlines).
+
+    A block with a disk copy (on GPU or host with its slot kept: statekv.lifecycle) is filed
+    here exactly as an ON_DISK block of its retention class would be; displacing it takes
+    only the copy.
     """
 
     __slots__ = ("capacity", "empty", "retained", "unmarked")
@@ -77,7 +81,7 @@ class DiskSlots:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.empty: list[SlotId] = [SlotId(s) for s in reversed(range(capacity))]
-        self.unmarked = BlockList()
+        self.unmarked = DiskList()
         self.retained = RetentionHeap()
 
     def file(self, block: Block, now: float, seq: int) -> None:
@@ -90,7 +94,7 @@ class DiskSlots:
             self.unmarked.append(block)  # FIFO: the list's order is the arrival order
 
     def unfile(self, block: Block) -> None:
-        """`block` leaves the disk (onboarded): forget its place in the order."""
+        """`block` leaves the disk (onboarded, or its copy displaced): forget its place."""
         if block.heap_pos >= 0:
             self.retained.remove(block)
         else:

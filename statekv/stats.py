@@ -29,6 +29,7 @@ class Counters:
     spills: int = 0
     spills_completed: int = 0
     spill_failures: int = 0
+    spills_saved_by_disk_copy: int = 0
     bytes_written: int = 0
     onboards: int = 0
     onboards_completed: int = 0
@@ -105,6 +106,10 @@ class CacheStatistics:
     spill_failures: int
     bytes_written: int
     writes_in_flight: int
+    spills_saved_by_disk_copy: int = 0
+    """Evictions (from host, or from GPU with no host page) of blocks whose disk copy was
+    still valid, in blocks: each became ON_DISK in the slot it kept since its onboard, with
+    no write (a spill, and its bytes, saved).  Not in spills."""
 
     # Disk -> GPU.
     onboards: int
@@ -173,7 +178,11 @@ class CacheStatistics:
     disk_empty_slots: int
     disk_cached_blocks: int
     disk_retained_blocks: int
-    """Disk blocks whose TTL is running (the deadline set)."""
+    """Disk slots whose content's TTL is running (the deadline set), disk copies of blocks on
+    GPU or host included."""
+    disk_copy_blocks: int = 0
+    """Blocks on GPU or host that keep a valid disk copy (their slot is not empty, and not
+    in disk_cached_blocks)."""
     blocks_by_state: tuple[tuple[str, int], ...]
     """(state name, count) for every lifecycle state."""
 
@@ -202,7 +211,7 @@ def snapshot(
     prefetching_requests: int, fetches_in_flight: int, cached_blocks: int,
     gpu_free_pages: int, gpu_evictable_blocks: int, host_free_pages: int,
     host_reserved_pages: int, host_cached_blocks: int, disk_empty_slots: int,
-    disk_cached_blocks: int, disk_retained_blocks: int,
+    disk_cached_blocks: int, disk_retained_blocks: int, disk_copy_blocks: int,
     blocks_by_state: tuple[tuple[str, int], ...],
 ) -> CacheStatistics:
     """The statistics of one cache: its counters, with the gauges each concern reads off its
@@ -229,6 +238,7 @@ def snapshot(
         spills=c.spills,
         spills_completed=c.spills_completed,
         spill_failures=c.spill_failures,
+        spills_saved_by_disk_copy=c.spills_saved_by_disk_copy,
         bytes_written=c.bytes_written,
         writes_in_flight=writes_in_flight,
         onboards=c.onboards,
@@ -275,5 +285,6 @@ def snapshot(
         disk_empty_slots=disk_empty_slots,
         disk_cached_blocks=disk_cached_blocks,
         disk_retained_blocks=disk_retained_blocks,
+        disk_copy_blocks=disk_copy_blocks,
         blocks_by_state=blocks_by_state,
     )

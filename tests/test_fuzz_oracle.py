@@ -159,8 +159,9 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
      lambda m: setattr(on_disk(m), "gpu_page", 7), "gpu_page=7 in state ON_DISK"),
     ("released block with a host page", parked,
      lambda m: setattr(released(m), "host_page", 1), "host_page=1 in state RELEASED"),
-    ("released block with a slot", parked,
-     lambda m: setattr(released(m), "disk_slot", 7), "disk_slot=7 in state RELEASED"),
+    # A RELEASED block may own a slot (its disk copy), but only one no one else owns.
+    ("released block with a slot it does not own", parked,
+     lambda m: setattr(released(m), "disk_slot", 7), "slot 7 owned by 'disk-empty' and"),
     ("disk block with a transfer", parked,
      lambda m: setattr(on_disk(m), "transfer", 99), "transfer=99 in state ON_DISK"),
     ("free record off the free list", parked,

@@ -203,14 +203,40 @@ def test_slots_come_back_when_reads_land_so_spills_never_wedge() -> None:
             run.to_disk()
             assert run.stats().disk_empty_slots == 0  # reached: a full disk...
             run("add_request", spec=RequestSpec(PROMPT))
-            run("drain")  # ...whose reads land
-            assert run.stats().disk_empty_slots == 2
+            run("drain")  # ...whose reads land: the slots stay, as the blocks' disk copies
+            assert run.stats().disk_empty_slots == 0 and run.stats().disk_copy_blocks == 2
             run("release", pick=0)
             spills = run.stats().spills
-            assert run("churn", spec=FILL).spills > spills
+            assert run("churn", spec=FILL).spills > spills  # a copy's slot is displaceable
 
     scenario()
     fails_when_planted(planted.reap_never_runs, scenario)
+
+
+def test_a_displaced_disk_copy_leaves_its_block_on_gpu_and_is_never_trusted() -> None:
+    """Inclusive tiers: a spill that takes the slot of a block read back (on GPU, its copy
+    kept) drops only the copy; the block's next eviction writes it again."""
+
+    def scenario() -> None:
+        with system(disk=2, host=3) as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            run("drain")
+            assert run.stats().disk_copy_blocks == 2  # reached: on GPU, copies on disk
+            saved = run.stats().spills_saved_by_disk_copy
+            for doc in DOCUMENTS[1:4]:  # other content through the host: its spills
+                run("serve_whole_request", spec=RequestSpec(doc[:3]))  # displace copies
+                stats = run("churn", spec=FILL)
+            assert stats.displacements > 0 and stats.disk_copy_blocks < 2
+            assert run.tiers() == ["ON_GPU", "ON_GPU"]  # held: still cached on GPU
+            run("release", pick=0)
+            run("churn", spec=FILL)
+            run("churn", spec=FILL)
+            assert run.stats().spills_saved_by_disk_copy >= saved
+            run("drain")
+
+    scenario()
+    fails_when_planted(planted.displaced_copy_kept, scenario)
 
 
 def test_a_flipped_bit_is_never_served() -> None:

@@ -11,6 +11,7 @@ import pytest
 from specs import lifecycle_doc
 from statekv import IllegalTransition, InvariantViolation, KVCacheManager, RingTrace, StateKVError
 from statekv.lifecycle import (
+    COPY_STATES,
     EVENT_MEANINGS,
     TRANSITIONS,
     BlockEvent,
@@ -143,9 +144,25 @@ def test_a_write_in_flight_keeps_its_host_page_until_it_reports() -> None:
 
 def test_content_reaches_disk_only_by_a_landed_write_or_a_restore_at_open() -> None:
     into_disk = [(s, e) for (s, e), t in TRANSITIONS.items() if t is S.ON_DISK]
-    # A cancelled prefetch goes back to the disk copy it never gave up.
-    assert into_disk == [(S.FREE, E.RESTORED), (S.SPILLING, E.SPILL_LANDED),
-                         (S.PREFETCHED, E.PREFETCH_CANCELLED)]
+    # A cancelled prefetch goes back to the disk copy it never gave up; an evicted block
+    # whose disk copy is valid (kept since its onboard) goes back to it without a write.
+    assert sorted(into_disk) == sorted([
+        (S.FREE, E.RESTORED), (S.SPILLING, E.SPILL_LANDED),
+        (S.PREFETCHED, E.PREFETCH_CANCELLED), (S.RELEASED, E.COPY_KEPT),
+        (S.ON_HOST, E.COPY_KEPT),
+    ])
+
+
+def test_a_disk_copy_is_kept_or_lost_only_in_a_state_with_no_transfer_on_its_slot() -> None:
+    copy_rows = {(s, e): t for (s, e), t in TRANSITIONS.items()
+                 if e in (E.COPY_KEPT, E.COPY_DISPLACED)}
+    assert {s for s, _ in copy_rows} == COPY_STATES
+    # A read or write in flight owns its slot: no copy event there, ever.
+    for state in (S.ONBOARDING, S.SPILLING, S.PREFETCHING, S.PREFETCHED, S.FETCHING):
+        assert not allowed_events(state) & {E.COPY_KEPT, E.COPY_DISPLACED}
+    # Losing a copy moves nothing; keeping it is being on disk.
+    assert all(t is s for (s, e), t in copy_rows.items() if e is E.COPY_DISPLACED)
+    assert all(t is S.ON_DISK for (s, e), t in copy_rows.items() if e is E.COPY_KEPT)
 
 
 def test_a_prefetch_in_flight_keeps_its_host_page_until_it_reports() -> None:
@@ -291,6 +308,55 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
     ex.serve("x", fresh_tokens(ex.bs + 1))
     ex.serve("y", fresh_tokens(ex.bs + 1))
     ex.churn("c")                       # ON_HOST DROPPED
+    seen |= set(_seen(trace))
+
+    # Disk copies: a block read back keeps its slot.
+    ex, trace = _traced(gpu_blocks=4, host_blocks=1, disk_blocks=2)
+    d = fresh_tokens(ex.bs + 1)
+    ex.spill([d])
+    ex.serve("d1", d)
+    ex.churn("c1")                      # d to host with its copy
+    ex.serve("o1", fresh_tokens(ex.bs + 1))
+    ex.churn("c2")                      # ON_HOST COPY_KEPT
+    assert ex.tiers(d) == ["ON_DISK"]
+    ex.serve("d2", d)
+    ex.serve("o2", fresh_tokens(ex.bs + 1))
+    ex.serve("d3", d)                   # d is the newest released
+    ex.churn("c3")                      # RELEASED COPY_KEPT (no host page for d)
+    assert ex.tiers(d) == ["ON_DISK"]
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced(gpu_blocks=4, host_blocks=1, disk_blocks=1)
+    d = fresh_tokens(ex.bs + 1)
+    ex.spill([d])
+    ex.add("h", d)
+    ex.land_read()
+    ex.serve("y", fresh_tokens(ex.bs + 1))
+    ex.churn("c1")
+    ex.serve("z", fresh_tokens(ex.bs + 1))
+    ex.churn("c2")                      # ON_GPU COPY_DISPLACED (y's spill takes the slot)
+    ex.drain()
+    ex.release("h")
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced(gpu_blocks=4, host_blocks=1, disk_blocks=1)
+    d = fresh_tokens(ex.bs + 1)
+    ex.spill([d])
+    ex.serve("y", fresh_tokens(ex.bs + 1))
+    ex.churn("c1")                      # y to host
+    ex.serve("d1", d)                   # d read back, released after y
+    ex.serve("z", fresh_tokens(ex.bs + 1))
+    ex.churn("c2", ex.stats().gpu_free_pages + 1)  # RELEASED COPY_DISPLACED (d, the victim)
+    seen |= set(_seen(trace))
+
+    ex, trace = _traced(gpu_blocks=4, host_blocks=2, disk_blocks=1)
+    d, w = fresh_tokens(ex.bs + 1), fresh_tokens(ex.bs + 1)
+    ex.spill([d, w])        # d written; w finds the only slot busy; the filler stays on host
+    ex.serve("d1", d)
+    ex.churn("c2")                      # d to host with its copy, after the filler
+    ex.serve("z", fresh_tokens(ex.bs + 1))
+    ex.churn("c3")          # ON_HOST COPY_DISPLACED (the filler's spill takes d's slot)
+    ex.drain()
     seen |= set(_seen(trace))
 
     assert seen == set(TRANSITIONS.items())

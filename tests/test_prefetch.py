@@ -46,13 +46,15 @@ def test_a_prefetch_turns_a_disk_hit_into_a_host_hit() -> None:
     match = ex.add("q", doc)
     assert match.ready and (match.host_tokens, match.disk_tokens) == (4, 0)
     kinds = [type(c) for c in ex.log[start:]]
-    assert kinds.count(CopyHostToGpu) == 2 and kinds.count(FreeSlot) == 2
+    # The slots are kept: the blocks on GPU keep their disk copies.
+    assert kinds.count(CopyHostToGpu) == 2 and kinds.count(FreeSlot) == 0
+    assert ex.stats().disk_copy_blocks == 2
     assert ReadSlot not in kinds
     stats = ex.stats()
     assert (stats.prefetches, stats.prefetches_completed, stats.prefetch_hits) == (2, 2, 2)
     assert stats.hit_blocks_host == 2 and stats.onboards == 0
     assert stats.host_free_pages == 2 and stats.prefetching_requests == 0
-    assert stats.disk_empty_slots == 4  # the content left the disk as an onboard would
+    assert stats.disk_empty_slots == 2  # the slots stay, as an onboard keeps them
 
 
 def test_leaving_the_queue_gives_the_pages_back_and_the_content_stays_on_disk() -> None:

@@ -98,8 +98,9 @@ def test_a_slot_with_a_pending_read_is_never_given_to_a_new_spill() -> None:
     ex.churn("c")                      # x must leave the host: the disk is busy
     assert not any(isinstance(c, WriteSlot) for c in ex.log[start:])
     assert ex.stats().disk_busy_refusals == 1
-    ex.land_read()                     # the slot is free again at once
-    assert ex.stats().disk_empty_slots == 1
+    ex.land_read()                     # the slot is the block's disk copy now,
+    assert ex.stats().disk_copy_blocks == 1  # displaceable at once (inclusive tiers)
+    assert ex.cache._disk.slots.next_victim(True) is not None
 
 
 def test_a_slot_with_a_pending_read_is_skipped_by_displacement() -> None:
@@ -337,14 +338,19 @@ def test_an_onboarded_slot_is_reusable_without_any_reap_or_clock_tick() -> None:
     (first,) = ex.spill([doc])
     ex.add("a", [*doc, 1])
     ex.land_read()
-    assert ex.freed[-1] == first.slot
-    assert ex.stats().disk_empty_slots == 1
-    ex.release("a")
-    ex.churn("c")  # doc goes to the host tier; the next eviction spills it
+    # Inclusive tiers: the slot is kept as doc's disk copy (never freed), and is displaceable
+    # at once: the next spill takes it with no reap and no clock tick.
+    assert first.slot not in ex.freed
+    assert ex.stats().disk_copy_blocks == 1 and ex.stats().disk_empty_slots == 0
     ex.serve("x", one_block())
+    ex.churn("c")  # x goes to the host tier; the next eviction spills it
+    ex.serve("y", one_block())
     start = len(ex.log)
     ex.churn("c2")
     new = [c for c in ex.log[start:] if isinstance(c, WriteSlot)]
     assert [w.slot for w in new] == [first.slot]
-    assert ex.stats().displacements == 0
+    assert ex.stats().displacements == 1 and ex.stats().disk_copy_blocks == 0
+    assert ex.tiers(doc) == ["ON_GPU"]  # held by "a": only the copy went
     assert not any(isinstance(c, FreeSlot) for c in ex.log[start:])
+    ex.drain()
+    ex.release("a")

@@ -271,7 +271,20 @@ def publish(**overrides: Any) -> Setup:
     return setup
 
 
+def evict_a_disk_copy() -> tuple[Executor, Trigger]:
+    """A block read back from disk (its slot kept) on host; the trigger evicts it from host."""
+    ex = _cache()
+    doc = _doc()
+    ex.spill([doc])
+    ex.serve("back", doc)
+    ex.churn("c1")
+    ex.serve("other", _doc())
+    return ex, lambda: ex.churn("c2")
+
+
 CASES: list[tuple[str, Setup, int]] = [
+    ("spills_saved_by_disk_copy", evict_a_disk_copy, 1),
+    ("disk_copy_blocks", read_lands(True), 1),
     ("requests_added", add_request, 1),
     ("requests_released", release_request, 1),
     ("requests_parked", disk_hit, 1),
