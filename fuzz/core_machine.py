@@ -30,6 +30,12 @@ between lookup and fetch, corrupt: the core sees one failure kind), or a second 
 joins the fetch in flight before it lands or fails.  Blocks this cache offloads to host are
 published to the emulated cluster, so later requests fetch them back.
 
+Restarts (issue 23): the machine keeps the disk image its commands describe (what a slot
+store and its journals would hold) and, in the `restart` rule, lets every transfer land,
+advances the clock by a time the process was down, and restores that image into a fresh core
+and a fresh reference model, which are compared step by step from there: displacement of
+restored content -- retained and live, expired while down, best-effort -- against the spec.
+
 This is the fast machine (thousands of steps per second): it explores the decision logic,
 the system machine (:mod:`fuzz.system_machine`) the actors and the bytes.
 """
@@ -49,10 +55,13 @@ from fuzz.steps import Counts, fuzz_rule, note
 from fuzz.tracefile import new_sink
 from specs.reference_model import ReferenceCache, block_keys, in_batches, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
-from statekv.ids import BlockHash, TransferId
+from statekv.ids import BlockHash, SlotId, TransferId
+from statekv.manager import RestoredBlock
 from statekv.messages import (
     Completion,
     FetchBlock,
+    FreeSlot,
+    PersistRetention,
     PrefetchSlot,
     PublishBlock,
     ReadSlot,
@@ -78,6 +87,8 @@ DOCUMENTS = (
 SALTS = (None, None, "tenant-b")
 TTLS = (None, 0, 1.0, 5.0, 30.0)
 CLOCK_STEPS = (0.5, 1.0, 5.0, 30.0)
+DOWN_TIMES = (0.0, 10.0, 100.0, 100_000.0)
+"""How long the process is down at a restart: deadlines pass on both sides of it."""
 
 
 @st.composite
@@ -271,6 +282,12 @@ class CoreVsSpec(RuleBasedStateMachine):
         """Keys the emulated shared tier holds (this cache's publishes and other replicas')."""
         self.fetches: dict[TransferId, BlockHash] = {}
         """Fetches issued, by transfer (they also wait in `reads`, and report like reads)."""
+        self.disk_image: dict[SlotId, RestoredBlock] = {}
+        """What a slot store would hold, from the commands: landed writes with the metadata
+        their headers store, lengthened deadlines applied, freed or overwritten slots gone."""
+        self.writing: dict[TransferId, RestoredBlock] = {}
+        """Writes in flight, as they would land."""
+        self.sequence = 0
 
     @property
     def core(self) -> KVCacheManager:
@@ -310,6 +327,7 @@ class CoreVsSpec(RuleBasedStateMachine):
         assert real_kinds == model_kinds, (real_kinds, model_kinds)
         self.contract.commands(real)
         for c in per_block(real):
+            self._image_command(c)
             if isinstance(c, WriteSlot):
                 self.writes.append(c.transfer)
             elif isinstance(c, ReadSlot | PrefetchSlot):
@@ -321,8 +339,37 @@ class CoreVsSpec(RuleBasedStateMachine):
             elif isinstance(c, PublishBlock):
                 self.cluster.add(c.key)
 
+    def _image_command(self, c: object) -> None:
+        """The disk image follows the command stream as a slot store and its journals would."""
+        if isinstance(c, WriteSlot):
+            self.disk_image.pop(c.slot, None)  # the index forgets a slot before its write
+            if c.parent is not None:
+                self.sequence += 1
+                self.writing[c.transfer] = RestoredBlock(
+                    key=c.key, parent_key=c.parent, slot=c.slot, depth=c.depth,
+                    reuse_count=c.reuse_count, expiry=c.expiry, written_at=c.issued_at,
+                    sequence=self.sequence)
+        elif isinstance(c, FreeSlot):
+            self.disk_image.pop(c.slot, None)
+        elif isinstance(c, PersistRetention):
+            for held in (*self.writing.values(), self.disk_image.get(c.slot)):
+                if held is not None and held.slot == c.slot and held.key == c.key:
+                    updated = attrs.evolve(held, expiry=c.expiry)
+                    if held is self.disk_image.get(c.slot):
+                        self.disk_image[c.slot] = updated
+                    else:
+                        self.writing = {t: updated if w is held else w
+                                        for t, w in self.writing.items()}
+
+    def _image_write_done(self, tid: TransferId, ok: bool) -> None:
+        landed = self.writing.pop(tid, None)
+        if landed is not None and ok:
+            self.disk_image[landed.slot] = landed
+
     def complete(self, tid: TransferId, completion: Completion, ok: bool) -> None:
         self.contract.completion(completion)
+        if isinstance(completion, SlotWritten | SlotWriteFailed):
+            self._image_write_done(tid, ok)
         if isinstance(completion, SlotWritten | SlotWriteFailed):
             self.both(lambda: self.core.handle(completion, now=self.now),
                       lambda: self.model.write_done(tid, ok, self.now))
@@ -650,6 +697,27 @@ class CoreVsSpec(RuleBasedStateMachine):
             else:
                 tid = self.reads.pop(0)
                 self.complete(tid, SlotRead(transfer=tid), True)
+
+    @fuzz_rule(down=st.sampled_from(DOWN_TIMES))
+    def restart(self, down: float) -> None:
+        """The process stops after its transfers landed and a new one opens the directory
+        `down` seconds later: a fresh core and a fresh reference model restore what the
+        slots hold (retained and still live, retained but expired while down, best-effort),
+        and from here on every displacement is compared step by step."""
+        self._drain()
+        blocks = sorted(self.disk_image.values(), key=lambda b: b.slot)
+        config = self.core.config
+        self.now += down
+        self.real = KVCacheManager(config, trace=self.trace)
+        self.model = ReferenceCache(config)
+        self.contract = CommandContract(config.max_batch_blocks)
+        self.contract.slot_content = {b.slot: b.key for b in blocks}
+        self.live.clear()
+        self.queued.clear()
+        self.fetches.clear()
+        self.both(lambda: self.core.restore(blocks, now=self.now),
+                  lambda: self.model.restore(blocks, now=self.now))
+        note(f"restarted after {down} s with {len(blocks)} blocks on disk")
 
     @fuzz_rule(dt=st.sampled_from(CLOCK_STEPS))
     def advance_clock(self, dt: float) -> None:

@@ -368,6 +368,20 @@ def publishes_in_flight_uncounted() -> AbstractContextManager[None]:
     return _wrapped(RemotePublisher, "_publish", make)
 
 
+def expired_restored_as_retained() -> AbstractContextManager[None]:
+    """Issue 23: a restore that files content whose deadline passed while the process was
+    down with the retained content (as if no time had passed), instead of with the
+    best-effort content it has become: the displacement order after a restart is wrong."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def restore(self: DiskTier, blocks: Any, slots: set[int], now: float) -> None:
+            deadlines = [e.expiry for e in blocks if e.expiry is not None]
+            original(self, blocks, slots, min([now, *deadlines]) - 1.0)
+        return restore
+
+    return _wrapped(DiskTier, "restore", make)
+
+
 def prefetch_page_freed_on_leave() -> AbstractContextManager[None]:
     """Prefetch (issue 12): a queued request that leaves while its prefetch reads are in
     flight gives their host pages back at once, as it does for landed ones -- so a GPU
@@ -448,6 +462,8 @@ PLANTED = {
         Planted("prefetch-page-freed-on-leave-system", prefetch_page_freed_on_leave,
                 SystemMachine, 1000),
         Planted("failed-fetch-published", failed_fetch_published, CoreVsSpec, 1000),
+        Planted("expired-restored-as-retained", expired_restored_as_retained, CoreVsSpec,
+                1000),
     )
 }
 

@@ -20,7 +20,14 @@ import attrs
 import pytest
 
 from fuzz import planted
-from fuzz.core_machine import DOCUMENTS, ChurnSpec, CoreVsSpec, FetchRace, RequestSpec
+from fuzz.core_machine import (
+    DOCUMENTS,
+    ChurnSpec,
+    CoreVsSpec,
+    FetchRace,
+    PrefetchRace,
+    RequestSpec,
+)
 from fuzz.driver import FUZZ_FINGERPRINT, SystemSpec
 from fuzz.store import READ_FAULTS, WRITE_FAULTS
 from fuzz.system_machine import SystemMachine
@@ -711,3 +718,37 @@ def test_a_request_joining_a_fetch_in_flight_falls_back_with_it() -> None:
     stats = core_run(FetchRace("joined", 1))
     assert stats.hit_blocks_remote > stats.fetches  # the second request waited on them
     assert stats.requests_fallen_back == 2
+
+
+# ------------------------------------------------------------------ restarts (issue 23)
+
+
+def restart_run(config: CacheConfig) -> CacheStatistics:
+    """The core machine, by hand: a retained prompt goes to disk, the process restarts
+    after its deadline passed, and the fresh core and reference model restore and agree."""
+    m = CoreVsSpec()
+    m.build(config)
+    m.prefetch_race(PrefetchRace(kind="leave", pick=0))  # content on disk
+    m.agrees_with_the_spec()
+    m.serve_whole_request(RequestSpec(prompt=(1, 2, 1, 2), ttl=5.0, priority=0, salt=None))
+    m.agrees_with_the_spec()
+    m.add_request(RequestSpec(prompt=(1,), ttl=None, priority=0, salt=None))
+    m.agrees_with_the_spec()
+    m.restart(down=10.0)  # the deadline passed while it was down: best-effort now
+    m.agrees_with_the_spec()
+    return m.core.statistics()
+
+
+RESTART = CacheConfig(block_size=2, gpu_blocks=4, host_blocks=1, reserved_host_blocks=1,
+                      disk_blocks=1, write_queue_depth=1, max_batch_blocks=1,
+                      priority_levels=1)
+
+
+def test_content_that_expired_while_down_is_restored_as_best_effort() -> None:
+    """Found by the restart rule with the bug planted (5 steps): a restore that files
+    content whose deadline passed while the process was down with the retained content."""
+    stats = restart_run(RESTART)
+    assert stats.restored_blocks >= 1 and stats.disk_retained_blocks == 0
+    with planted.expired_restored_as_retained(), pytest.raises(Exception) as info:
+        restart_run(RESTART)
+    assert "retain" in str(info.value).lower() or "expired" in str(info.value).lower(), info
