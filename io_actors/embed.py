@@ -122,35 +122,19 @@ def restore_from_disk(
     recovery = getattr(store, "recovery", None)
     if not isinstance(recovery, Recovery):
         return None
-    # A deadline read from disk is bounded by this cache's promise: no request of this
-    # process could have asked for more than max_ttl_seconds from now, whatever a header
-    # says (written under a larger maximum, or by someone else who can write the disk).
-    latest = now + core.config.max_ttl_seconds
-    capped = 0
-
-    def bounded(expiry: float | None) -> float | None:
-        nonlocal capped
-        if expiry is not None and expiry > latest:
-            capped += 1
-            return latest
-        return expiry
-
     with gc_paused():  # a few kept objects per slot: see io_actors/storage/gc_pause.py
         core.restore(
             [
                 RestoredBlock(
                     key=found.key, parent_key=BlockHash(found.meta.parent), slot=found.slot,
                     depth=found.meta.depth, reuse_count=found.meta.reuse_count,
-                    expiry=bounded(found.meta.expiry), written_at=found.meta.written_at,
+                    expiry=found.meta.expiry, written_at=found.meta.written_at,
                     sequence=found.meta.sequence,
                 )
                 for found in recovery.slots
             ],
             now=now,
         )
-    if capped:
-        log.warning("%d restored deadlines lay beyond max_ttl_seconds=%g from now: cut to it",
-                    capped, core.config.max_ttl_seconds)
     if recovery.slots or recovery.reclaimed or recovery.old_files:
         log.info(
             "disk index rebuilt from %s: %d blocks restored; reclaimed %d foreign, %d corrupt,"

@@ -832,6 +832,10 @@ class ReferenceCache:
                 or self.queued or self.fetches):
             raise UsageError("restore", "only a fresh cache")
         self._advance(now)
+        # A restored deadline is at most max_ttl_seconds away.
+        cap = now + self.cfg.max_ttl_seconds
+        blocks = [attrs.evolve(e, expiry=min(e.expiry, cap)) if e.expiry is not None else e
+                  for e in blocks]
         expired = [e for e in blocks if not is_live(e.expiry, now)]
         running = [e for e in blocks if is_live(e.expiry, now)]
         expired.sort(key=lambda e: (max(e.written_at, -math.inf if e.expiry is None

@@ -255,9 +255,16 @@ class DiskTier:
         first, in the order it became best-effort (when it was written, or when its deadline
         passed -- also while the process was down), a deeper block before its prefix among
         equals; then content whose deadline is still running, by
-        :func:`~statekv.arith.retention_order`.
+        :func:`~statekv.arith.retention_order`.  A deadline never lies beyond
+        ``max_ttl_seconds`` from `now`, whatever the disk says: no request of this cache can
+        ask for more (a header written under a larger maximum, or by anyone else who can
+        write the disk, is cut to it).
         """
-        by_slot = sorted(blocks, key=lambda e: e.slot)
+        latest = now + self.config.max_ttl_seconds
+        by_slot = sorted(
+            (attrs.evolve(e, expiry=latest) if e.expiry is not None and e.expiry > latest
+             else e for e in blocks),
+            key=lambda e: e.slot)
         live = [e for e in by_slot if is_live(e.expiry, now)]
         best_effort = [e for e in by_slot if not is_live(e.expiry, now)]
 

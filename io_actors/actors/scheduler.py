@@ -425,8 +425,7 @@ class Scheduler:
         """
         event = trio.Event()
         with self._lock:
-            core = self._core
-            if not core.has_request(request_id) or core.is_ready(request_id):
+            if self._settled_locked(request_id):
                 return
             self._ready_waiters.setdefault(RequestId(request_id), []).append(event)
         await event.wait()
@@ -458,11 +457,15 @@ class Scheduler:
         after an API call when None): each is woken exactly once."""
         del completion  # any read completion, failed or not, and any call may let one go
         woken: list[trio.Event] = []
-        core = self._core
         for rid in list(self._ready_waiters):
-            if not core.has_request(rid) or core.is_ready(rid):
+            if self._settled_locked(rid):
                 woken += self._ready_waiters.pop(rid)
         return woken
+
+    def _settled_locked(self, request_id: str) -> bool:
+        """What a waiter waits for: the request is ready, or gone (released)."""
+        core = self._core
+        return not core.has_request(request_id) or core.is_ready(request_id)
 
     def _trace_parks_locked(self, result: object) -> None:
         """Recording: the request this call parked, and those parked that it let go."""
