@@ -14,7 +14,7 @@ from typing import Any, Final, TypeGuard
 
 import attrs
 
-from statekv.errors import ConfigError
+from statekv.errors import ConfigError, UsageError
 
 
 class SpillMode(enum.Enum):
@@ -55,6 +55,30 @@ def is_finite_number(value: object) -> TypeGuard[int | float]:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def check_now(now: object, last: float) -> float:
+    """The caller's clock as a float; UsageError("now") when it is not a finite number or
+    went backwards (the core never reads a clock of its own)."""
+    if not is_finite_number(now):
+        raise UsageError("now", f"must be a finite number of seconds, got {now!r}")
+    if now < last:
+        raise UsageError("now", f"clock went backwards: {now!r} < {last!r}")
+    return float(now)
+
+
+def check_ttl_seconds(ttl: object, max_ttl_seconds: float) -> float | None:
+    """A request's ``ttl_seconds``: None (and 0) for best-effort content, else seconds in
+    (0, max_ttl_seconds]; UsageError("ttl_seconds") otherwise."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise UsageError("ttl_seconds", f"must be a number of seconds or None, got {ttl!r}")
+    if not is_finite_number(ttl) or ttl < 0:
+        raise UsageError("ttl_seconds", f"must be finite and >= 0, got {ttl!r}")
+    if ttl > max_ttl_seconds:
+        raise UsageError("ttl_seconds", f"{ttl!r} exceeds max_ttl_seconds={max_ttl_seconds}")
+    return float(ttl) if ttl > 0 else None
 
 
 def is_utf8_encodable(value: str) -> bool:

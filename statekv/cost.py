@@ -124,3 +124,37 @@ class OnboardCosts:
         want = _bucket(context_tokens)
         best = min(prefill, key=lambda b: (abs(b - want), b))
         return prefill[best]
+
+
+def cheapest_cut(kinds: list[int], *, block_bytes: int, block_size: int,
+                 disk_rate: float | None, net_rate: float | None, per_token: float) -> int:
+    """Where to end a match of blocks of `kinds` (0: on hand, 1: a disk read, 2: a shared-tier
+    fetch) so that the request is fastest: the number of blocks to take.
+
+    Ending the match at a block means recomputing every matched token from there on (a
+    request's computed tokens are a prefix), so the candidates are the starts of the runs of
+    transferred blocks, each costing the transfers before it plus a prefill of the rest; no
+    cut costs every transfer.  A kind whose rate is None costs nothing.  Ties keep the longer
+    match.
+    """
+    total_n = len(kinds)
+
+    def transfers(disk: int, fetched: int) -> float:
+        cost = disk * block_bytes / disk_rate if disk and disk_rate else 0.0
+        if fetched and net_rate:
+            cost += fetched * block_bytes / net_rate
+        return cost
+
+    best = total_n
+    best_cost = transfers(kinds.count(1), kinds.count(2))
+    disk_before = fetched_before = 0
+    previous = 0
+    for i, kind in enumerate(kinds):
+        if kind and kind != previous:
+            cost = transfers(disk_before, fetched_before) + (total_n - i) * block_size * per_token
+            if cost < best_cost:
+                best, best_cost = i, cost
+        disk_before += kind == 1
+        fetched_before += kind == 2
+        previous = kind
+    return best

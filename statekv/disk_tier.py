@@ -224,19 +224,26 @@ class DiskTier:
         for i in range(req.committed):
             block = req.blocks[i]
             target = block if block.key is not None else index.get(req.keys[i])
-            if target is None or (target.expiry is not None and target.expiry >= expiry):
-                continue
-            slot = target.disk_slot
-            if slot is not None and (target.state is BlockState.ON_DISK
-                                     or target.state in COPY_STATES):
-                self.slots.unfile(target)
-                target.expiry = expiry
-                self.file(target, now)
-            else:
-                target.expiry = expiry
-            key = target.key
-            if slot is not None and key is not None:
-                self.outbox.commands.append(PersistRetention(slot=slot, key=key, expiry=expiry))
+            if target is not None:
+                self.extend_retention(target, expiry, now)
+
+    def extend_retention(self, target: Block, expiry: float, now: float) -> None:
+        """Keep cached `target` until `expiry` (never shortening its stamp); a block with a
+        disk slot is re-filed in the retention order at once (on disk, or on GPU or host with
+        a disk copy) and its slot's deadline persisted."""
+        if target.expiry is not None and target.expiry >= expiry:
+            return
+        slot = target.disk_slot
+        if slot is not None and (target.state is BlockState.ON_DISK
+                                 or target.state in COPY_STATES):
+            self.slots.unfile(target)
+            target.expiry = expiry
+            self.file(target, now)
+        else:
+            target.expiry = expiry
+        key = target.key
+        if slot is not None and key is not None:
+            self.outbox.commands.append(PersistRetention(slot=slot, key=key, expiry=expiry))
 
     def check_restore(self, blocks: object) -> set[int]:
         """Validate what :meth:`restore` is given (changing nothing); returns its slots."""

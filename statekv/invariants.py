@@ -9,13 +9,14 @@ It is separate because it is the one reader of everything, and far too slow for 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from statekv.arith import is_live
 from statekv.block import Block
 from statekv.config import CacheConfig
 from statekv.errors import InvariantViolation
-from statekv.ids import BlockHash, PageId, RequestId, SlotId
+from statekv.ids import BlockHash, PageId, RequestId, SlotId, TransferId
 from statekv.lifecycle import COPY_STATES, BlockState
 
 if TYPE_CHECKING:
@@ -32,8 +33,14 @@ _S = BlockState
 def check_invariants(
     config: CacheConfig, records: BlockRecords, index: PrefixIndex, requests: RequestTable,
     eviction: Eviction, disk: DiskTier, onboarding: Onboarding,
+    loads: Mapping[TransferId, Block] | None = None,
 ) -> None:
-    """Verify every structural invariant; raises InvariantViolation.  Not for the hot path."""
+    """Verify every structural invariant; raises InvariantViolation.  Not for the hot path.
+
+    `loads`: beneath an engine (statekv.engine_tiers), the reads into engine pages in flight;
+    each one holds its LOADING block (``ref_count``), and the GPU pool is the engine's (none
+    of statekv's pages are GPU pages).
+    """
     gpu, host = eviction.gpu, eviction.host
     cfg = config
     gpu_owner: dict[PageId, Block | str] = {}
@@ -76,6 +83,10 @@ def check_invariants(
 
     counts = [0] * len(BlockState)
     held: dict[int, int] = {}
+    for tid, block in (loads or {}).items():
+        if block.state is not _S.LOADING:
+            raise InvariantViolation(f"load {tid} points at {block!r}")
+        held[block.id] = held.get(block.id, 0) + 1
     waiting: dict[int, list[RequestId]] = {}
     for req in requests.live.values():
         if len(req.pages) != len(req.blocks):
@@ -135,7 +146,7 @@ def check_invariants(
         # A copy state may own a slot: the block's valid disk copy (lifecycle).
         has_copy = st in COPY_STATES and block.disk_slot is not None
         expect_slot = has_copy or st in (_S.SPILLING, _S.ON_DISK, _S.ONBOARDING,
-                                         _S.PREFETCHING, _S.PREFETCHED)
+                                         _S.PREFETCHING, _S.PREFETCHED, _S.LOADING)
         expect_transfer = st in (_S.SPILLING, _S.ONBOARDING, _S.PREFETCHING, _S.FETCHING)
         for what, value, expected in (
             ("gpu_page", block.gpu_page, expect_gpu),
@@ -186,12 +197,15 @@ def check_invariants(
             raise InvariantViolation(f"{block!r}: released but held")
         if st is _S.ON_GPU and not block.ref_count:
             raise InvariantViolation(f"{block!r}: on GPU with no holder")
+        if st is _S.LOADING and not block.ref_count:
+            raise InvariantViolation(f"{block!r}: loading with no read in flight")
     if counts != records.state_counts:
         raise InvariantViolation(f"state counts {records.state_counts} but found {counts}")
     # Every page and slot has exactly one owner, and nothing else is owned: a lost id
     # or a stray one (None, an id past the pool) is as wrong as a doubly owned one.
     host_total = cfg.host_blocks + cfg.reserved_host_blocks
-    for what, owned, total in (("GPU pages", gpu_owner, cfg.gpu_blocks),
+    gpu_total = 0 if loads is not None else cfg.gpu_blocks
+    for what, owned, total in (("GPU pages", gpu_owner, gpu_total),
                                ("host pages", host_owner, host_total),
                                ("slots", slot_owner, cfg.disk_blocks)):
         if owned.keys() != set(range(total)):

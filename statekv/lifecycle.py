@@ -32,6 +32,7 @@ ERROR       its read failed: never served, freed by last holder    GPU page
 PREFETCHING disk -> host read in flight for a queued request          disk slot + host page
 PREFETCHED  on disk and in a host page, kept for a queued request  disk slot + host page
 FETCHING    shared tier -> GPU fetch in flight                     GPU page
+LOADING     disk -> engine read in flight (beneath an engine)      disk slot
 ==========  =====================================================  ===========================
 
 Inclusive disk tier.  A full block is immutable, so the copy in its disk slot stays valid
@@ -72,6 +73,19 @@ left, or the host tier needs the page: prefetched pages are the first reclaimed)
 returns the block to ON_DISK.  When a request is admitted while a prefetch of its block is
 still in flight, the block becomes ONBOARDING (the read is already issued; it then also owns
 the host page it lands in, and a host -> GPU copy follows the landing).
+
+Beneath an engine (statekv.engine_tiers: vLLM's prefix cache owns the GPU).  The GPU pages
+are the engine's: no block of statekv is ever ON_GPU, RELEASED, ONBOARDING or FETCHING, and
+the tiers hold inclusive copies of what the engine computed.  Three events and one state
+serve it.  SAVED takes a free record into ON_HOST when an engine block it does not hold
+yet is copied into a host page (from there, the usual spill path).  COPIED_OUT is a
+prefix hit served from a host page into an engine block: the host copy stays (the engine's
+copy is the engine's to evict), so the block stays where it is.  A hit on disk content is
+a read into an engine block: ON_DISK -> LOADING (out of the displacement order, so no spill
+can take the slot under the read), and back to ON_DISK in its slot when the last read of it
+lands, or FREE when a read failed (the content is never served again).  Several requests
+may read one block at once: each read is counted in ``ref_count``, and only the first start
+and the last end are transitions.
 
 GPU <-> host copies are *stream ordered*: the actor executes them, in command order, before
 any later work that touches either page, so they need no completion event.  Disk reads and
@@ -128,6 +142,7 @@ class BlockState(enum.IntEnum):
     PREFETCHING = 8
     PREFETCHED = 9
     FETCHING = 10
+    LOADING = 11
 
 
 class BlockEvent(enum.IntEnum):
@@ -156,6 +171,11 @@ class BlockEvent(enum.IntEnum):
     FETCH_FAILED = 120
     COPY_KEPT = 121
     COPY_DISPLACED = 122
+    SAVED = 123
+    COPIED_OUT = 124
+    LOAD_STARTED = 125
+    LOAD_LANDED = 126
+    LOAD_FAILED = 127
 
 
 EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
@@ -235,6 +255,26 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
         "A spill took the slot holding the disk copy of a block that is on GPU or host: the "
         "copy is gone, the block stays where it is."
     ),
+    BlockEvent.SAVED: (
+        "Beneath an engine: a full block the engine computed, which the cache does not hold, "
+        "is copied from the engine's page into a host page a free record takes."
+    ),
+    BlockEvent.COPIED_OUT: (
+        "Beneath an engine: a prefix hit on a block in a host page is copied into the "
+        "engine's page; the host copy stays."
+    ),
+    BlockEvent.LOAD_STARTED: (
+        "Beneath an engine: a prefix hit on a disk block; a disk -> engine read was issued "
+        "(another read of a block already loading is counted, not a new state)."
+    ),
+    BlockEvent.LOAD_LANDED: (
+        "The last read of a loading block landed (verified, complete in the engine's "
+        "pages): the block is on disk only again, in its slot."
+    ),
+    BlockEvent.LOAD_FAILED: (
+        "The last read of a loading block returned and one of its reads failed (I/O error, "
+        "short read, checksum): the content leaves the cache and is never served."
+    ),
 }
 
 
@@ -277,6 +317,13 @@ TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
     (S.ON_GPU, E.COPY_DISPLACED): S.ON_GPU,
     (S.RELEASED, E.COPY_DISPLACED): S.RELEASED,
     (S.ON_HOST, E.COPY_DISPLACED): S.ON_HOST,
+    (S.FREE, E.SAVED): S.ON_HOST,
+    (S.ON_HOST, E.COPIED_OUT): S.ON_HOST,
+    (S.SPILLING, E.COPIED_OUT): S.SPILLING,
+    (S.ON_DISK, E.LOAD_STARTED): S.LOADING,
+    (S.LOADING, E.LOAD_STARTED): S.LOADING,
+    (S.LOADING, E.LOAD_LANDED): S.ON_DISK,
+    (S.LOADING, E.LOAD_FAILED): S.FREE,
 }
 """The single source of truth for the block lifecycle."""
 
@@ -296,29 +343,38 @@ _FETCH_IN_FLIGHT_EXITS: Final = frozenset({BlockState.FETCHING, BlockState.ON_GP
 # takes it over as an onboard.
 _PREFETCH_IN_FLIGHT_EXITS: Final = frozenset({BlockState.PREFETCHED, BlockState.FREE,
                                               BlockState.ONBOARDING})
-# A write in flight keeps its host page: it lands, fails back to host, or is recalled.
+# A write in flight keeps its host page: it lands, fails back to host, is recalled, or is
+# copied out to an engine (the page is only read).
 _WRITE_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ON_DISK, BlockState.ON_HOST,
-                                           BlockState.ON_GPU})
+                                           BlockState.ON_GPU, BlockState.SPILLING})
+# A read into an engine's pages keeps its slot until the last read returns: it lands back on
+# disk, or the content leaves; never a free list under a read still in flight.
+_LOAD_IN_FLIGHT_EXITS: Final = frozenset({BlockState.LOADING, BlockState.ON_DISK,
+                                          BlockState.FREE})
 
 
 # A record leaves FREE for a new request's page, to adopt a slot found at open, or for a
 # fetch from the shared tier, nothing else.
 _LEAVES_FREE: Final = frozenset({BlockEvent.ALLOCATED, BlockEvent.RESTORED,
-                                 BlockEvent.FETCH_STARTED})
+                                 BlockEvent.FETCH_STARTED, BlockEvent.SAVED})
 # Bytes are on disk only once a write landed, or when an index rebuild at open found them
 # there (in a slot whose header, checksums and fingerprint were checked; restore is FREE-only),
 # or when a prefetched copy is given up (the slot was kept all along, never rewritten).
 # Or when a block with a valid disk copy is evicted (the copy was read from the slot or
 # prefetched from it, and the slot kept since).
+# Or when the last read of a block into an engine's pages lands (the slot was kept).
 _ENTERS_ON_DISK: Final = frozenset({BlockEvent.SPILL_LANDED, BlockEvent.RESTORED,
-                                    BlockEvent.PREFETCH_CANCELLED, BlockEvent.COPY_KEPT})
+                                    BlockEvent.PREFETCH_CANCELLED, BlockEvent.COPY_KEPT,
+                                    BlockEvent.LOAD_LANDED})
 # A block becomes RELEASED only by its release (a RELEASED block losing its copy stays one).
 _STAYS_OR_ENTERS_RELEASED: Final = frozenset({BlockEvent.RELEASED, BlockEvent.COPY_DISPLACED})
 # Losing a disk copy changes where nothing else is.
 _COPY_EVENTS: Final = frozenset({BlockEvent.COPY_KEPT, BlockEvent.COPY_DISPLACED})
 # Content leaves the cache only by being dropped, discarded, or failing its prefetch read.
 _ENTERS_FREE: Final = frozenset({BlockEvent.DROPPED, BlockEvent.DISCARDED,
-                                 BlockEvent.PREFETCH_FAILED})
+                                 BlockEvent.PREFETCH_FAILED, BlockEvent.LOAD_FAILED})
+# Serving a host page to an engine moves nothing.
+_COPIES_OUT: Final = frozenset({BlockEvent.COPIED_OUT})
 
 
 def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
@@ -345,6 +401,10 @@ def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
     post: event is not BlockEvent.COPY_DISPLACED or __return__ is state
     post: event is not BlockEvent.COPY_KEPT or __return__ is BlockState.ON_DISK
     post: state is not BlockState.ERROR or __return__ is BlockState.FREE
+    post: state is not BlockState.LOADING or __return__ in _LOAD_IN_FLIGHT_EXITS
+    post: __return__ is not BlockState.LOADING or state in (BlockState.ON_DISK, BlockState.LOADING)
+    post: event not in _COPIES_OUT or __return__ is state
+    post: event is not BlockEvent.SAVED or state is BlockState.FREE
     """
     nxt = TRANSITIONS.get((state, event))
     if nxt is None:

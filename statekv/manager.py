@@ -58,7 +58,7 @@ from collections.abc import Collection, Sequence
 import attrs
 
 from statekv.arith import blocks_for_tokens, expiry_after, full_blocks
-from statekv.config import CacheConfig, is_finite_number
+from statekv.config import CacheConfig, check_now, check_ttl_seconds
 from statekv.cost import check_count, check_measurement
 from statekv.disk_tier import DiskTier, RestoredBlock
 from statekv.errors import OutOfBlocks, UsageError
@@ -166,14 +166,6 @@ class CachedBlock:
     """On GPU or host and also in a disk slot (a valid copy: evicting it writes nothing)."""
 
 
-def _check_now(now: object, last: float) -> float:
-    if not is_finite_number(now):
-        raise UsageError("now", f"must be a finite number of seconds, got {now!r}")
-    if now < last:
-        raise UsageError("now", f"clock went backwards: {now!r} < {last!r}")
-    return float(now)
-
-
 class KVCacheManager:
     """Tiered KV cache bookkeeping for one rank: GPU, pinned host and disk, sans I/O."""
 
@@ -228,7 +220,7 @@ class KVCacheManager:
         when the GPU cannot hold the blocks to onboard.
         """
         records = self._records
-        now = _check_now(now, records.now)
+        now = check_now(now, records.now)
         requests = self._requests
         rid = requests.check_new_id(request_id)
         ttl = self._check_ttl(ttl_seconds)
@@ -315,7 +307,7 @@ class KVCacheManager:
         reclaim the pages (prefetched pages go first).
         """
         records = self._records
-        now = _check_now(now, records.now)
+        now = check_now(now, records.now)
         rid = self._requests.check_new_id(request_id)
         req = self._requests.new_record(rid, token_ids, cache_salt, lora_id, None, 0)
         matched = self._index.lookup(req)
@@ -382,7 +374,7 @@ class KVCacheManager:
         Raises OutOfBlocks, changing nothing, when not enough pages can be had.
         """
         records = self._records
-        now = _check_now(now, records.now)
+        now = check_now(now, records.now)
         req = self._requests.get(request_id)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise UsageError("num_tokens", f"must be an integer, got {num_tokens!r}")
@@ -422,7 +414,7 @@ class KVCacheManager:
 
     def commit(self, request_id: RequestId | str, num_computed_tokens: int, *, now: float) -> None:
         """Record that KV for tokens [0, num_computed_tokens) is written; share full blocks."""
-        now = _check_now(now, self._records.now)
+        now = check_now(now, self._records.now)
         req = self._requests.get(request_id)
         n = num_computed_tokens
         if isinstance(n, bool) or not isinstance(n, int):
@@ -469,7 +461,7 @@ class KVCacheManager:
         lands, whoever releases it.
         """
         records = self._records
-        now = _check_now(now, records.now)
+        now = check_now(now, records.now)
         requests = self._requests
         onboarding = self._onboarding
         if (isinstance(request_id, str) and request_id in onboarding.queued
@@ -508,7 +500,7 @@ class KVCacheManager:
         :func:`~statekv.arith.retention_order`.  Validates everything before changing
         anything: raises UsageError naming the field and the entry at fault.
         """
-        now = _check_now(now, self._records.now)
+        now = check_now(now, self._records.now)
         disk, onboarding = self._disk, self._onboarding
         if (self._requests.live or self._index.blocks or disk.writes or onboarding.reads
                 or onboarding.prefetch_reads or onboarding.queued or onboarding.fetches
@@ -555,7 +547,7 @@ class KVCacheManager:
 
     def advance(self, now: float) -> None:
         """Tell the cache the time: TTLs that ran out stop protecting their content."""
-        self._advance(_check_now(now, self._records.now))
+        self._advance(check_now(now, self._records.now))
 
     def handle(self, event: Completion, *, now: float) -> None:
         """Feed back a completion from an actor: one transfer's, or a batch's.
@@ -563,7 +555,7 @@ class KVCacheManager:
         A batch is checked whole before any of it is applied (every transfer in flight, of
         one kind, named once), so a bad one changes nothing.
         """
-        now = _check_now(now, self._records.now)
+        now = check_now(now, self._records.now)
         if isinstance(event, BatchFinished):
             items = event.outcomes
             if not isinstance(items, tuple) or not items:
@@ -658,17 +650,7 @@ class KVCacheManager:
         return frozenset(remote_keys)
 
     def _check_ttl(self, ttl: object) -> float | None:
-        if ttl is None:
-            return None
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-            raise UsageError("ttl_seconds", f"must be a number of seconds or None, got {ttl!r}")
-        if not is_finite_number(ttl) or ttl < 0:
-            raise UsageError("ttl_seconds", f"must be finite and >= 0, got {ttl!r}")
-        if ttl > self.config.max_ttl_seconds:
-            raise UsageError(
-                "ttl_seconds", f"{ttl!r} exceeds max_ttl_seconds={self.config.max_ttl_seconds}"
-            )
-        return float(ttl) if ttl > 0 else None
+        return check_ttl_seconds(ttl, self.config.max_ttl_seconds)
 
     def _check_priority(self, priority: object) -> None:
         levels = self.config.priority_levels

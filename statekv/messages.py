@@ -33,6 +33,14 @@ Ordering contract for whoever executes commands (the actors, or a test harness):
    has completed on the device, never with bytes that were not verified, and reports
    ``SlotRead`` (landed) or ``SlotReadFailed`` (missing, evicted, corrupt, unavailable), in
    a ``BatchFinished`` for its ``FetchBlocks``, like a ``ReadSlot``.
+10. Beneath an engine (statekv.engine_tiers), ``CopyEngineToHost`` and ``CopyHostToEngine``
+   are stream ordered as the GPU <-> host copies are: the engine page of a
+   ``CopyEngineToHost`` is the engine's and stays allocated until the copy has run (the
+   engine keeps a finished request's blocks until its save is reported done), and a
+   ``CopyHostToEngine`` runs before the forward pass that reads its engine page.
+11. A ``LoadSlot`` (disk -> engine page) writes its engine page only with verified bytes and
+   reports ``SlotRead`` or ``SlotReadFailed`` in a ``BatchFinished`` for its ``LoadSlots``;
+   several loads may read one slot at once (never while a write to it is in flight).
 
 Batches. Disk transfers travel in batches: the core emits ``WriteSlots`` (a round of spills),
 ``ReadSlots`` (a run of disk hits), ``PrefetchSlots`` (a queued request's disk blocks) and
@@ -222,12 +230,58 @@ class FetchBlocks:
         return self.reads[0].transfer
 
 
+@attrs.frozen(kw_only=True)
+class CopyEngineToHost:
+    """Beneath an engine: copy the engine's page `engine_page` into host page `host_page`
+    (stream ordered, no completion)."""
+
+    block: BlockId
+    engine_page: int
+    host_page: PageId
+
+
+@attrs.frozen(kw_only=True)
+class CopyHostToEngine:
+    """Beneath an engine: copy host page `host_page` into the engine's page `engine_page`
+    (stream ordered, no completion)."""
+
+    block: BlockId
+    host_page: PageId
+    engine_page: int
+
+
+@attrs.frozen(kw_only=True)
+class LoadSlot:
+    """Beneath an engine: read `slot` (expected to hold `key`) into the engine's page
+    `engine_page`, verified."""
+
+    transfer: TransferId
+    block: BlockId
+    key: BlockHash
+    slot: SlotId
+    engine_page: int
+
+
+@attrs.frozen(kw_only=True)
+class LoadSlots:
+    """Read a run of disk blocks into engine pages; report one BatchFinished."""
+
+    reads: tuple[LoadSlot, ...]
+
+    @property
+    def transfer(self) -> TransferId:
+        """The batch's name: its first transfer (a batch is never empty)."""
+        return self.reads[0].transfer
+
+
 Command = (CopyGpuToHost | CopyHostToGpu | WriteSlots | ReadSlots | PrefetchSlots | FreeSlot
-           | PersistRetention | FetchBlocks | PublishBlock)
+           | PersistRetention | FetchBlocks | PublishBlock | CopyEngineToHost
+           | CopyHostToEngine | LoadSlots)
 """What the core emits (``take_commands``)."""
 
 BlockCommand = (CopyGpuToHost | CopyHostToGpu | WriteSlot | ReadSlot | PrefetchSlot | FreeSlot
-                | PersistRetention | FetchBlock | PublishBlock)
+                | PersistRetention | FetchBlock | PublishBlock | CopyEngineToHost
+                | CopyHostToEngine | LoadSlot)
 """One block's part of a command: batches opened up (``per_block``)."""
 
 # --- completions ----------------------------------------------------------------------------
@@ -288,7 +342,7 @@ def per_block(commands: Iterable[Command | BlockCommand]) -> Iterator[BlockComma
     for cmd in commands:
         if isinstance(cmd, WriteSlots):
             yield from cmd.writes
-        elif isinstance(cmd, ReadSlots | PrefetchSlots | FetchBlocks):
+        elif isinstance(cmd, ReadSlots | PrefetchSlots | FetchBlocks | LoadSlots):
             yield from cmd.reads
         else:
             yield cmd

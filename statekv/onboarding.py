@@ -15,7 +15,7 @@ from __future__ import annotations
 from statekv.arith import is_live
 from statekv.block import Block
 from statekv.config import CacheConfig
-from statekv.cost import OnboardCosts
+from statekv.cost import OnboardCosts, cheapest_cut
 from statekv.disk_tier import DiskTier
 from statekv.errors import InvariantViolation
 from statekv.eviction import Eviction
@@ -98,7 +98,6 @@ class Onboarding:
             return matched, 0, remote, 0
         on_disk = _S.ON_DISK
         n_local = len(matched)
-        total_n = n_local + remote
         # kind of each candidate block: 0 local (free), 1 disk read, 2 remote fetch
         kinds = [1 if disk_rate is not None and b.state is on_disk else 0 for b in matched]
         kinds += [2 if net_rate is not None else 0] * remote
@@ -106,26 +105,8 @@ class Onboarding:
         total_remote = kinds.count(2)
         if not total_disk and not total_remote:
             return matched, 0, remote, 0
-        bb, bs = self.block_bytes, self.block_size
-
-        def transfers(disk: int, fetched: int) -> float:
-            cost = disk * bb / disk_rate if disk else 0.0  # type: ignore[operator]
-            if fetched:
-                cost += fetched * bb / net_rate  # type: ignore[operator]
-            return cost
-
-        best = total_n
-        best_cost = transfers(total_disk, total_remote)
-        disk_before = fetched_before = 0
-        previous = 0
-        for i, kind in enumerate(kinds):
-            if kind and kind != previous:
-                cost = transfers(disk_before, fetched_before) + (total_n - i) * bs * per_token
-                if cost < best_cost:
-                    best, best_cost = i, cost
-            disk_before += kind == 1
-            fetched_before += kind == 2
-            previous = kind
+        best = cheapest_cut(kinds, block_bytes=self.block_bytes, block_size=self.block_size,
+                            disk_rate=disk_rate, net_rate=net_rate, per_token=per_token)
         skipped_disk = sum(1 for b in matched[best:] if b.state is on_disk)
         kept_remote = max(0, best - n_local)
         if (skipped_disk or kept_remote < remote) and costs.probe_due(

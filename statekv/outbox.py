@@ -14,6 +14,8 @@ from statekv.messages import (
     Command,
     FetchBlock,
     FetchBlocks,
+    LoadSlot,
+    LoadSlots,
     PrefetchSlot,
     PrefetchSlots,
     ReadSlot,
@@ -26,7 +28,8 @@ from statekv.messages import (
 class Outbox:
     """Commands in the order they were decided, and transfers waiting to be batched."""
 
-    __slots__ = ("commands", "fetches", "last_transfer", "prefetches", "reads", "writes")
+    __slots__ = ("commands", "fetches", "last_transfer", "loads", "prefetches", "reads",
+                 "writes")
 
     def __init__(self) -> None:
         self.commands: list[Command] = []
@@ -35,6 +38,7 @@ class Outbox:
         self.reads: list[ReadSlot] = []
         self.prefetches: list[PrefetchSlot] = []
         self.fetches: list[FetchBlock] = []
+        self.loads: list[LoadSlot] = []
         self.last_transfer = 0
 
     def new_transfer(self) -> TransferId:
@@ -77,5 +81,11 @@ class Outbox:
             out.extend(
                 FetchBlocks(reads=tuple(fetches[i : i + size]))
                 for i in range(0, len(fetches), size)
+            )
+        loads = self.loads
+        if loads:
+            self.loads = []
+            out.extend(
+                LoadSlots(reads=tuple(loads[i : i + size])) for i in range(0, len(loads), size)
             )
         return out

@@ -20,6 +20,7 @@ from statekv.lifecycle import (
     next_state,
 )
 from statekv.manager import RestoredBlock
+from tests.engine_harness import EngineHarness, engine_config
 from tests.harness import Executor, config, fresh_tokens
 
 S = BlockState
@@ -110,14 +111,27 @@ def test_every_state_is_reachable_from_free_and_can_return_to_free() -> None:
     assert _reachable(S.FREE, backward) == set(BlockState)
 
 
-def test_only_dropping_discarding_or_a_failed_prefetch_frees_a_block() -> None:
+def test_only_dropping_discarding_or_a_failed_read_frees_a_block() -> None:
     for (state, event), target in TRANSITIONS.items():
         if target is S.FREE:
-            assert event in (E.DROPPED, E.DISCARDED, E.PREFETCH_FAILED), (state, event)
+            assert event in (E.DROPPED, E.DISCARDED, E.PREFETCH_FAILED, E.LOAD_FAILED), (
+                state, event)
 
 
-def test_a_free_record_can_only_be_allocated_restored_or_fetched_into() -> None:
-    assert allowed_events(S.FREE) == {E.ALLOCATED, E.RESTORED, E.FETCH_STARTED}
+def test_a_free_record_can_only_be_allocated_restored_fetched_or_saved_into() -> None:
+    assert allowed_events(S.FREE) == {E.ALLOCATED, E.RESTORED, E.FETCH_STARTED, E.SAVED}
+    assert TRANSITIONS[(S.FREE, E.SAVED)] is S.ON_HOST
+
+
+def test_a_load_into_engine_pages_keeps_its_slot_until_the_last_read_reports() -> None:
+    exits = {TRANSITIONS[(S.LOADING, e)] for e in allowed_events(S.LOADING)}
+    assert exits == {S.LOADING, S.ON_DISK, S.FREE}
+    assert allowed_events(S.LOADING) == {E.LOAD_STARTED, E.LOAD_LANDED, E.LOAD_FAILED}
+    assert TRANSITIONS[(S.LOADING, E.LOAD_FAILED)] is S.FREE  # never served again
+    # Only disk content is loaded; a copy out of a host page moves nothing.
+    assert {s for (s, _e), t in TRANSITIONS.items() if t is S.LOADING} == {
+        S.ON_DISK, S.LOADING}
+    assert all(t is s for (s, e), t in TRANSITIONS.items() if e is E.COPIED_OUT)
 
 
 def test_a_fetch_in_flight_keeps_its_gpu_page_until_it_reports() -> None:
@@ -138,7 +152,7 @@ def test_a_read_in_flight_ends_only_by_landing_or_failing_never_freed() -> None:
 
 def test_a_write_in_flight_keeps_its_host_page_until_it_reports() -> None:
     exits = {TRANSITIONS[(S.SPILLING, e)] for e in allowed_events(S.SPILLING)}
-    assert exits == {S.ON_DISK, S.ON_HOST, S.ON_GPU}
+    assert exits == {S.ON_DISK, S.ON_HOST, S.ON_GPU, S.SPILLING}  # copied out: page only read
     assert E.DROPPED not in allowed_events(S.SPILLING)
 
 
@@ -149,7 +163,7 @@ def test_content_reaches_disk_only_by_a_landed_write_or_a_restore_at_open() -> N
     assert sorted(into_disk) == sorted([
         (S.FREE, E.RESTORED), (S.SPILLING, E.SPILL_LANDED),
         (S.PREFETCHED, E.PREFETCH_CANCELLED), (S.RELEASED, E.COPY_KEPT),
-        (S.ON_HOST, E.COPY_KEPT),
+        (S.ON_HOST, E.COPY_KEPT), (S.LOADING, E.LOAD_LANDED),
     ])
 
 
@@ -158,7 +172,8 @@ def test_a_disk_copy_is_kept_or_lost_only_in_a_state_with_no_transfer_on_its_slo
                  if e in (E.COPY_KEPT, E.COPY_DISPLACED)}
     assert {s for s, _ in copy_rows} == COPY_STATES
     # A read or write in flight owns its slot: no copy event there, ever.
-    for state in (S.ONBOARDING, S.SPILLING, S.PREFETCHING, S.PREFETCHED, S.FETCHING):
+    for state in (S.ONBOARDING, S.SPILLING, S.PREFETCHING, S.PREFETCHED, S.FETCHING,
+                  S.LOADING):
         assert not allowed_events(state) & {E.COPY_KEPT, E.COPY_DISPLACED}
     # Losing a copy moves nothing; keeping it is being on disk.
     assert all(t is s for (s, e), t in copy_rows.items() if e is E.COPY_DISPLACED)
@@ -357,6 +372,25 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
     ex.serve("z", fresh_tokens(ex.bs + 1))
     ex.churn("c3")          # ON_HOST COPY_DISPLACED (the filler's spill takes d's slot)
     ex.drain()
+    seen |= set(_seen(trace))
+
+    # Beneath an engine (statekv.engine_tiers): saves, copies out, loads.
+    trace = RingTrace(100_000)
+    eh = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1), trace=trace)
+    a, b = list(range(eh.bs + 1)), list(range(500, 501 + eh.bs))
+    eh.compute(a, [0])
+    eh.save(a[: eh.bs], [0])            # FREE SAVED
+    eh.load("h1", a, 0, [1])            # ON_HOST COPIED_OUT
+    eh.compute(b, [2])
+    eh.save(b[: eh.bs], [2])            # a spills
+    eh.load("h2", a, 0, [3])            # SPILLING COPIED_OUT
+    eh.drain()
+    eh.load("l1", a, 0, [4])            # ON_DISK LOAD_STARTED
+    eh.load("l2", a, 0, [5])            # LOADING LOAD_STARTED
+    eh.land_load()
+    eh.land_load()                      # LOADING LOAD_LANDED
+    eh.load("l3", a, 0, [6])
+    eh.land_load(ok=False)              # LOADING LOAD_FAILED
     seen |= set(_seen(trace))
 
     assert seen == set(TRANSITIONS.items())
