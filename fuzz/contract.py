@@ -39,6 +39,7 @@ from statekv.messages import (
     FetchBlock,
     FetchBlocks,
     FreeSlot,
+    LoadSlots,
     PersistRetention,
     PrefetchSlot,
     PrefetchSlots,
@@ -96,6 +97,8 @@ class CommandContract:
                 seen_batch = True
                 for item in items:
                     self._block_command(item)
+            elif isinstance(batch, LoadSlots):
+                raise ContractViolation(f"{batch}: only a core beneath an engine loads")
             elif seen_batch:
                 raise ContractViolation(f"{batch} comes after a disk batch of the same take")
             else:

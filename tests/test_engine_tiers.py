@@ -4,6 +4,8 @@ load delivers, a failed read is never offered again, and the tiers keep copies."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from statekv.errors import ConfigError, UsageError
@@ -229,7 +231,7 @@ def test_bad_arguments_name_their_field() -> None:
     a = tokens(h.bs + 1)
     h.compute(a, [0])
     h.save(a[: h.bs], [0])
-    for call, field in [
+    calls: list[tuple[Callable[[], object], str]] = [
         (lambda: h.tiers.lookup(a, start_block=-1), "start_block"),
         (lambda: h.tiers.lookup([], start_block=0), "token_ids"),
         (lambda: h.tiers.save(a, engine_pages=[0], now=h.now, ttl_seconds=-1), "ttl_seconds"),
@@ -237,7 +239,8 @@ def test_bad_arguments_name_their_field() -> None:
         (lambda: h.tiers.save(a, engine_pages=[0], now=h.now - 1e9), "now"),
         (lambda: h.tiers.start_load("", a, start_block=0, engine_pages=[], now=h.now),
          "request_id"),
-    ]:
+    ]
+    for call, field in calls:
         with pytest.raises(UsageError) as info:
             call()
         assert info.value.field == field

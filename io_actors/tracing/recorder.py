@@ -49,10 +49,13 @@ from statekv.messages import (
     BlockCommand,
     Command,
     Completion,
+    CopyEngineToHost,
     CopyGpuToHost,
+    CopyHostToEngine,
     CopyHostToGpu,
     FetchBlock,
     FreeSlot,
+    LoadSlot,
     PersistRetention,
     PrefetchSlot,
     PublishBlock,
@@ -395,6 +398,14 @@ def _decode_message(seq: int, time: float, msg: BlockCommand | TransferOutcome) 
     if isinstance(msg, PublishBlock):
         return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="publisher",
                            event=name, block=msg.block, detail=f"host page {msg.host_page}")
+    if isinstance(msg, LoadSlot):
+        return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="reader",
+                           event=name, block=msg.block, slot=msg.slot, transfer=msg.transfer,
+                           detail=f"engine page {msg.engine_page}")
+    if isinstance(msg, CopyEngineToHost | CopyHostToEngine):
+        return TraceRecord(seq=seq, time=time, kind=RecordKind.COMMAND, actor="copy",
+                           event=name, block=msg.block,
+                           detail=f"engine page {msg.engine_page}, host page {msg.host_page}")
     writes = isinstance(msg, SlotWritten | SlotWriteFailed)
     cause = msg.cause if isinstance(msg, SlotWriteFailed | SlotReadFailed) else None
     # Block and slot come from the transfer's command (see annotate).
