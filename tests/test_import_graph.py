@@ -235,7 +235,7 @@ def test_a_planted_circle_is_found_and_named() -> None:
 
 FACADES = frozenset({"io_actors", "io_actors.config", "io_actors.embed", "io_actors.metrics"})
 """The modules users import, at the top of the package."""
-SUBPACKAGES = ("actors", "memory", "storage", "tensor_parallel", "tracing")
+SUBPACKAGES = ("actors", "memory", "storage", "tensor_parallel", "tracing", "vllm")
 MAY_IMPORT: Mapping[str, frozenset[str]] = {
     "io_actors.storage": frozenset({"statekv"}),
     "io_actors.tracing": frozenset({"statekv"}),
@@ -247,13 +247,17 @@ MAY_IMPORT: Mapping[str, frozenset[str]] = {
     "io_actors.tensor_parallel": frozenset({"facades", "io_actors.actors", "io_actors.memory",
                                             "io_actors.storage", "io_actors.tracing",
                                             "statekv"}),
+    "io_actors.vllm": frozenset({"facades", "io_actors.tensor_parallel", "io_actors.actors",
+                                 "io_actors.memory", "io_actors.storage", "io_actors.tracing",
+                                 "statekv"}),
 }
 """Each layer of io_actors/ and the layers below it that it may import (its own always).
 
 Bottom to top: storage (bytes at rest, and the interfaces the actors call them through) and
 tracing, side by side on the core; the memory pools, which implement storage's copy-engine
 interface and hold page-aligned host buffers; the actors; the facades; tensor-parallel
-agreement, which wraps a facade per rank.  The subpackages' docstrings say the same."""
+agreement, which wraps a facade per rank; the vLLM connector, over all of them.  The
+subpackages' docstrings say the same."""
 
 
 def layer_of(module: str) -> str | None:

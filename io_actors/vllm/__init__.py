@@ -14,4 +14,8 @@ vLLM, so that they are typed and tested without it:
   tensors and statekv's pages (:mod:`io_actors.vllm.layouts`);
 * :mod:`io_actors.vllm.plans` -- the data each step carries between them;
 * :mod:`io_actors.vllm.settings` -- ``kv_connector_extra_config`` -> StateKVConfig.
+
+The top layer of io_actors/: it may import the facades, tensor-parallel agreement, the actors,
+the memory pools, storage, tracing and statekv; nothing below imports it.  vLLM itself is
+imported only by the connector module.
 """
