@@ -71,6 +71,8 @@ class Write:
     """The spilling block, or None once it was recalled to GPU while its write drained."""
     host_page: PageId
     slot: SlotId
+    keep_host: bool = False
+    """A write-through: when it lands the block keeps its host page (a disk copy)."""
 
 
 class DiskTier:
@@ -141,8 +143,10 @@ class DiskTier:
             return Refusal.ADMISSION
         return Refusal.DISK_BUSY
 
-    def spill(self, victim: Block, now: float) -> None:
-        """Start writing `victim` to a disk slot (displacing the next disk victim if need be)."""
+    def spill(self, victim: Block, now: float, *, keep_host: bool = False) -> None:
+        """Start writing `victim` to a disk slot (displacing the next disk victim if need be).
+
+        `keep_host`: a write-through of a block that stays on host (see write_landed)."""
         disk = self.slots
         if disk.empty:
             slot = disk.empty.pop()
@@ -164,7 +168,8 @@ class DiskTier:
         key = victim.key
         assert host_page is not None and key is not None
         tid = self.outbox.new_transfer()
-        self.writes[tid] = Write(block=victim, host_page=host_page, slot=slot)
+        self.writes[tid] = Write(block=victim, host_page=host_page, slot=slot,
+                                 keep_host=keep_host)
         victim.disk_slot = slot
         victim.transfer = tid
         self.records.move(victim, _E.SPILL_STARTED)
@@ -182,8 +187,16 @@ class DiskTier:
         c = self.counters
         c.spills_completed += 1
         c.bytes_written += self.block_bytes
-        self.host.give_back(write.host_page)
         block = write.block
+        if write.keep_host and block is not None:
+            # A write-through: still a host hit, now with a disk copy (a later eviction
+            # from host writes nothing: COPY_KEPT).
+            block.transfer = None
+            self.records.move(block, _E.COPY_WRITTEN)
+            self.file(block, now)
+            self.host.evictable.push(block)
+            return
+        self.host.give_back(write.host_page)
         if block is None:
             # Recalled to GPU while the write drained: the bytes in the slot belong to no
             # block any more.

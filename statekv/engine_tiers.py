@@ -72,6 +72,9 @@ from statekv.trace import TraceSink
 
 __all__ = ["EngineMatch", "EngineTiers", "LoadPlan", "SaveOutcome"]
 
+WRITE_THROUGH = ("all", "retained", "none")
+"""The write-through policies of :class:`EngineTiers`."""
+
 _S = BlockState
 _E = BlockEvent
 _IN_HOST = (_S.ON_HOST, _S.SPILLING)
@@ -143,7 +146,16 @@ def _check_pages(field: str, pages: object, count: int | None) -> tuple[int, ...
 class EngineTiers:
     """The host and disk tiers beneath an engine's own GPU pool and prefix cache, sans I/O."""
 
-    def __init__(self, config: CacheConfig, *, trace: TraceSink | None = None) -> None:
+    def __init__(self, config: CacheConfig, *, trace: TraceSink | None = None,
+                 write_through: str = "all") -> None:
+        """`write_through`: which saved blocks are written to disk at once, keeping their
+        host page -- "all", "retained" (those saved with a TTL), or "none" (a block reaches
+        disk only when the host tier evicts it).  What is on disk survives a restart; what
+        is only in host memory does not."""
+        if write_through not in WRITE_THROUGH:
+            raise ConfigError("write_through", f"must be one of {', '.join(WRITE_THROUGH)}, "
+                              f"got {write_through!r}")
+        self.write_through = write_through
         if not isinstance(config, CacheConfig):
             raise UsageError("config", f"must be a CacheConfig, got {config!r}")
         if config.shared_tier:
@@ -347,7 +359,10 @@ class EngineTiers:
             block.priority = 0
             self._index.add(block, key, req.keys[i - 1] if i else req.root)
             records.move(block, _E.SAVED)
-            self._host.evictable.push(block)
+            if self._writes_through(block, now):
+                self._disk.spill(block, now, keep_host=True)
+            else:
+                self._host.evictable.push(block)
             self._outbox.commands.append(CopyEngineToHost(
                 block=block.id, engine_page=pages[i], host_page=host_page))
             saved += 1
@@ -550,6 +565,14 @@ class EngineTiers:
                             block_size=self._block_size, disk_rate=disk_rate, net_rate=None,
                             per_token=per_token)
         return best, sum(kinds[best:])
+
+    def _writes_through(self, block: Block, now: float) -> bool:
+        policy = self.write_through
+        if policy == "none" or not self.config.disk_blocks:
+            return False
+        if policy == "retained" and not (block.expiry is not None and block.expiry > now):
+            return False
+        return self._disk.spill_refusal(block, now) is None
 
     def _check_ttl(self, ttl: object) -> float | None:
         return check_ttl_seconds(ttl, self.config.max_ttl_seconds)

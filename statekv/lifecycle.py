@@ -78,7 +78,9 @@ Beneath an engine (statekv.engine_tiers: vLLM's prefix cache owns the GPU).  The
 are the engine's: no block of statekv is ever ON_GPU, RELEASED, ONBOARDING or FETCHING, and
 the tiers hold inclusive copies of what the engine computed.  Three events and one state
 serve it.  SAVED takes a free record into ON_HOST when an engine block it does not hold
-yet is copied into a host page (from there, the usual spill path).  COPIED_OUT is a
+yet is copied into a host page (from there, the usual spill path, or a *write-through*: the
+spill starts at once and, when it lands, COPY_WRITTEN leaves the block on host with a disk
+copy -- so content reaches disk while it is still a host hit).  COPIED_OUT is a
 prefix hit served from a host page into an engine block: the host copy stays (the engine's
 copy is the engine's to evict), so the block stays where it is.  A hit on disk content is
 a read into an engine block: ON_DISK -> LOADING (out of the displacement order, so no spill
@@ -176,6 +178,7 @@ class BlockEvent(enum.IntEnum):
     LOAD_STARTED = 125
     LOAD_LANDED = 126
     LOAD_FAILED = 127
+    COPY_WRITTEN = 128
 
 
 EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
@@ -255,6 +258,10 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
         "A spill took the slot holding the disk copy of a block that is on GPU or host: the "
         "copy is gone, the block stays where it is."
     ),
+    BlockEvent.COPY_WRITTEN: (
+        "A write-through landed: the bytes are on disk and the block keeps its host page "
+        "(on host with a disk copy, filed in the displacement order)."
+    ),
     BlockEvent.SAVED: (
         "Beneath an engine: a full block the engine computed, which the cache does not hold, "
         "is copied from the engine's page into a host page a free record takes."
@@ -324,6 +331,7 @@ TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
     (S.LOADING, E.LOAD_STARTED): S.LOADING,
     (S.LOADING, E.LOAD_LANDED): S.ON_DISK,
     (S.LOADING, E.LOAD_FAILED): S.FREE,
+    (S.SPILLING, E.COPY_WRITTEN): S.ON_HOST,
 }
 """The single source of truth for the block lifecycle."""
 

@@ -64,9 +64,10 @@ class EngineHarness:
     """EngineTiers plus the memory its commands move bytes between."""
 
     def __init__(self, config: CacheConfig | None = None, *, now: float = 1000.0,
-                 trace: TraceSink | None = None) -> None:
+                 trace: TraceSink | None = None, write_through: str = "none") -> None:
         self.config = config or engine_config()
-        self.tiers = EngineTiers(self.config, trace=trace)
+        self.write_through = write_through
+        self.tiers = EngineTiers(self.config, trace=trace, write_through=write_through)
         self.bs = self.config.block_size
         self.now = now
         self.engine: dict[int, Content] = {}
@@ -171,7 +172,7 @@ class EngineHarness:
         self.loads.clear()
         self.host.clear()
         self.now += later
-        self.tiers = EngineTiers(self.config)
+        self.tiers = EngineTiers(self.config, write_through=self.write_through)
         self.tiers.restore(
             [RestoredBlock(key=img.key, parent_key=img.parent, slot=SlotId(slot),
                            depth=img.depth, reuse_count=0, expiry=img.expiry,

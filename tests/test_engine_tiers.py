@@ -253,3 +253,40 @@ def test_engine_tiers_need_a_host_tier_and_no_shared_tier() -> None:
     with pytest.raises(ConfigError) as info:
         EngineHarness(engine_config(shared_tier=True))
     assert info.value.field == "shared_tier"
+
+
+def test_write_through_puts_a_saved_block_on_disk_and_keeps_it_a_host_hit() -> None:
+    h = EngineHarness(write_through="all")
+    a = tokens(2 * h.bs + 1)
+    h.compute(a, [0, 1])
+    h.save(a[: 2 * h.bs], [0, 1])
+    assert len(h.writes) == 2                      # written at once
+    h.drain()
+    match = h.tiers.lookup(a, start_block=0)
+    assert (match.host_blocks, match.disk_blocks) == (2, 0)   # still host hits
+    h.tiers.check_invariants()
+    h.restart(later=1)                             # host memory is gone, the disk is not
+    assert h.tiers.lookup(a, start_block=0).disk_blocks == 2
+    h.load("r", a, 0, [30, 31])
+    h.drain()
+    assert [h.engine[30], h.engine[31]] == [h.content(a, 0), h.content(a, 1)]
+
+
+def test_write_through_of_retained_content_only() -> None:
+    h = EngineHarness(write_through="retained")
+    kept, other = tokens(h.bs + 1), tokens(h.bs + 1, 700)
+    h.compute(kept, [0])
+    h.save(kept[: h.bs], [0], ttl=600)
+    h.compute(other, [1])
+    h.save(other[: h.bs], [1])
+    assert len(h.writes) == 1                       # only the TTL block is written
+    h.drain()
+    h.restart()
+    assert h.tiers.lookup(kept, start_block=0).disk_blocks == 1
+    assert h.tiers.lookup(other, start_block=0).num_blocks == 0
+
+
+def test_an_unknown_write_through_policy_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineHarness(write_through="sometimes")
+    assert info.value.field == "write_through"

@@ -392,6 +392,12 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
     eh.load("l3", a, 0, [6])
     eh.land_load(ok=False)              # LOADING LOAD_FAILED
     seen |= set(_seen(trace))
+    trace = RingTrace(100_000)
+    eh = EngineHarness(engine_config(), trace=trace, write_through="all")
+    eh.compute(a, [0])
+    eh.save(a[: eh.bs], [0])
+    eh.drain()                          # SPILLING COPY_WRITTEN
+    seen |= set(_seen(trace))
 
     assert seen == set(TRANSITIONS.items())
 
