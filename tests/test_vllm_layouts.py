@@ -474,6 +474,8 @@ BAD_LAYOUTS: dict[str, tuple[Callable[[], dict[str, Any]], KVPacking | None, str
         "cpu_attn-LBHNC", torch.zeros(BLOCKS + 1, HEADS, TOKENS, 2 * HEAD_DIM)), None,
         "num_blocks"),
     "odd content": (lambda: vllm_caches("LBHNC", content=2 * HEAD_DIM + 1), None, "head_dim"),
+    "4D and 5D layers mixed": (lambda: _one_layer_changed(
+        "cpu_attn-LBHNC", torch.zeros(BLOCKS, 2, TOKENS, HEADS, HEAD_DIM)), None, "packing"),
     "5D without a telling K/V axis": (lambda: {"layer": torch.zeros(2, 2, TOKENS, HEADS,
                                                                     HEAD_DIM)}, None, "packing"),
     "5D packing on a 4D cache": (lambda: vllm_caches("LBHNC"), KVPacking.KV_FIRST, "packing"),

@@ -256,9 +256,11 @@ class EnginePages:
             if cache.dtype not in _DTYPE_NAMES:
                 raise ConfigError("dtype", f"layer {name!r}: {cache.dtype} is not a KV dtype "
                                   f"statekv stores (known: {sorted(TORCH_DTYPES)})")
-            layer_packing = packing if packing is not None else _detect(name, cache)
+            if packing is None:
+                # The first layer's tensor decides for all: a layer shaped otherwise is refused.
+                packing = _detect(name, cache)
             bits = cache.view(_BITS[cache.element_size()])
-            view = _block_view(name, bits, layer_packing)
+            view = _block_view(name, bits, packing)
             if first is None:
                 first, first_name = cache, name
             else:
@@ -269,8 +271,8 @@ class EnginePages:
                                   "supported)")
             starts[cache.data_ptr()] = name
             views.append(view)
-        assert first is not None
-        self.packing: Final = packing if packing is not None else _detect(first_name, first)
+        assert first is not None and packing is not None
+        self.packing: Final = packing
         """Where each layer keeps K and V."""
         self._views: Final = tuple(views)
         self.layer_names: Final = tuple(kv_caches)
