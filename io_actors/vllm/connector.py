@@ -18,7 +18,6 @@ request, the scheduler output) and hands plain data to the two halves,
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,14 +52,14 @@ log = logging.getLogger(__name__)
 _DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
 
 
-class StateKVStepMetadata(KVConnectorMetadata):
+class StateKVStepMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped here
     """The scheduler side's plan for one step, as vLLM carries it to every worker."""
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
 
 
-class StateKVWorkerMetadata(KVConnectorWorkerMetadata):
+class StateKVWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """One worker's report for one step; vLLM merges the ranks' reports with aggregate."""
 
     def __init__(self, report: WorkerReport) -> None:
@@ -115,13 +114,13 @@ def _lora_id(request: Request) -> int | None:
     return None if lora is None else int(lora.lora_int_id)
 
 
-class StateKVConnector(KVConnectorBase_V1):
+class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """statekv's tiers (pinned host, local disk, persistent, with per-request TTLs) beneath
     vLLM's prefix cache."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config, role, kv_cache_config)
         instance = vllm_config.instance_id
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -233,7 +232,3 @@ class StateKVConnector(KVConnectorBase_V1):
     @property
     def worker_side(self) -> WorkerSide | None:
         return self._worker
-
-
-def finished_ids(values: Iterable[str] | None) -> set[str]:
-    return set(values or ())

@@ -35,8 +35,8 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.config import StateKVConfig
 from io_actors.actors.scheduler import append_retention, retention_store
+from io_actors.config import StateKVConfig
 from io_actors.storage.interfaces import BatchOutcome, SlotIO, SlotStore
 from io_actors.storage.open_store import open_slot_store, public_config_error
 from io_actors.storage.posix_open import Recovery
@@ -114,6 +114,12 @@ class WorkerSide:
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Adopt vLLM's caches; allocate the host pool; open the store (restoring it)."""
+        # vLLM registers under inference mode; tensors made there could not be written by
+        # the reader threads, which run outside it.
+        with torch.inference_mode(False):
+            self._register(kv_caches)
+
+    def _register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         core = self.core_config
         try:
             pages = EnginePages(kv_caches, expect=core.layout, block_size=core.block_size)
@@ -224,12 +230,10 @@ class WorkerSide:
         elif isinstance(cmd, LoadSlots):
             assert store is not None and self._readers is not None
             staging = self._staging.pop() if self._staging else self._new_staging()
-            items = [SlotIO(r.slot, r.key, staging[i].view(torch.uint8).reshape(-1))
-                     for i, r in enumerate(cmd.reads)]
             self._page_of.update((r.transfer, r.engine_page) for r in cmd.reads)
             self._reads.append(_ReadJob(
                 batch=cmd.reads, staging=staging,
-                future=self._readers.submit(_timed_read, store, items)))
+                future=self._readers.submit(_timed_read, store, cmd.reads, staging)))
         elif isinstance(cmd, FreeSlot):
             assert store is not None
             store.discard(cmd.slot)
@@ -254,8 +258,9 @@ class WorkerSide:
     def _new_staging(self) -> torch.Tensor:
         pages = self.pages
         assert pages is not None
-        return torch.empty((self.core_config.max_batch_blocks, *pages.page_shape),
-                           dtype=pages.dtype, pin_memory=pages.device.type == "cuda")
+        with torch.inference_mode(False):
+            return torch.empty((self.core_config.max_batch_blocks, *pages.page_shape),
+                               dtype=pages.dtype, pin_memory=pages.device.type == "cuda")
 
     def _track(self, load: RequestLoad) -> None:
         for tid in load.transfers:
@@ -356,7 +361,12 @@ class WorkerSide:
             self.store = None
 
 
-def _timed_read(store: SlotStore, items: list[SlotIO]) -> tuple[BatchOutcome, float]:
+def _timed_read(store: SlotStore, reads: tuple[LoadSlot, ...],
+                staging: torch.Tensor) -> tuple[BatchOutcome, float]:
+    # The views are made here, outside the inference mode vLLM's worker thread runs in: a
+    # view made there could not be written.
+    items = [SlotIO(r.slot, r.key, staging[i].view(torch.uint8).reshape(-1))
+             for i, r in enumerate(reads)]
     start = time.perf_counter()
     results = store.read_many(items)
     return results, time.perf_counter() - start
