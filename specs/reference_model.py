@@ -396,7 +396,8 @@ class ReferenceCache:
         if self.cfg.disk_blocks:
             cfg = self.cfg
             admitted = self._spill_mode_admits(v)
-            live_ok = not cfg.protect_unexpired
+            # Best-effort content never displaces content whose TTL is running.
+            live_ok = not cfg.protect_unexpired and is_live(v.expiry, now)
             if not admitted:
                 refusal: str | None = "gate_drops"
             elif (cfg.drop_on_pressure and not is_live(v.expiry, now)

@@ -41,7 +41,8 @@ class Refusal(enum.Enum):
 
     GATE = "the spill mode does not admit it"
     PRESSURE = "best-effort, and the write queue is full (drop-on-pressure)"
-    ADMISSION = "the disk is full of unexpired retained content (protect_unexpired)"
+    ADMISSION = ("the disk is full of unexpired retained content (protect_unexpired, or the "
+                 "victim is best-effort)")
     DISK_BUSY = "every slot has a read or write in flight"
 
 
@@ -137,11 +138,18 @@ class DiskTier:
         disk = self.slots
         if disk.empty:
             return None
-        if disk.next_victim(policies.admission.may_displace_live()) is not None:
+        if disk.next_victim(self._may_displace_live(victim, now)) is not None:
             return None
         if disk.next_victim(True) is not None:
             return Refusal.ADMISSION
         return Refusal.DISK_BUSY
+
+    def _may_displace_live(self, victim: Block, now: float) -> bool:
+        """Whether `victim`'s spill may displace content whose TTL is running: only content
+        under a TTL itself, and only where the admission policy lets it (a best-effort
+        spill never costs a retained block its place, even while every best-effort block on
+        disk is busy with a transfer)."""
+        return self.policies.admission.may_displace_live() and is_live(victim.expiry, now)
 
     def spill(self, victim: Block, now: float, *, keep_host: bool = False) -> None:
         """Start writing `victim` to a disk slot (displacing the next disk victim if need be).
@@ -151,7 +159,7 @@ class DiskTier:
         if disk.empty:
             slot = disk.empty.pop()
         else:
-            displaced = disk.next_victim(self.policies.admission.may_displace_live())
+            displaced = disk.next_victim(self._may_displace_live(victim, now))
             assert displaced is not None
             disk.unfile(displaced)
             slot_of = displaced.disk_slot

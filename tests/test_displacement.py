@@ -143,10 +143,18 @@ def test_without_protection_a_disk_full_of_live_ttls_displaces_the_earliest_dead
     ex = disk_cache(2)
     late, _ = put_on_disk(ex, ttl=200.0)
     early, slot = put_on_disk(ex, ttl=100.0)
-    (write,) = ex.spill([one_block()])
+    (write,) = ex.spill([one_block()], ttl=300.0)
     assert write.slot == slot
     assert ex.tiers(early) == [None] and ex.tiers(late) == ["ON_DISK"]
     assert ex.stats().admission_refusals == 0
+
+
+def test_a_best_effort_spill_never_displaces_content_whose_ttl_is_running() -> None:
+    ex = disk_cache(2)
+    kept = [put_on_disk(ex, ttl=100.0)[0], put_on_disk(ex, ttl=200.0)[0]]
+    assert ex.spill([one_block()]) == []             # dropped from host instead
+    assert all(ex.tiers(tokens) == ["ON_DISK"] for tokens in kept)
+    assert ex.stats().admission_refusals == 1
 
 
 def test_protect_unexpired_displaces_content_whose_ttl_ran_out() -> None:
