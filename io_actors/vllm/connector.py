@@ -124,6 +124,9 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         instance = vllm_config.instance_id
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # The local prefix hit each request was matched past, until its pages are allocated:
+        # vLLM sets request.num_computed_tokens only after update_state_after_alloc.
+        self._local_hit: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             config = engine_config(vllm_config, rank=0)
             self._scheduler = SchedulerSide(
@@ -184,18 +187,25 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         n = self._scheduler.matched(
             list(request.all_token_ids), num_computed_tokens,
             cache_salt=request.cache_salt, lora_id=_lora_id(request))
+        if n > 0:
+            self._local_hit[request.request_id] = num_computed_tokens
         return n, n > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
+        local_hit = self._local_hit.pop(request.request_id, None)
         if num_external_tokens <= 0:
             return
+        if local_hit is None:
+            raise RuntimeError(f"statekv: request {request.request_id} was allocated "
+                               f"{num_external_tokens} external tokens it was never matched")
+        # The external tokens follow the local hit: request.num_computed_tokens is still 0
+        # here on a first schedule (vLLM sets it after this call).
         (block_ids,) = blocks.get_block_ids()
         self._scheduler.allocated(
             request.request_id, list(request.all_token_ids), block_ids, num_external_tokens,
-            request.num_computed_tokens, cache_salt=request.cache_salt,
-            lora_id=_lora_id(request))
+            local_hit, cache_salt=request.cache_salt, lora_id=_lora_id(request))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -219,6 +229,7 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        self._local_hit.pop(request.request_id, None)
         tokens = list(request.all_token_ids)[: request.num_computed_tokens]
         return self._scheduler.finished(
             request.request_id, tokens, block_ids, request.kv_transfer_params,
