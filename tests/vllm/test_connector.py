@@ -72,13 +72,17 @@ def test_same_tokens_with_statekv_and_after_a_restart_served_from_disk(
     assert saved.host_offloads >= 7 + 5          # every full prompt block was copied out
     assert saved.spills_completed >= 7 + 5       # and written through to disk
     with engine.running_llm(model_dir, kv_transfer=kv) as llm:
+        # First a prefix of A: 3 blocks from disk, which vLLM's own prefix cache then holds.
+        head = engine.generate(llm, [PROMPT_A[: 3 * BS + 1]], max_tokens=2)
+        # Then A: vLLM's 3 blocks, statekv's next 4 loaded past them.
         after = engine.generate(llm, [PROMPT_A], max_tokens=8)
         restarted = stats(llm)
+    assert head.num_cached_tokens == [3 * BS]
     assert after.token_ids == [reference["a"]]
     assert restarted.restored_blocks >= 7 + 5
-    assert restarted.hit_blocks_disk == 7 and restarted.onboards_completed == 7
+    assert restarted.hit_blocks_disk == 3 + 4 and restarted.onboards_completed == 7
     assert restarted.onboard_failures == 0
-    # vLLM computed only what statekv did not supply: the last partial block.
+    # vLLM computed only what neither cache supplied: the last partial block.
     assert after.num_cached_tokens == [7 * BS]
 
 
