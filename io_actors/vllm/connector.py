@@ -27,11 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from io_actors.config import StateKVConfig
 from io_actors.memory.pools import TORCH_DTYPES
 from io_actors.vllm.plans import StepPlan, WorkerReport
-from io_actors.vllm.scheduler_side import SchedulerSide
+from io_actors.vllm.scheduler_side import REPORTED_COUNTERS, SchedulerSide
 from io_actors.vllm.settings import connector_config
 from io_actors.vllm.worker_side import WorkerSide
 from statekv.config import KVLayout
@@ -69,6 +73,49 @@ class StateKVWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         if not isinstance(other, StateKVWorkerMetadata):
             return self
         return StateKVWorkerMetadata(self.report.merged(other.report))
+
+
+class StateKVStats(KVConnectorStats):  # type: ignore[misc]
+    """The core's counters' increases over an interval: ``data`` maps a CacheStatistics
+    field to how much it grew.  vLLM logs ``reduce()`` and feeds Prometheus from ``data``."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for name, value in (other.data or {}).items():
+            merged[name] = merged.get(name, 0) + value
+        return StateKVStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"statekv_{name}": value for name, value in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class StateKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """One counter per reported core counter: ``vllm:statekv_<name>_total``, per engine."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                 ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:statekv_{name}_total",
+                documentation=f"statekv's {name.replace('_', ' ')} (CacheStatistics.{name})",
+                labelnames=labelnames)
+            for name in REPORTED_COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in (transfer_stats_data or {}).items():
+            counter = self._counters.get(name)
+            if counter is not None and value > 0:
+                counter.labels(*labels).inc(value)
 
 
 def engine_config(vllm_config: VllmConfig, *, rank: int) -> StateKVConfig:
@@ -234,6 +281,27 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._scheduler.finished(
             request.request_id, tokens, block_ids, request.kv_transfer_params,
             cache_salt=request.cache_salt, lora_id=_lora_id(request))
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The scheduler side's counters since the last call (None in a worker: its
+        transfers are counted by the core when they report)."""
+        if self._scheduler is None:
+            return None
+        grown = self._scheduler.counter_increases()
+        return StateKVStats(data=grown) if grown else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None,
+                                 ) -> KVConnectorStats | None:
+        return StateKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics | None:
+        return StateKVPromMetrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
 
     @property
     def scheduler_side(self) -> SchedulerSide | None:

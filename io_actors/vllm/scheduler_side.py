@@ -54,6 +54,15 @@ log = logging.getLogger(__name__)
 
 TTL_PARAM: Final = "kv_cache_ttl_seconds"
 """The key of a request's ``kv_transfer_params`` that carries its retention TTL."""
+REPORTED_COUNTERS: Final = (
+    "hit_blocks_host", "hit_blocks_disk", "hit_blocks_disk_retained", "host_offloads",
+    "offloads_skipped", "host_drops", "spills", "spills_completed", "spill_failures",
+    "spills_saved_by_disk_copy", "bytes_written", "onboards_completed", "onboard_failures",
+    "bytes_read", "displacements", "expirations", "restored_blocks", "admission_refusals",
+    "onboards_skipped_as_too_slow",
+)
+"""The core's counters vLLM's connector statistics carry (logs and Prometheus), as the
+increase since the last report."""
 ERROR_PARAM: Final = "statekv_error"
 """The key of the ``kv_transfer_params`` returned with a request whose parameters statekv
 refused (the request itself ran, without what was refused)."""
@@ -76,6 +85,7 @@ class SchedulerSide:
         """Each transfer in flight: True for a read (load), False for a write (spill)."""
         self._reports: dict[TransferId, TransferReport] = {}
         self._last_step: tuple[float, int, int] | None = None
+        self._reported_counters = dict.fromkeys(REPORTED_COUNTERS, 0)
         if core.disk_blocks:
             self._restore(instance)
 
@@ -204,6 +214,17 @@ class SchedulerSide:
 
     def statistics(self) -> CacheStatistics:
         return self.core.statistics()
+
+    def counter_increases(self) -> dict[str, int]:
+        """How much each of REPORTED_COUNTERS grew since the last call (the ones that did)."""
+        now = self.core.statistics()
+        out: dict[str, int] = {}
+        for name, before in self._reported_counters.items():
+            value = int(getattr(now, name))
+            if value != before:
+                out[name] = value - before
+                self._reported_counters[name] = value
+        return out
 
     # ------------------------------------------------------------------ helpers
 

@@ -55,6 +55,15 @@ def stats(llm: Any) -> CacheStatistics:
     return result
 
 
+def prometheus_value(name: str, model_dir: Path) -> float | None:
+    """A counter as vLLM's Prometheus registry holds it (what its /metrics serves)."""
+    from prometheus_client import REGISTRY
+
+    value: float | None = REGISTRY.get_sample_value(
+        name, {"engine": "0", "model_name": str(model_dir)})
+    return value
+
+
 def flush(llm: Any) -> None:
     """A few more steps, so the last requests' saves run (and their writes report)."""
     for _ in range(2):
@@ -77,6 +86,8 @@ def test_same_tokens_with_statekv_and_after_a_restart_served_from_disk(
         # Then A: vLLM's 3 blocks, statekv's next 4 loaded past them.
         after = engine.generate(llm, [PROMPT_A], max_tokens=8)
         restarted = stats(llm)
+        exported = prometheus_value("vllm:statekv_hit_blocks_disk_total", model_dir)
+    assert exported == 3 + 4                     # the counters reach vLLM's /metrics
     assert head.num_cached_tokens == [3 * BS]
     assert after.token_ids == [reference["a"]]
     assert restarted.restored_blocks >= 7 + 5
