@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def readme_vllm_example() -> str:
     text = (ROOT / "README.md").read_text()
     section = text.split("## Using statekv under vLLM", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    blocks: list[str] = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1, "README's vLLM section should hold one Python example"
     return blocks[0]
 
