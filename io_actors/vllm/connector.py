@@ -174,6 +174,11 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # The local prefix hit each request was matched past, until its pages are allocated:
         # vLLM sets request.num_computed_tokens only after update_state_after_alloc.
         self._local_hit: dict[str, int] = {}
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            raise ConfigError("kv_cache_config", f"{len(groups)} KV cache groups (a hybrid or "
+                              "sliding-window model): statekv's connector supports models "
+                              "whose layers share one paged KV cache")
         if role == KVConnectorRole.SCHEDULER:
             config = engine_config(vllm_config, rank=0)
             self._scheduler = SchedulerSide(
