@@ -85,7 +85,21 @@ class Outbox:
         loads = self.loads
         if loads:
             self.loads = []
-            out.extend(
-                LoadSlots(reads=tuple(loads[i : i + size])) for i in range(0, len(loads), size)
-            )
+            out.extend(_load_batches(loads, size))
         return out
+
+
+def _load_batches(loads: list[LoadSlot], size: int) -> list[LoadSlots]:
+    """Loads packed in order into batches of at most `size`, each naming a slot once: two
+    requests may load one block in one step, and a vectored read names each slot once."""
+    batches: list[LoadSlots] = []
+    batch: list[LoadSlot] = []
+    slots: set[int] = set()
+    for load in loads:
+        if len(batch) == size or load.slot in slots:
+            batches.append(LoadSlots(reads=tuple(batch)))
+            batch, slots = [], set()
+        batch.append(load)
+        slots.add(load.slot)
+    batches.append(LoadSlots(reads=tuple(batch)))
+    return batches

@@ -10,6 +10,7 @@ import pytest
 
 from statekv.errors import ConfigError, UsageError
 from statekv.lifecycle import BlockState
+from statekv.messages import LoadSlots
 from tests.engine_harness import EngineHarness, engine_config
 
 S = BlockState
@@ -290,3 +291,19 @@ def test_an_unknown_write_through_policy_is_refused() -> None:
     with pytest.raises(ConfigError) as info:
         EngineHarness(write_through="sometimes")
     assert info.value.field == "write_through"
+
+
+def test_two_loads_of_one_block_in_one_step_travel_in_different_batches() -> None:
+    """A vectored read names each slot once (the store refuses a batch that does not)."""
+    h = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1))
+    a = tokens(h.bs + 1)
+    h.compute(a, [0])
+    h.save(a[: h.bs], [0])
+    h.compute(tokens(h.bs + 1, 500), [1])
+    h.save(tokens(h.bs, 500), [1])
+    h.drain()
+    h.tiers.start_load("r1", a, start_block=0, engine_pages=[10], now=h.now)
+    h.tiers.start_load("r2", a, start_block=0, engine_pages=[11], now=h.now)
+    batches = [c for c in h.tiers.take_commands() if isinstance(c, LoadSlots)]
+    assert [len(b.reads) for b in batches] == [1, 1]
+    assert batches[0].reads[0].slot == batches[1].reads[0].slot
