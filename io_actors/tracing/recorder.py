@@ -102,7 +102,8 @@ FAILED_COMPLETIONS: Final = frozenset({"SlotWriteFailed", "SlotReadFailed"})
 
 # Which state a block's slot belongs to: a transition into or out of one of these carries
 # the slot its write or read used.
-_SLOT_STATES: Final = frozenset({"SPILLING", "ON_DISK", "ONBOARDING", "PREFETCHING", "PREFETCHED"})
+_SLOT_STATES: Final = frozenset({"SPILLING", "ON_DISK", "ONBOARDING", "PREFETCHING", "PREFETCHED",
+                                 "LOADING"})
 
 
 @attrs.frozen(kw_only=True)

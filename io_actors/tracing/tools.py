@@ -42,6 +42,7 @@ STATE_COLORS: Final[dict[str, str]] = {
     "PREFETCHING": "#0d9488",
     "PREFETCHED": "#a3e635",
     "FETCHING": "#c2410c",
+    "LOADING": "#0891b2",
 }
 """One color per block state, shared by the page's lanes and its legend (a state without
 one would be drawn as an empty lane)."""
@@ -58,6 +59,7 @@ STATE_TIERS: Final[dict[str, tuple[str, ...]]] = {
     "PREFETCHING": ("disk", "host"),
     "PREFETCHED": ("disk", "host"),
     "FETCHING": ("gpu",),
+    "LOADING": ("disk",),
 }
 """The tiers whose memory a block in each state holds (statekv.lifecycle's table): the
 page's tier filter shows a state's spans while any of its tiers is ticked."""
