@@ -193,14 +193,16 @@ class WorkerSide:
 
         copied = False
         for cmd in plan.commands:
+            # One copy call takes each page at most once: two requests of a step may copy
+            # the same host page (a shared prefix), so a repeated page starts a new call.
             if isinstance(cmd, CopyEngineToHost):
-                if loads[0]:
+                if loads[0] or cmd.engine_page in saves[0] or cmd.host_page in saves[1]:
                     flush()
                 saves[0].append(cmd.engine_page)
                 saves[1].append(cmd.host_page)
                 copied = True
             elif isinstance(cmd, CopyHostToEngine):
-                if saves[0]:
+                if saves[0] or cmd.host_page in loads[0] or cmd.engine_page in loads[1]:
                     flush()
                 loads[0].append(cmd.host_page)
                 loads[1].append(cmd.engine_page)
