@@ -275,8 +275,8 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, StateKVWorkerMetadata):
-            self._scheduler.reported(meta.report)
+        report = meta.report if isinstance(meta, StateKVWorkerMetadata) else None
+        self._scheduler.reported(report, connector_output.finished_recving or ())
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

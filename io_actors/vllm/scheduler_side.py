@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import attrs
@@ -86,6 +86,8 @@ class SchedulerSide:
         self._reports: dict[TransferId, TransferReport] = {}
         self._last_step: tuple[float, int, int] | None = None
         self._reported_counters = dict.fromkeys(REPORTED_COUNTERS, 0)
+        self._awaiting: set[str] = set()
+        """Requests whose load vLLM has not seen finished (``finished_recving``) yet."""
         if core.disk_blocks:
             self._restore(instance)
 
@@ -145,6 +147,7 @@ class SchedulerSide:
                                     cache_salt=cache_salt, lora_id=lora_id)
         self._loads.append(RequestLoad(request_id=request_id, transfers=plan.transfers,
                                        unavailable_pages=plan.unavailable_pages))
+        self._awaiting.add(request_id)
 
     def plan(self, *, num_new_tokens: int, longest_context: int) -> StepPlan:
         """The step's plan for the workers.  Also measures the previous step: its time per
@@ -169,8 +172,11 @@ class SchedulerSide:
                  ) -> tuple[bool, dict[str, object] | None]:
         """A request finished: save its full computed blocks and stamp its TTL.  Returns
         (the engine must keep its pages until the save reports, params for the output)."""
-        if self.core.loading(request_id):
-            return False, None  # given up while loading: vLLM holds its pages until then
+        if request_id in self._awaiting:
+            # Given up while loading (its reads in flight, or its copies not yet run or
+            # reported): vLLM holds its pages until the workers report the load, and frees
+            # them then -- a save would report the same pages a second time.
+            return False, None
         ttl, error = self._ttl(params)
         full = len(token_ids) // self.block_size
         if full == 0:
@@ -186,8 +192,11 @@ class SchedulerSide:
             self._saves.append(request_id)
         return out.saved_blocks > 0, _error_params(error)
 
-    def reported(self, report: WorkerReport | None) -> None:
-        """The workers' outcomes: applied once every rank reported a transfer."""
+    def reported(self, report: WorkerReport | None,
+                 finished_recving: Iterable[str] = ()) -> None:
+        """The workers' outcomes: applied once every rank reported a transfer; and the
+        requests whose loads vLLM now knows finished (on every rank)."""
+        self._awaiting.difference_update(finished_recving)
         if report is None:
             return
         for nbytes, seconds in report.disk_reads:
