@@ -194,6 +194,72 @@ class Eviction:
         self.disk.file(block, now)
         return page
 
+    # ------------------------------------------------------------------ a clean close
+
+    def flush_retained(self, now: float) -> tuple[int, int]:
+        """Start writing down content whose TTL runs and that is on no disk yet, as far as
+        host pages and slots allow now; returns (how many such blocks are left to write, on
+        GPU or host with no write in flight; how many this call moved on: spilled, or
+        copied from GPU to host).  For a clean close, when nothing will be served
+        again: a retained block on host is spilled; one on GPU is copied to a free host page
+        first -- made free by dropping best-effort host content, whose next home would be
+        the disk the retained content needs (it is lost at exit either way).  The caller
+        calls again as writes land and give their host pages back."""
+        left = moved = 0
+        host, disk = self.host, self.disk
+
+        def retained(block: Block) -> bool:
+            return (block.disk_slot is None and block.key is not None
+                    and is_live(block.expiry, now))
+
+        if self.has_disk:
+            for block in [b for b in host.evictable if retained(b)]:
+                if disk.spill_refusal(block, now) is None:
+                    host.evictable.remove(block)
+                    disk.spill(block, now)
+                    moved += 1
+                else:
+                    left += 1
+        for block in [b for b in self.gpu.evictable if retained(b)]:
+            page = self._free_host_page_for_flush(now)
+            left += 1
+            if page is None:
+                continue
+            self.gpu.evictable.remove(block)
+            gpu_page = block.gpu_page
+            assert gpu_page is not None
+            block.gpu_page = None
+            self.gpu.empty.append(gpu_page)
+            self.outbox.commands.append(
+                CopyGpuToHost(block=block.id, gpu_page=gpu_page, host_page=page))
+            block.host_page = page
+            self.records.move(block, _E.OFFLOADED)
+            host.evictable.push(block)   # the next call spills it
+            moved += 1
+        return left, moved
+
+    def _free_host_page_for_flush(self, now: float) -> PageId | None:
+        host = self.host
+        if host.empty:
+            return host.empty.pop()
+        for victim in list(host.evictable):
+            if victim.disk_slot is not None:
+                host.evictable.remove(victim)
+                page = victim.host_page
+                assert page is not None
+                victim.host_page = None
+                self.disk.keep_copy(victim)
+                return page
+            if not is_live(victim.expiry, now):
+                host.evictable.remove(victim)
+                page = victim.host_page
+                assert page is not None
+                victim.host_page = None
+                self.counters.host_drops += 1
+                self.records.discard(victim, _E.DROPPED)
+                return page
+        return None
+
     def evict_host_victim(self, victim: Block, now: float) -> PageId | None:
         """Spill `victim` to disk or drop it; return the host page this frees now, if any.
 

@@ -510,6 +510,17 @@ class KVCacheManager:
         self._advance(now)
         disk.restore(blocks, slots, now)
 
+    def flush_retained(self, *, now: float) -> tuple[int, int]:
+        """For a clean close: start writing down every released block whose TTL runs and
+        that is on no disk yet (GPU -> host -> disk), as far as host pages and slots allow
+        now; returns (how many are left to write, how many this call moved on).  Call again
+        while it moves some or writes are in flight; left is 0 when every one is on disk or
+        being written.  Best-effort host content may be dropped to make
+        room: nothing is served after a close."""
+        now = check_now(now, self._records.now)
+        self._advance(now)
+        return self._eviction.flush_retained(now)
+
     def is_ready(self, request_id: RequestId | str) -> bool:
         """Whether every block of the request has landed on GPU.  O(1)."""
         return self._requests.get(request_id).pending == 0

@@ -51,6 +51,7 @@ from io_actors.tracing.recorder import TraceRecorder
 from statekv.config import CacheConfig
 from statekv.errors import InvariantViolation, TransferFailed, UsageError
 from statekv.ids import BlockHash, PageId, RequestId, SlotId, TransferId
+from statekv.lifecycle import BlockState
 from statekv.manager import (
     CachedBlock,
     KVCacheManager,
@@ -147,6 +148,14 @@ class CloseReport:
     reads_dropped: int
     writes_finished_during_close: int
     reads_finished_during_close: int
+    retained_written: int = 0
+    """Released blocks whose TTL was running and that the close wrote to disk (they were on
+    GPU or host only): a restart finds them."""
+    retained_not_written: int = 0
+    """Released blocks whose TTL was running, on GPU or host only, that the close could not
+    start writing (no slot they may take: protect_unexpired with a disk full of live
+    deadlines; or the timeout): a restart does not find them.  A write that fails during the
+    close is logged and counted in spill_failures."""
 
 
 class InlineIO:
@@ -229,6 +238,9 @@ class Scheduler:
         self._ready_waiters: dict[RequestId, list[trio.Event]] = {}
         self._slots_discarded = 0
         self._closed = False
+        self._refusing = False
+        """Set when close starts: no more calls, while close still writes down retained
+        content (the pools run until _closed)."""
         self._writer: WriterPool | None = None
         self._reader: ReaderPool | None = None
         self._completions_send, self._completions_recv = trio.open_memory_channel[Completion](
@@ -432,7 +444,7 @@ class Scheduler:
 
     def _call(self, op: Callable[[float], T]) -> T:
         with self._lock:
-            if self._closed:
+            if self._closed or self._refusing:
                 raise UsageError("cache", "the cache is closed")
             try:
                 result = op(self._clock())
@@ -757,7 +769,17 @@ class Scheduler:
             self._completions_send.close()
 
     async def close(self, *, drain: bool = True, timeout: float = 30.0) -> CloseReport:
-        """Stop taking calls; drain (or drop) disk work; stop the pools' threads."""
+        """Stop taking calls; with `drain`, write down what a TTL promised to keep and drain
+        the disk work, else drop it; stop the pools' threads."""
+        retained_left = 0
+        with self._lock:
+            self._refusing = True
+            spills_before = self._core.statistics().spills
+        if drain and self._writer is not None:
+            with trio.move_on_after(timeout):
+                retained_left = await self._flush_retained()
+        with self._lock:
+            retained_written = self._core.statistics().spills - spills_before
         with self._lock:
             self._closed = True
         self._pump()
@@ -802,6 +824,10 @@ class Scheduler:
                 if shed:
                     log.warning("closed with %d publishes to the shared tier dropped", shed)
             publisher.close()
+        if drain and self._writer is not None:
+            # Counted again after the drain: a write the close issued may have failed.
+            with self._lock:
+                retained_left = _retained_unwritten(self._core, self._clock())
         self._all_closed.set()
         if writes_dropped or reads_dropped:
             log.warning("closed with %d spills and %d onboards dropped", writes_dropped,
@@ -815,8 +841,36 @@ class Scheduler:
             reads_dropped=reads_dropped,
             writes_finished_during_close=busy_writes - writes_dropped,
             reads_finished_during_close=busy_reads - reads_dropped,
+            retained_written=retained_written,
+            retained_not_written=retained_left,
         )
 
+    async def _flush_retained(self) -> int:
+        """Write down released content under a running TTL that is on no disk yet (the
+        core's flush_retained), round after round as writes land and give host pages back;
+        returns how many such blocks are left when no more progress can be made."""
+        while True:
+            with self._lock:
+                left, moved = self._core.flush_retained(now=self._clock())
+                self._dispatch_locked()
+                writing = self._core.statistics().writes_in_flight
+            self._pump()
+            if moved:
+                continue
+            if left == 0 or not writing:
+                if left:
+                    log.warning("closing with %d retained blocks not written to disk (a "
+                                "restart will not find them)", left)
+                return left
+            await trio.sleep(0.001)
+
+
+
+def _retained_unwritten(core: KVCacheManager, now: float) -> int:
+    """Released blocks under a running TTL that are on GPU or host with no disk copy."""
+    return sum(1 for b in core.cached_blocks()
+               if b.state in (BlockState.RELEASED, BlockState.ON_HOST) and not b.has_disk_copy
+               and b.expiry is not None and b.expiry > now)
 
 
 def append_retention(store: RetentionStore, records: list[RetentionRecord]) -> None:
