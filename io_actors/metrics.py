@@ -26,8 +26,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Final
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+try:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ModuleNotFoundError as exc:
+    # prometheus-client is an extra (the cache itself exports nothing): name the one that
+    # brings it, not only the module that is missing.
+    raise ModuleNotFoundError(
+        f"io_actors.metrics needs prometheus-client ({exc.name} is not installed): "
+        "pip install 'statekv[metrics]'", name=exc.name) from None
 
 from io_actors.actors.scheduler import SystemStatistics
 from io_actors.actors.worker_threads import PoolStatistics

@@ -52,6 +52,12 @@ HOST_TOKENS: Final = 128
 RESERVED_HOST_TOKENS: Final = 128
 DISK_TOKENS: Final = 65536
 DEVICES: Final = "auto, cpu, cuda or cuda:N"
+SERVER_MODULES: Final = frozenset({
+    "fastapi", "starlette", "pydantic", "pydantic_core", "anyio", "uvicorn", "h11", "click",
+    "prometheus_client"})
+"""What `statekv serve` imports from its extra (and what those import at once): one of them
+missing means the `serve` extra is not installed, which the user fixes with pip."""
+SERVE_EXTRA: Final = "pip install 'statekv[serve]'"
 
 
 FIELD_FLAGS: Final[dict[str, str]] = {
@@ -246,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve OpenAI-compatible completions and chat completions over HTTP",
         description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
         "/v1/models) over the continuous-batching loop, with Prometheus metrics at "
-        "/metrics.  The model has random weights and a byte-level tokenizer.")
+        "/metrics.  The model has random weights and a byte-level tokenizer.  It needs the "
+        f"server's dependencies: {SERVE_EXTRA}.")
     _add_cache_flags(serve, gpu_tokens=4 * GPU_TOKENS, host_tokens=4 * HOST_TOKENS,
                      reserved_tokens=RESERVED_HOST_TOKENS, disk_tokens=DISK_TOKENS)
     serve.add_argument("--host", default="127.0.0.1",
@@ -333,8 +340,14 @@ def _check_model(name: str) -> None:
 def progress_bars() -> Iterator[Callable[[str, int], Callable[[int, int], None]] | None]:
     """Progress bars on stderr through rich, or None when stderr is not a terminal (a log
     gets no carriage-return updates)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    except ModuleNotFoundError:
+        # rich comes with the `serve` extra; the demo needs no bars to do its work, so
+        # without it the command runs as it does into a log.
+        yield None
+        return
 
     console = Console(stderr=True)
     if not console.is_terminal:
@@ -418,9 +431,19 @@ def _remote_password(args: argparse.Namespace) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .server import ServerOptions, run_server
+    except ModuleNotFoundError as exc:
+        # The library installs without the server's dependencies: say which extra brings
+        # them rather than show the import's traceback.  Any other missing module is not
+        # the extra's, and keeps its traceback.
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in SERVER_MODULES:
+            raise
+        raise UserMistake(f"the server needs {missing}, which is not installed: "
+                          f"{SERVE_EXTRA}") from None
     _check_device(args.device)
     _check_model(args.model)
-    from .server import ServerOptions, run_server
 
     options = ServerOptions(
         model=args.model, layers=args.layers, device=args.device, seed=args.seed,
