@@ -36,7 +36,7 @@ from io_actors.config import StateKVConfig
 from io_actors.memory.pools import TORCH_DTYPES
 from io_actors.vllm.plans import StepPlan, WorkerReport
 from io_actors.vllm.scheduler_side import REPORTED_COUNTERS, SchedulerSide
-from io_actors.vllm.settings import connector_config
+from io_actors.vllm.settings import connector_config, write_through_policy
 from io_actors.vllm.worker_side import WorkerSide
 from statekv.config import KVLayout
 from statekv.errors import ConfigError
@@ -181,9 +181,11 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                               "whose layers share one paged KV cache")
         if role == KVConnectorRole.SCHEDULER:
             config = engine_config(vllm_config, rank=0)
+            transfer = vllm_config.kv_transfer_config
+            extra = transfer.kv_connector_extra_config if transfer is not None else {}
             self._scheduler = SchedulerSide(
                 config, world_size=vllm_config.parallel_config.tensor_parallel_size,
-                instance=instance)
+                instance=instance, write_through=write_through_policy(extra))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

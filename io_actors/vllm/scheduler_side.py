@@ -72,13 +72,13 @@ class SchedulerSide:
     """The core beneath vLLM's prefix cache, driven by vLLM's scheduler calls."""
 
     def __init__(self, config: StateKVConfig, *, world_size: int, instance: str,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, write_through: str = "all") -> None:
         self.config = config
         self.core_config = core = config.core_config()
         self.block_size = core.block_size
         self.world_size = world_size
         self.clock = clock
-        self.core = EngineTiers(core)
+        self.core = EngineTiers(core, write_through=write_through)
         self._loads: list[RequestLoad] = []
         self._saves: list[str] = []
         self._kinds: dict[TransferId, bool] = {}

@@ -27,6 +27,9 @@ TIER_KEYS: Final = frozenset({
 })
 """The StateKVConfig fields a user sets through the extra config."""
 
+CONNECTOR_KEYS: Final = frozenset({"write_through"})
+"""Keys of the connector itself (not StateKVConfig fields)."""
+
 DEFAULT_RESERVED_HOST: Final = 8
 """Host pages handed to spills while their victims drain, when a disk tier is set and the
 user named none (a disk tier needs at least one)."""
@@ -50,10 +53,10 @@ def connector_config(
     raises: ConfigError naming ``kv_connector_extra_config.<key>`` for a key the user set
     (unknown, missing or invalid), or the vLLM setting the layout came from.
     """
-    extra = dict(extra or {})
+    extra = {k: v for k, v in (extra or {}).items() if k not in CONNECTOR_KEYS}
     for key in extra:
         if key not in TIER_KEYS:
-            known = ", ".join(sorted(TIER_KEYS))
+            known = ", ".join(sorted(TIER_KEYS | CONNECTOR_KEYS))
             raise ConfigError(named(str(key)), f"unknown key (known: {known})")
     if "host" not in extra:
         raise ConfigError(named("host"), "required: the pinned host tier's size, in blocks or "
@@ -85,3 +88,16 @@ def connector_config(
     except TypeError as exc:  # a value attrs could not even pass to a validator
         raise ConfigError(PREFIX, str(exc)) from None
     return config
+
+
+def write_through_policy(extra: Mapping[str, object] | None) -> str:
+    """``write_through``: which saved blocks are written to disk at once (statekv.engine_tiers):
+    "all" (the default: everything a restart should find), "retained" (only blocks saved
+    with a TTL) or "none" (a block reaches disk when the host tier evicts it)."""
+    from statekv.engine_tiers import WRITE_THROUGH
+
+    value = (extra or {}).get("write_through", "all")
+    if value not in WRITE_THROUGH:
+        raise ConfigError(named("write_through"),
+                          f"must be one of {', '.join(WRITE_THROUGH)}, got {value!r}")
+    return str(value)
