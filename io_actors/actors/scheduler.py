@@ -825,7 +825,14 @@ class Scheduler:
                     log.warning("closed with %d publishes to the shared tier dropped", shed)
             publisher.close()
         if drain and self._writer is not None:
-            # Counted again after the drain: a write the close issued may have failed.
+            # Counted again after the drain: a write the close issued may have failed.  The
+            # threads are done; their completions may still be on the way to the core.
+            with trio.move_on_after(timeout):
+                while True:
+                    with self._lock:
+                        if self._core.statistics().writes_in_flight <= writes_dropped:
+                            break
+                    await trio.sleep(0.001)
             with self._lock:
                 retained_left = _retained_unwritten(self._core, self._clock())
         self._all_closed.set()
