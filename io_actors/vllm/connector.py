@@ -17,6 +17,7 @@ request, the scheduler output) and hands plain data to the two halves,
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +157,27 @@ def engine_config(vllm_config: VllmConfig, *, rank: int) -> StateKVConfig:
     )
 
 
+def _salt(request: Request) -> str:
+    """The key salt of a request: vLLM's ``cache_salt`` and, for a multimodal request, the
+    identity and place of every input beside its tokens.  A placeholder token stands for an
+    image or audio clip: two requests with the same tokens and other images must never share
+    KV, so every block of such a request is keyed by all of its inputs (vLLM keys only the
+    blocks an input overlaps; statekv gives up sharing the text before an image instead of
+    being wrong about it).  JSON keeps the encoding one-to-one: no tenant's salt can spell
+    another request's inputs."""
+    features = getattr(request, "mm_features", None) or ()
+    inputs = [[str(f.modality), str(f.identifier), int(f.mm_position.offset),
+               int(f.mm_position.length)] for f in features]
+    salt: object = request.cache_salt
+    return json.dumps([salt if isinstance(salt, str) else None, inputs],
+                      separators=(",", ":"))
+
+
+def _cacheable(request: Request) -> bool:
+    """Requests whose KV statekv keys by tokens: not prompt embeddings (no token ids)."""
+    return getattr(request, "prompt_embeds", None) is None
+
+
 def _lora_id(request: Request) -> int | None:
     lora = getattr(request, "lora_request", None)
     return None if lora is None else int(lora.lora_int_id)
@@ -238,9 +260,11 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        if not _cacheable(request):
+            return 0, False
         n = self._scheduler.matched(
             list(request.all_token_ids), num_computed_tokens,
-            cache_salt=request.cache_salt, lora_id=_lora_id(request))
+            cache_salt=_salt(request), lora_id=_lora_id(request))
         if n > 0:
             self._local_hit[request.request_id] = num_computed_tokens
         return n, n > 0
@@ -259,7 +283,7 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         (block_ids,) = blocks.get_block_ids()
         self._scheduler.allocated(
             request.request_id, list(request.all_token_ids), block_ids, num_external_tokens,
-            local_hit, cache_salt=request.cache_salt, lora_id=_lora_id(request))
+            local_hit, cache_salt=_salt(request), lora_id=_lora_id(request))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -284,10 +308,12 @@ class StateKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         self._local_hit.pop(request.request_id, None)
+        if not _cacheable(request):
+            return False, None
         tokens = list(request.all_token_ids)[: request.num_computed_tokens]
         return self._scheduler.finished(
             request.request_id, tokens, block_ids, request.kv_transfer_params,
-            cache_salt=request.cache_salt, lora_id=_lora_id(request))
+            cache_salt=_salt(request), lora_id=_lora_id(request))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The scheduler side's counters since the last call (None in a worker: its
