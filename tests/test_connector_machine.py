@@ -56,6 +56,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 BS = 4
+DEVICE = os.environ.get("STATEKV_TEST_DEVICE", "cpu")
 LAYERS = 2
 HEADS = 1
 HEAD_DIM = 8
@@ -221,7 +222,10 @@ class ConnectorMachine(RuleBasedStateMachine):
     def _open(self, config: StateKVConfig) -> tuple[WorkerSide, SchedulerSide]:
         """A fresh engine: new caches, workers registered first, then the scheduler side
         (vLLM's construction order)."""
-        self.kv = {f"layer.{i}": torch.empty(ENGINE_PAGES, HEADS, BS, 2 * HEAD_DIM)
+        # The GPU machine runs this machine on CUDA caches (STATEKV_TEST_DEVICE=cuda): the
+        # worker's pinned host pages, staged copies and stream synchronization then run.
+        self.kv = {f"layer.{i}": torch.empty(ENGINE_PAGES, HEADS, BS, 2 * HEAD_DIM,
+                                             device=DEVICE)
                    for i in range(LAYERS)}
         self.free = []
         for page in range(ENGINE_PAGES):
@@ -257,7 +261,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         return pages
 
     def _page(self, page: int) -> torch.Tensor:
-        return torch.stack([self.kv[f"layer.{i}"][page] for i in range(LAYERS)])
+        return torch.stack([self.kv[f"layer.{i}"][page] for i in range(LAYERS)]).cpu()
 
     def _compute(self, req: Req, first: int) -> None:
         """The engine computes blocks `first`.. of `req` into its pages."""
