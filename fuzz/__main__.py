@@ -128,7 +128,9 @@ def run_once(profile: Profile, machines: list[str], seed: int, totals: Totals,
     if "kill9" in machines and profile.kill9:
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="statekv-kill9-") as tmp:
-            report = kill_loop(Path(tmp) / "cache", kills=profile.kill9, seed=seed)
+            # Every other child fails some writes: faults and restarts together.
+            report = kill_loop(Path(tmp) / "cache", kills=profile.kill9, seed=seed,
+                               write_faults=True)
         totals.add_kills(report, time.monotonic() - started)
         found = report.totals()
         echo(f"kill9: {found}")

@@ -556,13 +556,30 @@ class DeadlineLedger:
         return errors
 
 
-def child_main(directory: str, seed: int, log: str) -> int:
-    """The child of the kill loop: reopen the directory, then serve until killed."""
+WRITE_FAULTS: Final = (Fault.EIO, Fault.ENOSPC, Fault.SHORT_WRITE, Fault.TORN_WRITE,
+                       Fault.TORN_WRITE_SILENT, Fault.BIT_FLIP)
+"""What a kill-loop child with write faults injects: failed, short and torn writes that say
+so, and torn or rotted ones that report success (only a read-back can tell)."""
+
+
+def child_fault_plan(seed: int) -> FaultPlan:
+    """A few write faults among a child's first writes (its seed decides which and where)."""
+    rng = random.Random(seed ^ 0x5EED)
+    rules = tuple(FaultRule(op=Op.WRITE, fault=rng.choice(WRITE_FAULTS), nth=n)
+                  for n in sorted(rng.sample(range(1, 60), 6)))
+    return FaultPlan(rules=rules, seed=seed)
+
+
+def child_main(directory: str, seed: int, log: str, faults: bool = False) -> int:
+    """The child of the kill loop: reopen the directory, then serve until killed (with
+    `faults`, through a store that fails some of its writes)."""
     config = workload_config(Path(directory))
     rank = config.rank_directory()
     assert rank is not None
     print("opening", flush=True)
-    store = WriteLog(PosixSlotStore(rank, config.core_config()), Path(log))
+    posix = PosixSlotStore(rank, config.core_config())
+    inner: SlotStore = FaultyStore(posix, child_fault_plan(seed)) if faults else posix
+    store = WriteLog(inner, Path(log))
     rng = random.Random(seed)
     all_prompts = prompts(seed, _CHILD_PROMPTS)
     extensions = child_extensions(seed)
@@ -625,9 +642,11 @@ class KillReport:
 
 
 @contextmanager
-def _child(directory: Path, seed: int, log: Path) -> Iterator[subprocess.Popen[str]]:
+def _child(directory: Path, seed: int, log: Path,
+           faults: bool) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fuzz.crash", "child", str(directory), str(seed), str(log)],
+        [sys.executable, "-m", "fuzz.crash", "child", str(directory), str(seed), str(log),
+         *(["faults"] if faults else [])],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
     )
     try:
@@ -641,8 +660,9 @@ def _child(directory: Path, seed: int, log: Path) -> Iterator[subprocess.Popen[s
 
 
 def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float = 1.0,
-              on_check: object = None) -> KillReport:
-    """Run `kills` children on one directory, killing each at a random moment."""
+              on_check: object = None, write_faults: bool = False) -> KillReport:
+    """Run `kills` children on one directory, killing each at a random moment; with
+    `write_faults`, every other child's store fails some of its writes (WRITE_FAULTS)."""
     rng = random.Random(seed)
     checks: list[Check] = []
     ledger = DeadlineLedger()
@@ -653,7 +673,7 @@ def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float 
         served = child_prompts(child_seed)
         all_prompts += served
         log = directory.parent / f"{directory.name}-writes-{n}.log"
-        with _child(directory, child_seed, log) as proc:
+        with _child(directory, child_seed, log, write_faults and n % 2 == 1) as proc:
             assert proc.stdout is not None
             line = proc.stdout.readline()
             if line != "opening\n":
@@ -693,7 +713,7 @@ def summary(check: Check) -> dict[str, object]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["child"]:
-        return child_main(argv[1], int(argv[2]), argv[3])
+        return child_main(argv[1], int(argv[2]), argv[3], faults=argv[4:5] == ["faults"])
     kills = int(argv[0]) if argv else 5
     with tempfile.TemporaryDirectory() as tmp:
         report = kill_loop(Path(tmp) / "cache", kills=kills,

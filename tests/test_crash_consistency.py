@@ -57,6 +57,21 @@ def test_a_few_real_kill_9(tmp_path: Path) -> None:
     assert totals["blocks_verified"] > 0 and totals["landed_before_kill"] > 0
 
 
+def test_kill_minus_nine_with_failing_and_torn_writes_never_serves_wrong_bytes(
+    tmp_path: Path,
+) -> None:
+    # Every other child fails some writes (EIO, ENOSPC, short, torn -- some of them torn or
+    # rotted while reporting success): what reopens is what landed, and nothing wrong is
+    # served; a silently torn slot is found by its read-back and never served.
+    report = kill_loop(tmp_path / "cache", kills=4, seed=7, max_delay_s=0.5,
+                       write_faults=True)
+    totals = report.totals()
+    assert totals["kills"] == 4
+    assert totals["wrong_bytes"] == 0 and totals["unknown_keys"] == 0 and totals["lost"] == 0
+    assert totals["stale_index_entries"] == 0 and totals["deadline_errors"] == 0
+    assert totals["blocks_verified"] > 0
+
+
 def test_the_write_log_keeps_only_writes_that_returned_and_were_not_overwritten(
     tmp_path: Path,
 ) -> None:
