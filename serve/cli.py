@@ -456,6 +456,14 @@ def _serve(args: argparse.Namespace) -> int:
         remote_namespace=args.remote_namespace, remote_secret=_remote_secret(args),
         remote_password=_remote_password(args), remote_tls_ca_file=args.remote_tls_ca_file,
     )
+    capacity = options.gpu_blocks * options.block_size
+    if capacity < options.max_model_len:
+        # The serving loop keeps a running request's every token on the GPU: a prompt of
+        # --max-model-len tokens could never run, and would be refused only once sent.
+        raise UserMistake(f"argument --gpu-blocks: {options.gpu_blocks} blocks of "
+                          f"{options.block_size} tokens hold {capacity} tokens, fewer than "
+                          f"--max-model-len {options.max_model_len}: raise --gpu-blocks or "
+                          "lower --max-model-len")
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as exc:

@@ -345,3 +345,14 @@ def test_a_library_warning_is_printed_with_its_level_and_logger() -> None:
     assert done.returncode == 0, done.stderr
     (line,) = done.stderr.splitlines()
     assert line.endswith(" WARNING io_actors.storage.posix: a warning of the store"), line
+
+
+def test_a_gpu_pool_smaller_than_the_longest_request_is_refused_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One 16-token block cannot hold a 2,048-token request: refused before listening, not
+    # silently cut to 16 tokens of context.
+    assert main(["serve", "--port", "0", "--gpu-blocks", "1"]) == EXIT_USAGE
+    line = one_line_error(capsys.readouterr().err)
+    assert "argument --gpu-blocks: 1 blocks of 16 tokens hold 16 tokens" in line, line
+    assert "--max-model-len 2048" in line, line
