@@ -67,6 +67,7 @@ CACHE_FIELDS: Final[dict[str, tuple[str, str, dict[str, str], str]]] = {
                        "Prompt tokens served from the cache, by the tier they were on."),
     "hit_tokens_host": ("prompt_tokens", COUNTER, {"tier": "host"}, ""),
     "hit_tokens_disk": ("prompt_tokens", COUNTER, {"tier": "disk"}, ""),
+    "hit_tokens_remote": ("prompt_tokens", COUNTER, {"tier": "remote"}, ""),
     "gpu_evictions": ("gpu_evictions", COUNTER, {}, "Cached GPU blocks evicted to make room."),
     "host_offloads": ("host_offloads", COUNTER, {}, "GPU victims copied into host pages."),
     "host_recalls": ("host_recalls", COUNTER, {}, "Host prefix hits copied back to GPU."),

@@ -86,6 +86,8 @@ class CacheStatistics:
     hit_tokens_gpu: int
     hit_tokens_host: int
     hit_tokens_disk: int
+    hit_tokens_remote: int = 0
+    """Prompt tokens fetched from the shared tier."""
 
     # GPU <-> host.
     gpu_evictions: int
@@ -230,6 +232,7 @@ def snapshot(
         hit_tokens_gpu=c.hit_blocks_gpu * bs,
         hit_tokens_host=c.hit_blocks_host * bs,
         hit_tokens_disk=c.hit_blocks_disk * bs,
+        hit_tokens_remote=c.hit_blocks_remote * bs,
         gpu_evictions=c.gpu_evictions,
         host_offloads=c.host_offloads,
         host_recalls=c.host_recalls,

@@ -333,7 +333,11 @@ def scrape(running: Running) -> dict[str, dict[tuple[tuple[str, str], ...], floa
     samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = (
+            labels = dict(sample.labels)
+            if sample.name.startswith("statekv"):
+                # Every series names the served model (vLLM's dashboards select by it).
+                assert labels.pop("model_name", None) == MODEL, sample
+            samples.setdefault(sample.name, {})[tuple(sorted(labels.items()))] = (
                 sample.value)
     return samples
 
@@ -348,6 +352,9 @@ def test_metrics_are_scraped_and_follow_statistics(small: Running) -> None:
     assert samples["statekv_prompt_tokens_total"][(("tier", "gpu"),)] == stats.hit_tokens_gpu
     assert stats.hit_tokens_gpu == 40
     assert samples["statekv_prompt_tokens_total"][(("tier", "disk"),)] == 0
+    assert samples["statekv_prompt_tokens_total"][(("tier", "remote"),)] == 0
+    (version,) = samples["statekv_serving_build_info"]
+    assert dict(version)["version"] and samples["statekv_serving_build_info"][version] == 1
     assert samples["statekv_spills_total"][()] == stats.spills
     assert samples["statekv_parked_requests"][()] == 0
     by_state = samples["statekv_blocks"]
