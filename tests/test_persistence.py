@@ -106,7 +106,9 @@ def test_a_directory_or_data_file_of_another_user_is_refused(tmp_path: Path, tar
 
 def test_a_disk_larger_than_the_free_space_leaves_nothing_behind(tmp_path: Path) -> None:
     fs = os.statvfs(tmp_path)
-    too_many = fs.f_bavail * fs.f_frsize // (8 * 1024) + 1000
+    # Twice the free space, so that disk freed by other processes meanwhile cannot make it
+    # fit (a grow that then succeeds would fill the disk).
+    too_many = 2 * (fs.f_bavail * fs.f_frsize // (8 * 1024)) + 1000
     with pytest.raises(ConfigError, match="free") as info:
         PosixSlotStore(tmp_path / "a" / "b", config(too_many))
     assert info.value.field == "disk_blocks"
@@ -138,7 +140,9 @@ def test_a_grow_that_does_not_fit_restores_the_file(tmp_path: Path) -> None:
     size = os.stat(tmp_path / DATA_FILE).st_size
     fs = os.statvfs(tmp_path)
     with pytest.raises(ConfigError) as info:
-        PosixSlotStore(tmp_path, config(fs.f_bavail * fs.f_frsize // (8 * 1024) + 1000))
+        # Twice the free space: other processes freeing disk meanwhile must not turn the
+        # refusal into a grow that succeeds and fills the disk.
+        PosixSlotStore(tmp_path, config(2 * (fs.f_bavail * fs.f_frsize // (8 * 1024)) + 1000))
     assert info.value.field == "disk_blocks"
     assert os.stat(tmp_path / DATA_FILE).st_size == size
     store = PosixSlotStore(tmp_path, config())
@@ -374,7 +378,7 @@ def test_store_errors_name_the_public_fields(tmp_path: Path) -> None:
         BlockingCache(small_config(tmp_path / "file"))
     assert info.value.field == "disk_dir"
     fs = os.statvfs(tmp_path)
-    huge = fs.f_bavail * fs.f_frsize // 8192 + 1000
+    huge = 2 * (fs.f_bavail * fs.f_frsize // 8192) + 1000  # twice the free space
     with pytest.raises(ConfigError) as info:
         BlockingCache(small_config(tmp_path / "big", disk=huge))
     assert info.value.field == "disk"
