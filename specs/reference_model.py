@@ -1014,6 +1014,7 @@ class ReferenceCache:
             hit_tokens_gpu=c["hit_blocks_gpu"] * bs,
             hit_tokens_host=c["hit_blocks_host"] * bs,
             hit_tokens_disk=c["hit_blocks_disk"] * bs,
+            hit_tokens_remote=c["hit_blocks_remote"] * bs,
             gpu_evictions=c["gpu_evictions"],
             host_offloads=c["host_offloads"],
             host_recalls=c["host_recalls"],
