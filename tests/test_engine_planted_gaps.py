@@ -167,3 +167,27 @@ def test_a_failed_read_leaves_the_engine_page_untouched() -> None:
     finally:
         m.worker.close()
         shutil.rmtree(m.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- found by the machine
+
+
+@pytest.mark.xfail(strict=True, reason="open: the failed read's slot is freed (FreeSlot) only "
+                   "when its last read reports; a restart before that restores the content")
+def test_content_whose_read_failed_is_not_restored_by_a_restart_before_its_last_read() -> None:
+    # "A read that fails takes the content out of the cache at once (no later lookup finds
+    # it)."  The engine-tiers machine found this sequence (its database replayed it): two
+    # reads of one block, the first fails, the process restarts with the second in flight.
+    h = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1, disk_blocks=2),
+                      write_through="all")
+    a = tokens(h.bs + 1)
+    h.compute(a, [0])
+    h.save(a[: h.bs], [0])
+    h.land_write()
+    h.restart()
+    h.load("r1", a, 0, [1])
+    h.load("r2", a, 0, [2])
+    h.land_load(0, ok=False)
+    assert h.tiers.lookup(a, start_block=0).num_blocks == 0
+    h.restart()
+    assert h.tiers.lookup(a, start_block=0).num_blocks == 0
