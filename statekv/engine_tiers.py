@@ -53,6 +53,7 @@ from statekv.messages import (
     Completion,
     CopyEngineToHost,
     CopyHostToEngine,
+    FreeSlot,
     LoadSlot,
     SlotRead,
     SlotReadFailed,
@@ -189,6 +190,9 @@ class EngineTiers:
         self._costs = OnboardCosts()
         self._loads: dict[TransferId, _Load] = {}
         self._loading: dict[RequestId, set[TransferId]] = {}
+        self._forgotten: set[int] = set()
+        """Slots of failed content whose FreeSlot went out while other reads of them were
+        still in flight (reused once the last one reports)."""
         self._probe_next = False
         """The gate dropped disk hits PROBE_EVERY times in a row unmeasured: the next match
         reads them anyway (statekv.cost)."""
@@ -430,6 +434,13 @@ class EngineTiers:
                     if other.block is block:
                         other.failed = True
                 load.failed = True
+                slot = block.disk_slot
+                if block.ref_count > 1 and slot is not None and slot not in self._forgotten:
+                    # Other reads keep the slot until they report, but a restart meanwhile
+                    # must not find the content: the store forgets it now (the bytes stay
+                    # for the reads in flight; the slot is reused only once they reported).
+                    self._outbox.commands.append(FreeSlot(slot=slot))
+                    self._forgotten.add(slot)
             else:
                 c.onboards_completed += 1
                 c.bytes_read += self.config.block_bytes
@@ -440,7 +451,11 @@ class EngineTiers:
                 slot = block.disk_slot
                 assert slot is not None
                 block.disk_slot = None
-                self._disk.free_slot(slot)
+                if slot in self._forgotten:
+                    self._forgotten.discard(slot)
+                    self._disk.slots.empty.append(slot)   # its FreeSlot went out already
+                else:
+                    self._disk.free_slot(slot)
                 records.discard(block, _E.LOAD_FAILED)
             else:
                 records.move(block, _E.LOAD_LANDED)

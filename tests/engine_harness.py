@@ -58,6 +58,9 @@ class SlotImage:
     written_at: float
     sequence: int
     content: Content
+    forgotten: bool = False
+    """A FreeSlot named it: the bytes stay (reads in flight still get them), but a restart
+    does not restore it."""
 
 
 class EngineHarness:
@@ -120,7 +123,9 @@ class EngineHarness:
         elif isinstance(cmd, LoadSlots):
             self.loads.extend(cmd.reads)
         elif isinstance(cmd, FreeSlot):
-            self.disk.pop(cmd.slot, None)
+            image = self.disk.get(cmd.slot)
+            if image is not None:
+                image.forgotten = True
         elif isinstance(cmd, PersistRetention):
             image = self.disk.get(cmd.slot)
             if image is not None and image.key == cmd.key:
@@ -177,7 +182,7 @@ class EngineHarness:
             [RestoredBlock(key=img.key, parent_key=img.parent, slot=SlotId(slot),
                            depth=img.depth, reuse_count=0, expiry=img.expiry,
                            written_at=img.written_at, sequence=img.sequence)
-             for slot, img in sorted(self.disk.items())],
+             for slot, img in sorted(self.disk.items()) if not img.forgotten],
             now=self.now,
         )
         self.run()

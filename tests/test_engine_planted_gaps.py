@@ -172,8 +172,6 @@ def test_a_failed_read_leaves_the_engine_page_untouched() -> None:
 # ---------------------------------------------------------------------- found by the machine
 
 
-@pytest.mark.xfail(strict=True, reason="open: the failed read's slot is freed (FreeSlot) only "
-                   "when its last read reports; a restart before that restores the content")
 def test_content_whose_read_failed_is_not_restored_by_a_restart_before_its_last_read() -> None:
     # "A read that fails takes the content out of the cache at once (no later lookup finds
     # it)."  The engine-tiers machine found this sequence (its database replayed it): two
