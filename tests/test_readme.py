@@ -93,4 +93,4 @@ def test_the_readme_curl_example_runs(readme_server: int) -> None:
     assert done.returncode == 0, done.stderr
     completion, _end = json.JSONDecoder().raw_decode(done.stdout)
     assert completion["usage"]["completion_tokens"] == 8
-    assert 'statekv_prompt_tokens_total{tier="disk"}' in done.stdout
+    assert 'statekv_prompt_tokens_total{model_name="statekv-tiny",tier="disk"}' in done.stdout

@@ -346,6 +346,7 @@ CASES: list[tuple[str, Setup, int]] = [
     ("cost_probes", cost_probe, 1),
     ("onboard_tokens_skipped_as_too_slow", onboard_too_slow, BS),
     ("hit_blocks_remote", remote_hit, 1),
+    ("hit_tokens_remote", remote_hit, BS),
     ("fetches", remote_hit, 1),
     ("fetches_in_flight", remote_hit, 1),
     ("parked_requests", remote_hit, 1),
