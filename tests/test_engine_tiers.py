@@ -20,6 +20,19 @@ def tokens(n: int, base: int = 0) -> list[int]:
     return [base + i for i in range(n)]
 
 
+def _one_block_on_disk() -> tuple[EngineHarness, list[int]]:
+    """A one-page host tier, a prompt `a` of one full block saved, then pushed to disk by
+    another prompt's save."""
+    h = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1))
+    a = tokens(h.bs + 1)
+    h.compute(a, [0])
+    h.save(a[: h.bs], [0])
+    h.compute(tokens(h.bs + 1, 500), [1])
+    h.save(tokens(h.bs, 500), [1])
+    h.drain()
+    return h, a
+
+
 def test_a_saved_prompt_is_offered_past_the_engines_blocks_and_loaded_byte_for_byte() -> None:
     h = EngineHarness()
     prompt = tokens(4 * h.bs + 1)
@@ -70,13 +83,7 @@ def test_host_pressure_spills_and_a_disk_hit_is_read_back_and_stays_on_disk() ->
 
 
 def test_two_requests_may_read_one_disk_block_at_once() -> None:
-    h = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1))
-    a = tokens(h.bs + 1)
-    h.compute(a, [0])
-    h.save(a[: h.bs], [0])
-    h.compute(tokens(h.bs + 1, 500), [1])
-    h.save(tokens(h.bs, 500), [1])
-    h.drain()
+    h, a = _one_block_on_disk()
     assert h.tiers.lookup(a, start_block=0).disk_blocks == 1
     h.load("r1", a, 0, [10])
     h.load("r2", a, 0, [11])
@@ -89,13 +96,7 @@ def test_two_requests_may_read_one_disk_block_at_once() -> None:
 
 
 def test_a_failed_read_is_never_offered_again_and_its_slot_waits_for_every_read() -> None:
-    h = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1))
-    a = tokens(h.bs + 1)
-    h.compute(a, [0])
-    h.save(a[: h.bs], [0])
-    h.compute(tokens(h.bs + 1, 500), [1])
-    h.save(tokens(h.bs, 500), [1])
-    h.drain()
+    h, a = _one_block_on_disk()
     h.load("r1", a, 0, [10])
     h.load("r2", a, 0, [11])
     empty_before = h.tiers.statistics().disk_empty_slots
@@ -110,13 +111,7 @@ def test_a_failed_read_is_never_offered_again_and_its_slot_waits_for_every_read(
 
 
 def test_a_request_given_up_while_loading_keeps_its_reads_until_they_report() -> None:
-    h = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1))
-    a = tokens(h.bs + 1)
-    h.compute(a, [0])
-    h.save(a[: h.bs], [0])
-    h.compute(tokens(h.bs + 1, 500), [1])
-    h.save(tokens(h.bs, 500), [1])
-    h.drain()
+    h, a = _one_block_on_disk()
     h.load("r1", a, 0, [10])
     # The engine aborts r1: nothing to call, but the pages must stay the engine's until
     # loading() says the read reported; a spill storm meanwhile never takes the slot.
@@ -190,13 +185,7 @@ def test_retained_content_survives_a_restart_and_best_effort_is_displaced_first(
 
 
 def test_the_cost_gate_recomputes_a_slow_disk_run_and_probes_it_again() -> None:
-    h = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1))
-    a = tokens(h.bs + 1)
-    h.compute(a, [0])
-    h.save(a[: h.bs], [0])
-    h.compute(tokens(h.bs + 1, 500), [1])
-    h.save(tokens(h.bs, 500), [1])
-    h.drain()
+    h, a = _one_block_on_disk()
     h.tiers.report_disk_read(1, 10.0)                       # 0.1 B/s: hopeless
     h.tiers.report_prefill(1000, 0.001, context_tokens=8)   # and a fast model
     match = h.tiers.lookup(a, start_block=0)
@@ -295,13 +284,7 @@ def test_an_unknown_write_through_policy_is_refused() -> None:
 
 def test_two_loads_of_one_block_in_one_step_travel_in_different_batches() -> None:
     """A vectored read names each slot once (the store refuses a batch that does not)."""
-    h = EngineHarness(engine_config(host_blocks=1, reserved_host_blocks=1))
-    a = tokens(h.bs + 1)
-    h.compute(a, [0])
-    h.save(a[: h.bs], [0])
-    h.compute(tokens(h.bs + 1, 500), [1])
-    h.save(tokens(h.bs, 500), [1])
-    h.drain()
+    h, a = _one_block_on_disk()
     h.tiers.start_load("r1", a, start_block=0, engine_pages=[10], now=h.now)
     h.tiers.start_load("r2", a, start_block=0, engine_pages=[11], now=h.now)
     batches = [c for c in h.tiers.take_commands() if isinstance(c, LoadSlots)]
