@@ -114,6 +114,7 @@ def core_configs(draw: st.DrawFn) -> CacheConfig:
         cost_aware_onboarding=draw(st.booleans()),
         reclaim_prefetched_first=draw(st.booleans()),
         shared_tier=draw(st.booleans()),
+        retention_write_through=draw(st.booleans()),
     )
 
 

@@ -205,6 +205,10 @@ class ReferenceCache:
         self.reserved = config.reserved_host_blocks
         self.disk_empty = config.disk_blocks
         self.writes: dict[int, MBlock | None] = {}
+        # Write-throughs (retention_write_through): writes that keep their block on host,
+        # and staged writes of GPU content (no block; the key and the deadline written).
+        self.keep_host: set[int] = set()
+        self.staged: dict[int, tuple[BlockHash, float | None]] = {}
         self.reads: dict[int, MBlock] = {}
         self.prefetch_reads: dict[int, MBlock] = {}
         self.fetches: dict[int, MBlock] = {}
@@ -237,7 +241,7 @@ class ReferenceCache:
                 "onboards_skipped_as_too_slow", "cost_probes",
                 "hit_blocks_remote", "fetches", "fetches_completed", "fetch_failures",
                 "bytes_fetched", "fetches_skipped_as_too_slow", "publishes_offered",
-                "publishes_not_admitted",
+                "publishes_not_admitted", "write_throughs", "write_throughs_skipped",
             )
         }
 
@@ -394,21 +398,9 @@ class ReferenceCache:
             self._keep_copy(v)
             return True
         if self.cfg.disk_blocks:
-            cfg = self.cfg
-            admitted = self._spill_mode_admits(v)
             # Best-effort content never displaces content whose TTL is running.
-            live_ok = not cfg.protect_unexpired and is_live(v.expiry, now)
-            if not admitted:
-                refusal: str | None = "gate_drops"
-            elif (cfg.drop_on_pressure and not is_live(v.expiry, now)
-                  and len(self.writes) >= cfg.write_queue_depth):
-                refusal = "pressure_drops"
-            elif self.disk_empty or self._disk_victim(live_ok) is not None:
-                refusal = None
-            elif self._disk_victim(True) is not None:
-                refusal = "admission_refusals"
-            else:
-                refusal = "disk_busy_refusals"
+            live_ok = not self.cfg.protect_unexpired and is_live(v.expiry, now)
+            refusal = self._refusal(v)
             if refusal is None:
                 self._spill(v, live_ok)
                 if self.reserved:
@@ -420,7 +412,69 @@ class ReferenceCache:
         self._drop(v)
         return True
 
-    def _spill(self, v: MBlock, live_ok: bool) -> None:
+    def _refusal(self, v: MBlock) -> str | None:
+        """Why host victim (or write-through of) `v` may not be written now, or None."""
+        cfg, now = self.cfg, self.now
+        live_ok = not cfg.protect_unexpired and is_live(v.expiry, now)
+        if not self._spill_mode_admits(v):
+            return "gate_drops"
+        if (cfg.drop_on_pressure and not is_live(v.expiry, now)
+                and len(self.writes) >= cfg.write_queue_depth):
+            return "pressure_drops"
+        if self.disk_empty or self._disk_victim(live_ok) is not None:
+            return None
+        if self._disk_victim(True) is not None:
+            return "admission_refusals"
+        return "disk_busy_refusals"
+
+    def _write_through(self, req: MRequest) -> None:
+        """Released with a TTL: its retained content with no disk copy is written now, in
+        prefix order, and stays where it is -- from host keeping the page, from GPU through
+        a staging host page (taken as for a GPU victim); each only if the disk admits it
+        and fewer than write_queue_depth writes are in flight."""
+        now = self.now
+        staged_keys = {key for key, _ in self.staged.values()}
+        for i in range(req.committed):
+            b = req.blocks[i]
+            t = b if b.key is not None else self.entries.get(req.key(i, self.bs))
+            if t is None or t.copy or not is_live(t.expiry, now):
+                continue
+            if t.tier == GPU:
+                if t.key in staged_keys:
+                    continue
+            elif t.tier != HOST:
+                continue
+            if len(self.writes) >= self.cfg.write_queue_depth:
+                self.c["write_throughs_skipped"] += 1
+                continue
+            live_ok = not self.cfg.protect_unexpired and is_live(t.expiry, now)
+            if t.tier == HOST:
+                if self._refusal(t) is not None:
+                    self.c["write_throughs_skipped"] += 1
+                    continue
+                self._spill(t, live_ok)
+                self.keep_host.add(self.next_transfer)
+                self.c["write_throughs"] += 1
+                continue
+            if not self._take_host_page():
+                self.c["write_throughs_skipped"] += 1
+                continue
+            if self._refusal(t) is not None:
+                self._give_back_host()
+                self.c["write_throughs_skipped"] += 1
+                continue
+            self.commands.append(("CopyGpuToHost", t.key))
+            self._take_slot(live_ok)
+            self.next_transfer += 1
+            self.writes[self.next_transfer] = None
+            assert t.key is not None
+            self.staged[self.next_transfer] = (t.key, t.expiry)
+            staged_keys.add(t.key)
+            self.commands.append(("WriteSlot", t.key))
+            self.c["spills"] += 1
+            self.c["write_throughs"] += 1
+
+    def _take_slot(self, live_ok: bool) -> None:
         if self.disk_empty:
             self.disk_empty -= 1
         else:
@@ -432,6 +486,9 @@ class ReferenceCache:
             else:  # a copy: the block stays where it is
                 displaced.copy = False
                 displaced.retained_key = None
+
+    def _spill(self, v: MBlock, live_ok: bool) -> None:
+        self._take_slot(live_ok)
         self.next_transfer += 1
         self.writes[self.next_transfer] = v
         v.tier = SPILLING
@@ -796,6 +853,8 @@ class ReferenceCache:
                     # Its slot header holds an earlier deadline: the new one is journaled.
                     self.commands.append(("PersistRetention", target.key))
         self._let_go(req, req.blocks)
+        if req.ttl and self.cfg.retention_write_through and self.cfg.disk_blocks:
+            self._write_through(req)
         self.c["requests_released"] += 1
 
     def _let_go(self, req: MRequest, blocks: list[MBlock]) -> None:
@@ -863,11 +922,34 @@ class ReferenceCache:
             raise UsageError("transfer", "unknown")
         self._advance(now)
         v = self.writes.pop(tid)
+        staged = self.staged.pop(tid, None)
+        keep = tid in self.keep_host
+        self.keep_host.discard(tid)
         if ok:
             self.c["spills_completed"] += 1
             self.c["bytes_written"] += self.cfg.block_bytes
+            if keep and v is not None:
+                # A write-through from host: the block keeps its page, now with a copy.
+                v.tier = HOST
+                v.stamp = self._stamp()
+                v.copy = True
+                self._file(v)
+                return
             self._give_back_host()
             if v is None:
+                if staged is not None:
+                    key, written = staged
+                    t = self.entries.get(key)
+                    # The content adopts the slot if it is on GPU or host with no copy and
+                    # a deadline at least the one the slot header holds.
+                    if (t is not None and not t.copy and t.tier in (GPU, HOST)
+                            and t.expiry is not None and written is not None
+                            and t.expiry >= written):
+                        t.copy = True
+                        self._file(t)
+                        if t.expiry > written:
+                            self.commands.append(("PersistRetention", key))
+                        return
                 self.disk_empty += 1
                 self.commands.append(("FreeSlot", None))
                 return
@@ -1075,4 +1157,6 @@ class ReferenceCache:
             fetches_skipped_as_too_slow=c["fetches_skipped_as_too_slow"],
             publishes_offered=c["publishes_offered"],
             publishes_not_admitted=c["publishes_not_admitted"],
+            write_throughs=c["write_throughs"],
+            write_throughs_skipped=c["write_throughs_skipped"],
         )

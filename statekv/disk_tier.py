@@ -74,13 +74,18 @@ class Write:
     slot: SlotId
     keep_host: bool = False
     """A write-through: when it lands the block keeps its host page (a disk copy)."""
+    staged_key: BlockHash | None = None
+    """A write-through of content on GPU, from a staging host page (`block` is None): when
+    it lands, the content cached under this key adopts the slot if it has no disk copy."""
+    staged_expiry: float | None = None
+    """The deadline the staged write put in the slot header."""
 
 
 class DiskTier:
     """Disk slots, spills in flight and retention, for one manager."""
 
     __slots__ = ("block_bytes", "config", "counters", "host", "index", "outbox", "policies",
-                 "records", "seq", "slots", "writes")
+                 "records", "seq", "slots", "staged", "writes")
 
     def __init__(self, config: CacheConfig, policies: Policies, records: BlockRecords,
                  index: PrefixIndex, host: HostPagePool, outbox: Outbox,
@@ -95,6 +100,8 @@ class DiskTier:
         self.counters = counters
         self.slots = DiskSlots(config.disk_blocks)
         self.writes: dict[TransferId, Write] = {}
+        # Keys with a staged write-through in flight (so content is not written twice).
+        self.staged: dict[BlockHash, TransferId] = {}
         self.seq = 0
 
     # ------------------------------------------------------------------ the order
@@ -155,37 +162,58 @@ class DiskTier:
         """Start writing `victim` to a disk slot (displacing the next disk victim if need be).
 
         `keep_host`: a write-through of a block that stays on host (see write_landed)."""
-        disk = self.slots
-        if disk.empty:
-            slot = disk.empty.pop()
-        else:
-            displaced = disk.next_victim(self._may_displace_live(victim, now))
-            assert displaced is not None
-            disk.unfile(displaced)
-            slot_of = displaced.disk_slot
-            assert slot_of is not None
-            slot = slot_of
-            displaced.disk_slot = None  # the slot passes straight to the new spill
-            self.counters.displacements += 1
-            if displaced.state is BlockState.ON_DISK:
-                self.records.discard(displaced, _E.DROPPED)
-            else:
-                # A disk copy of a block on GPU or host: only the copy goes.
-                self.records.move(displaced, _E.COPY_DISPLACED)
+        slot = self._take_slot(victim, now)
         host_page = victim.host_page
-        key = victim.key
-        assert host_page is not None and key is not None
+        assert host_page is not None
         tid = self.outbox.new_transfer()
         self.writes[tid] = Write(block=victim, host_page=host_page, slot=slot,
                                  keep_host=keep_host)
         victim.disk_slot = slot
         victim.transfer = tid
         self.records.move(victim, _E.SPILL_STARTED)
+        self._issue(tid, victim, host_page, slot, now)
+
+    def write_through_staged(self, block: Block, staging_page: PageId, now: float) -> None:
+        """Start writing the content of `block` (on GPU, its bytes just copied into
+        `staging_page` in command order) to a disk slot; the block itself does not change.
+        The caller checked :meth:`spill_refusal`."""
+        key = block.key
+        assert key is not None and key not in self.staged
+        slot = self._take_slot(block, now)
+        tid = self.outbox.new_transfer()
+        self.writes[tid] = Write(block=None, host_page=staging_page, slot=slot,
+                                 staged_key=key, staged_expiry=block.expiry)
+        self.staged[key] = tid
+        self._issue(tid, block, staging_page, slot, now)
+
+    def _take_slot(self, victim: Block, now: float) -> SlotId:
+        """An empty slot, else the next disk victim's (displaced)."""
+        disk = self.slots
+        if disk.empty:
+            return disk.empty.pop()
+        displaced = disk.next_victim(self._may_displace_live(victim, now))
+        assert displaced is not None
+        disk.unfile(displaced)
+        slot = displaced.disk_slot
+        assert slot is not None
+        displaced.disk_slot = None  # the slot passes straight to the new spill
+        self.counters.displacements += 1
+        if displaced.state is BlockState.ON_DISK:
+            self.records.discard(displaced, _E.DROPPED)
+        else:
+            # A disk copy of a block on GPU or host: only the copy goes.
+            self.records.move(displaced, _E.COPY_DISPLACED)
+        return slot
+
+    def _issue(self, tid: TransferId, block: Block, host_page: PageId, slot: SlotId,
+               now: float) -> None:
+        key = block.key
+        assert key is not None
         self.outbox.writes.append(
             WriteSlot(
-                transfer=tid, block=victim.id, key=key, host_page=host_page, slot=slot,
-                retained=is_live(victim.expiry, now), parent=victim.parent_key,
-                depth=victim.depth, reuse_count=victim.reuse_count, expiry=victim.expiry,
+                transfer=tid, block=block.id, key=key, host_page=host_page, slot=slot,
+                retained=is_live(block.expiry, now), parent=block.parent_key,
+                depth=block.depth, reuse_count=block.reuse_count, expiry=block.expiry,
                 issued_at=now,
             )
         )
@@ -206,8 +234,13 @@ class DiskTier:
             return
         self.host.give_back(write.host_page)
         if block is None:
-            # Recalled to GPU while the write drained: the bytes in the slot belong to no
-            # block any more.
+            key = write.staged_key
+            if key is not None:
+                del self.staged[key]
+                if self._adopt(key, write, now):
+                    return
+            # Recalled to GPU while the write drained (or staged content that left the
+            # cache, or has a disk copy by now): the bytes in the slot belong to no block.
             self.free_slot(write.slot)
             return
         block.host_page = None
@@ -215,9 +248,31 @@ class DiskTier:
         self.records.move(block, _E.SPILL_LANDED)
         self.file(block, now)
 
+    def _adopt(self, key: BlockHash, write: Write, now: float) -> bool:
+        """A staged write-through landed: the content cached under `key` takes the slot as
+        its disk copy if it is on GPU or host with none (matched by key, not by record: any
+        block of this key holds these bytes) and its deadline is at least the one the slot
+        header holds (content cached again since, with a shorter stamp or none, must not
+        come back from a restart with the old one).  A deadline that grew meanwhile reaches
+        the slot header."""
+        block = self.index.blocks.get(key)
+        written = write.staged_expiry
+        if (block is None or block.disk_slot is not None or block.state not in COPY_STATES
+                or block.expiry is None or written is None or block.expiry < written):
+            return False
+        block.disk_slot = write.slot
+        self.records.move(block, _E.COPY_ADOPTED)
+        self.file(block, now)
+        if block.expiry > written:
+            self.outbox.commands.append(
+                PersistRetention(slot=write.slot, key=key, expiry=block.expiry))
+        return True
+
     def write_failed(self, write: Write) -> None:
         self.counters.spill_failures += 1
         self.free_slot(write.slot)
+        if write.staged_key is not None:
+            del self.staged[write.staged_key]
         block = write.block
         if block is None:
             self.host.give_back(write.host_page)

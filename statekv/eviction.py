@@ -18,7 +18,7 @@ from statekv.block import Block
 from statekv.config import CacheConfig
 from statekv.disk_tier import DiskTier, Refusal
 from statekv.errors import InvariantViolation
-from statekv.ids import PageId
+from statekv.ids import BlockHash, PageId
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.messages import CopyGpuToHost, PublishBlock
 from statekv.orderings import BlockList
@@ -37,7 +37,7 @@ class Eviction:
     """The GPU and host tiers' pages, their eviction orders and the cascade between them."""
 
     __slots__ = ("counters", "disk", "gpu", "has_disk", "has_host", "host", "outbox",
-                 "policies", "prefetched", "reclaim_first", "records", "shared")
+                 "policies", "prefetched", "reclaim_first", "records", "shared", "write_depth")
 
     def __init__(self, config: CacheConfig, policies: Policies, records: BlockRecords,
                  gpu: PagePool, host: HostPagePool, disk: DiskTier, outbox: Outbox,
@@ -53,6 +53,7 @@ class Eviction:
         self.has_disk = config.disk_blocks > 0
         self.shared = config.shared_tier
         self.reclaim_first = config.reclaim_prefetched_first
+        self.write_depth = config.write_queue_depth
         # The PREFETCHED blocks in landing order (the newest is reclaimed first: its request
         # is the furthest from admission).
         self.prefetched = BlockList()
@@ -87,6 +88,57 @@ class Eviction:
         if cached:
             self.records.move_all(cached, _E.RELEASED)
             self.gpu.evictable.push_all(cached, priority)
+
+    def write_through(self, req: Request, index: dict[BlockHash, Block], now: float) -> None:
+        """`req` was released with a TTL: write its retained content that has no disk copy
+        to disk now, in prefix order, keeping it where it is (retention_write_through).
+
+        A block on host is spilled keeping its page (COPY_WRITTEN when it lands).  A block
+        on GPU is copied into a staging host page, had as for a GPU victim, and written from
+        there (the block does not change; COPY_ADOPTED when it lands).  Each write must be
+        one the disk admits (spill_refusal), and at most ``write_queue_depth`` writes are in
+        flight; what cannot be written now is counted and left to the usual spill on
+        eviction, or to the flush at close."""
+        disk, c = self.disk, self.counters
+        depth = self.write_depth
+        for i in range(req.committed):
+            block = req.blocks[i]
+            target = block if block.key is not None else index.get(req.keys[i])
+            if (target is None or target.disk_slot is not None
+                    or not is_live(target.expiry, now)):
+                continue
+            state = target.state
+            on_gpu = state is _S.RELEASED or state is _S.ON_GPU
+            if on_gpu:
+                if target.key in disk.staged:
+                    continue  # a write-through of it is in flight already
+            elif state is not _S.ON_HOST:
+                continue  # on its way to disk already, or not cached here
+            if len(disk.writes) >= depth:
+                c.write_throughs_skipped += 1
+                continue
+            if not on_gpu:
+                if disk.spill_refusal(target, now) is not None:
+                    c.write_throughs_skipped += 1
+                    continue
+                self.host.evictable.remove(target)
+                disk.spill(target, now, keep_host=True)
+                c.write_throughs += 1
+                continue
+            page = self.take_host_page(now, for_prefetch=False)
+            if page is None:
+                c.write_throughs_skipped += 1
+                continue
+            if disk.spill_refusal(target, now) is not None:
+                self.host.give_back(page)
+                c.write_throughs_skipped += 1
+                continue
+            gpu_page = target.gpu_page
+            assert gpu_page is not None
+            self.outbox.commands.append(
+                CopyGpuToHost(block=target.id, gpu_page=gpu_page, host_page=page))
+            disk.write_through_staged(target, page, now)
+            c.write_throughs += 1
 
     # ------------------------------------------------------------------ finding pages
 
@@ -209,8 +261,9 @@ class Eviction:
         host, disk = self.host, self.disk
 
         def retained(block: Block) -> bool:
+            # (Content whose staged write-through is in flight is being written.)
             return (block.disk_slot is None and block.key is not None
-                    and is_live(block.expiry, now))
+                    and block.key not in disk.staged and is_live(block.expiry, now))
 
         if self.has_disk:
             for block in [b for b in host.evictable if retained(b)]:

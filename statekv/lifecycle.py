@@ -55,6 +55,14 @@ it ends in one of three ways:
   normally;
 * the slot stays with the block when it is onboarded again (ON_DISK -> ONBOARDING).
 
+A copy is also made by a *retention write-through* (``retention_write_through``): when a
+request with a TTL is released, its content on GPU is copied into a staging host page (stream
+ordered, so the GPU page is free to change right after) and written from there; the write
+belongs to no block while it is in flight (the block has no disk slot yet, so nothing trusts
+the slot early), and when it lands the content is looked up by key: still cached on GPU or
+host with no disk copy, it adopts the slot (COPY_ADOPTED); else the slot is freed.  Content
+on host is written through as a beneath-an-engine block is (COPY_WRITTEN, below).
+
 So a restart finds the content: the slot is never freed (no FreeSlot, so the index journal
 keeps its record) while a copy is kept.
 
@@ -179,6 +187,7 @@ class BlockEvent(enum.IntEnum):
     LOAD_LANDED = 126
     LOAD_FAILED = 127
     COPY_WRITTEN = 128
+    COPY_ADOPTED = 129
 
 
 EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
@@ -262,6 +271,11 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
         "A write-through landed: the bytes are on disk and the block keeps its host page "
         "(on host with a disk copy, filed in the displacement order)."
     ),
+    BlockEvent.COPY_ADOPTED: (
+        "A write-through of content on GPU (copied into a staging host page when its TTL was "
+        "stamped) landed while the content is still cached on GPU or host with no disk "
+        "copy: the slot becomes its disk copy, filed in the displacement order."
+    ),
     BlockEvent.SAVED: (
         "Beneath an engine: a full block the engine computed, which the cache does not hold, "
         "is copied from the engine's page into a host page a free record takes."
@@ -332,6 +346,9 @@ TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
     (S.LOADING, E.LOAD_LANDED): S.ON_DISK,
     (S.LOADING, E.LOAD_FAILED): S.FREE,
     (S.SPILLING, E.COPY_WRITTEN): S.ON_HOST,
+    (S.ON_GPU, E.COPY_ADOPTED): S.ON_GPU,
+    (S.RELEASED, E.COPY_ADOPTED): S.RELEASED,
+    (S.ON_HOST, E.COPY_ADOPTED): S.ON_HOST,
 }
 """The single source of truth for the block lifecycle."""
 
@@ -339,7 +356,8 @@ del S, E
 
 COPY_STATES: Final = frozenset({BlockState.ON_GPU, BlockState.RELEASED, BlockState.ON_HOST})
 """States in which a block may also own a valid disk copy (``disk_slot`` set, filed in the
-displacement order); the only states with a COPY_KEPT or COPY_DISPLACED row."""
+displacement order); the only states with a COPY_KEPT, COPY_DISPLACED or COPY_ADOPTED
+row."""
 
 # A read in flight ends only by landing or failing: never straight to a free list.
 _READ_IN_FLIGHT_EXITS: Final = frozenset({BlockState.ONBOARDING, BlockState.ON_GPU,
@@ -375,9 +393,11 @@ _ENTERS_ON_DISK: Final = frozenset({BlockEvent.SPILL_LANDED, BlockEvent.RESTORED
                                     BlockEvent.PREFETCH_CANCELLED, BlockEvent.COPY_KEPT,
                                     BlockEvent.LOAD_LANDED})
 # A block becomes RELEASED only by its release (a RELEASED block losing its copy stays one).
-_STAYS_OR_ENTERS_RELEASED: Final = frozenset({BlockEvent.RELEASED, BlockEvent.COPY_DISPLACED})
-# Losing a disk copy changes where nothing else is.
-_COPY_EVENTS: Final = frozenset({BlockEvent.COPY_KEPT, BlockEvent.COPY_DISPLACED})
+_STAYS_OR_ENTERS_RELEASED: Final = frozenset({BlockEvent.RELEASED, BlockEvent.COPY_DISPLACED,
+                                              BlockEvent.COPY_ADOPTED})
+# Losing or gaining a disk copy changes where nothing else is.
+_COPY_EVENTS: Final = frozenset({BlockEvent.COPY_KEPT, BlockEvent.COPY_DISPLACED,
+                                 BlockEvent.COPY_ADOPTED})
 # Content leaves the cache only by being dropped, discarded, or failing its prefetch read.
 _ENTERS_FREE: Final = frozenset({BlockEvent.DROPPED, BlockEvent.DISCARDED,
                                  BlockEvent.PREFETCH_FAILED, BlockEvent.LOAD_FAILED})
@@ -407,6 +427,7 @@ def next_state(block: int, state: BlockState, event: BlockEvent) -> BlockState:
     post: __return__ is not BlockState.RELEASED or event in _STAYS_OR_ENTERS_RELEASED
     post: event not in _COPY_EVENTS or state in COPY_STATES
     post: event is not BlockEvent.COPY_DISPLACED or __return__ is state
+    post: event is not BlockEvent.COPY_ADOPTED or __return__ is state
     post: event is not BlockEvent.COPY_KEPT or __return__ is BlockState.ON_DISK
     post: state is not BlockState.ERROR or __return__ is BlockState.FREE
     post: state is not BlockState.LOADING or __return__ in _LOAD_IN_FLIGHT_EXITS

@@ -185,6 +185,7 @@ class KVCacheManager:
         )
         self._has_disk = config.disk_blocks > 0
         self._shared = config.shared_tier
+        self._write_through = config.retention_write_through and config.disk_blocks > 0
         self._counters = counters = Counters()
         self._outbox = outbox = Outbox()
         self._index = index = PrefixIndex(config.block_size)
@@ -485,6 +486,8 @@ class KVCacheManager:
             if req.ttl:
                 self._disk.stamp_retention(req, expiry_after(now, req.ttl), now)
             self._eviction.let_go(req, req.blocks)
+            if req.ttl and self._write_through:
+                self._eviction.write_through(req, self._index.blocks, now)
         finally:
             records.cause = None
         self._counters.requests_released += 1

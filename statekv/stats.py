@@ -30,6 +30,8 @@ class Counters:
     spills_completed: int = 0
     spill_failures: int = 0
     spills_saved_by_disk_copy: int = 0
+    write_throughs: int = 0
+    write_throughs_skipped: int = 0
     bytes_written: int = 0
     onboards: int = 0
     onboards_completed: int = 0
@@ -112,6 +114,14 @@ class CacheStatistics:
     """Evictions (from host, or from GPU with no host page) of blocks whose disk copy was
     still valid, in blocks: each became ON_DISK in the slot it kept since its onboard, with
     no write (a spill, and its bytes, saved).  Not in spills."""
+    write_throughs: int = 0
+    """Of the spills, writes of retained content issued when its request was released
+    (retention_write_through): the content stays on GPU or host, with a disk copy once the
+    write lands."""
+    write_throughs_skipped: int = 0
+    """Retained blocks a release could not write through then (no slot the disk admits, no
+    host page to stage a GPU block through, or write_queue_depth writes in flight); they are
+    spilled on eviction as before, or at a clean close."""
 
     # Disk -> GPU.
     onboards: int
@@ -242,6 +252,8 @@ def snapshot(
         spills_completed=c.spills_completed,
         spill_failures=c.spill_failures,
         spills_saved_by_disk_copy=c.spills_saved_by_disk_copy,
+        write_throughs=c.write_throughs,
+        write_throughs_skipped=c.write_throughs_skipped,
         bytes_written=c.bytes_written,
         writes_in_flight=writes_in_flight,
         onboards=c.onboards,

@@ -67,6 +67,7 @@ def configs(draw: st.DrawFn) -> CacheConfig:
         write_queue_depth=draw(st.integers(1, 3)),
         priority_levels=draw(st.integers(1, 3)),
         shared_tier=draw(st.booleans()),
+        retention_write_through=draw(st.booleans()),
     )
 
 

@@ -21,7 +21,7 @@ from statekv.lifecycle import (
 )
 from statekv.manager import RestoredBlock
 from tests.engine_harness import EngineHarness, engine_config
-from tests.harness import Executor, config, fresh_tokens
+from tests.harness import Executor, block_keys, config, fresh_tokens
 
 S = BlockState
 E = BlockEvent
@@ -397,6 +397,28 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
     eh.compute(a, [0])
     eh.save(a[: eh.bs], [0])
     eh.drain()                          # SPILLING COPY_WRITTEN
+    seen |= set(_seen(trace))
+
+    # Retention write-through (retention_write_through): staged from GPU, adopted on landing.
+    ex, trace = _traced(retention_write_through=True, gpu_blocks=6, host_blocks=2,
+                        disk_blocks=4)
+    a, b, c = (fresh_tokens(ex.bs + 1) for _ in range(3))
+    ex.serve("w1", a, ttl=100.0)
+    ex.drain()                          # RELEASED COPY_ADOPTED
+    ex.add("w2", b, ttl=100.0)
+    ex.compute("w2")
+    ex.add("w3", b)                     # b held by w3 as well
+    ex.release("w2")
+    ex.drain()                          # ON_GPU COPY_ADOPTED
+    ex.release("w3")
+    seen |= set(_seen(trace))
+    ex, trace = _traced(retention_write_through=True, gpu_blocks=2, host_blocks=2,
+                        disk_blocks=4)
+    ex.serve("w4", c, ttl=100.0)        # c's write is in flight ...
+    ex.churn("c1")                      # ... while c is evicted to host
+    assert ex.tiers(c) == ["ON_HOST"]
+    ex.drain()                          # ON_HOST COPY_ADOPTED
+    assert ex.cached()[block_keys(c, ex.bs)[0]].has_disk_copy
     seen |= set(_seen(trace))
 
     assert seen == set(TRANSITIONS.items())

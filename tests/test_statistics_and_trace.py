@@ -282,7 +282,20 @@ def evict_a_disk_copy() -> tuple[Executor, Trigger]:
     return ex, lambda: ex.churn("c2")
 
 
+def write_through(write_queue_depth: int = 64) -> Setup:
+    def setup() -> tuple[Executor, Trigger]:
+        ex = _cache(retention_write_through=True, write_queue_depth=write_queue_depth,
+                    host_blocks=2)
+        doc = fresh_tokens(2 * BS + 1)
+        ex.add("a", doc, ttl=100.0)
+        ex.compute("a")
+        return ex, lambda: ex.release("a")
+    return setup
+
+
 CASES: list[tuple[str, Setup, int]] = [
+    ("write_throughs", write_through(), 2),
+    ("write_throughs_skipped", write_through(write_queue_depth=1), 1),
     ("spills_saved_by_disk_copy", evict_a_disk_copy, 1),
     ("disk_copy_blocks", read_lands(True), 1),
     ("requests_added", add_request, 1),
