@@ -235,6 +235,11 @@ class Check:
     deadline_errors: tuple[str, ...] = ()
     """Restored deadlines never issued for that content, or earlier than one durably
     committed for that slot and key: must be none."""
+    landed_retained: int = 0
+    """Of `landed`, content written with a retention deadline (kill loop): most of it was
+    written through at its release and was still on GPU or host when the process died."""
+    lost_retained: int = 0
+    """Of those, not found again: must be 0 (it is part of `lost` too)."""
 
     @property
     def ok(self) -> bool:
@@ -247,6 +252,7 @@ def check_directory(
     landed: dict[SlotId, BlockHash] | None = None,
     serve: Sequence[Sequence[int]] | None = None,
     ledger: DeadlineLedger | None = None,
+    retained: set[BlockHash] | None = None,
 ) -> Check:
     """Reopen the directory of `config` and check everything it serves (module docstring).
 
@@ -254,7 +260,10 @@ def check_directory(
     `serve`: the prompts to serve through a reopened cache (default: all of them);
     `landed`: slot -> key of every write that returned and was not followed by another
     write to the same slot before the crash (these must be found again); `ledger`: the
-    deadlines issued and committed (every restored deadline is checked against it).
+    deadlines issued and committed (every restored deadline is checked against it);
+    `retained`: of the landed keys, those written with a retention deadline (content
+    released with a TTL: written through at its release while it stayed on GPU or host, or
+    spilled), each counted in ``landed_retained`` and, if not found, in ``lost_retained``.
     """
     directory = config.rank_directory()
     assert directory is not None
@@ -279,6 +288,7 @@ def check_directory(
             wrong += int((dst != block_bytes(prefix, store.payload_len)).sum())
             verified += 1
         lost = sum(1 for key in (landed or {}).values() if key not in found)
+        lost_retained = sum(1 for key in (retained or set()) if key not in found)
         deadline_errors = ledger.check(recovery) if ledger is not None else []
     finally:
         store.close()
@@ -311,7 +321,8 @@ def check_directory(
                  served_blocks=served, recovery=recovery, stale=stale, scan=scan,
                  scan_torn=scan_torn,
                  deadlines_checked=len(recovery.slots) if ledger is not None else 0,
-                 deadline_errors=tuple(deadline_errors))
+                 deadline_errors=tuple(deadline_errors),
+                 landed_retained=len(retained or ()), lost_retained=lost_retained)
 
 
 # --- SQLite style: a crash after the k-th write call ---------------------------------------------
@@ -481,7 +492,13 @@ def _line(slot: int, key: bytes, expiry: float | None) -> str:
 
 def landed_slots(log: Path) -> dict[SlotId, BlockHash]:
     """Slot -> key of each slot whose last logged event is a returned write."""
-    last: dict[SlotId, BlockHash | None] = {}
+    return {slot: key for slot, (key, _retained) in landed_writes(log).items()}
+
+
+def landed_writes(log: Path) -> dict[SlotId, tuple[BlockHash, bool]]:
+    """Slot -> (key, whether the write carried a retention deadline) of each slot whose
+    last logged event is a returned write."""
+    last: dict[SlotId, tuple[BlockHash, bool] | None] = {}
     if log.exists():
         for line in log.read_text().splitlines():
             parts = line.split()
@@ -489,12 +506,13 @@ def landed_slots(log: Path) -> dict[SlotId, BlockHash]:
                 continue  # journal appends: DeadlineLedger reads them
             if len(parts) in (2, 4) and parts[0] in {"W", "D"}:
                 last[SlotId(int(parts[1]))] = None
-            elif len(parts) in (3, 4) and parts[0] == "L" and len(parts[2]) == 64:
-                last[SlotId(int(parts[1]))] = BlockHash(bytes.fromhex(parts[2]))
+            elif len(parts) == 4 and parts[0] == "L" and len(parts[2]) == 64:
+                last[SlotId(int(parts[1]))] = (BlockHash(bytes.fromhex(parts[2])),
+                                               parts[3] != "-")
             elif len(parts) >= 2 and parts[1].isdigit():
                 # A line torn by the kill: what that slot holds is unknown.
                 last[SlotId(int(parts[1]))] = None
-    return {slot: key for slot, key in last.items() if key is not None}
+    return {slot: entry for slot, entry in last.items() if entry is not None}
 
 
 class DeadlineLedger:
@@ -630,6 +648,8 @@ class KillReport:
             "wrong_bytes": sum(c.wrong_bytes for c in self.checks),
             "unknown_keys": sum(c.unknown_keys for c in self.checks),
             "lost": sum(c.lost for c in self.checks),
+            "retained_landed_before_kill": sum(c.landed_retained for c in self.checks),
+            "retained_lost": sum(c.lost_retained for c in self.checks),
             "deadlines_checked": sum(c.deadlines_checked for c in self.checks),
             "journal_records_applied": sum(c.recovery.journal.applied for c in self.checks),
             "journal_records_torn": sum(c.recovery.journal.torn for c in self.checks),
@@ -690,10 +710,13 @@ def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float 
             if proc.poll() is not None:
                 raise RuntimeError(f"child {n} exited by itself: rc={proc.returncode}")
             os.kill(proc.pid, signal.SIGKILL)
-        landed = landed_slots(log)
+        writes = landed_writes(log)
+        landed = {slot: key for slot, (key, _retained) in writes.items()}
+        retained = {key for key, is_retained in writes.values() if is_retained}
         ledger.read(log)
         log.unlink(missing_ok=True)
-        check = check_directory(config, all_prompts, landed, serve=served, ledger=ledger)
+        check = check_directory(config, all_prompts, landed, serve=served, ledger=ledger,
+                                retained=retained)
         ledger.forget_commitments()
         checks.append(check)
         if callable(on_check):

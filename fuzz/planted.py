@@ -401,6 +401,22 @@ def prefetch_page_freed_on_leave() -> AbstractContextManager[None]:
     return _wrapped(Onboarding, "end_prefetch", make)
 
 
+def staged_write_of_dropped_content_freed() -> AbstractContextManager[None]:
+    """Retention write-through: a staged write that lands after its content left the cache
+    (a GPU victim with no host page: the staging holds host pages too) frees its slot
+    instead of keeping the content on disk, so retained content is lost to its own
+    write-through."""
+
+    def make(original: Callable[..., bool]) -> Callable[..., bool]:
+        def adopt(self: DiskTier, key: Any, write: Any, now: float) -> bool:
+            if self.index.blocks.get(key) is None:
+                return False
+            return original(self, key, write, now)
+        return adopt
+
+    return _wrapped(DiskTier, "_adopt", make)
+
+
 def pools_kept_after_close() -> AbstractContextManager[None]:
     """A leak for the leak check to catch (tests/test_fuzz_leak_check.py): every cache that
     closes leaves its KV pools (the GPU pool) referenced from outside, as a cache of
@@ -464,6 +480,8 @@ PLANTED = {
         Planted("failed-fetch-published", failed_fetch_published, CoreVsSpec, 1000),
         Planted("expired-restored-as-retained", expired_restored_as_retained, CoreVsSpec,
                 1000),
+        Planted("staged-write-of-dropped-content-freed",
+                staged_write_of_dropped_content_freed, CoreVsSpec, 1000),
     )
 }
 

@@ -154,10 +154,15 @@ class StateKVConfig:
     max_ttl_seconds: float = 30 * 24 * 3600.0
     model_fingerprint: str = ""
     cost_aware_onboarding: bool = True
-    reclaim_prefetched_first: bool = True
-    """GPU victims take prefetched pages before evicting host content (CacheConfig)."""
     """Recompute a run of disk hits instead of reading it when the measured disk read rate
     and the reported prefill rate say that is faster (statekv.cost)."""
+    reclaim_prefetched_first: bool = True
+    """GPU victims take prefetched pages before evicting host content (CacheConfig)."""
+    retention_write_through: bool = True
+    """Write content released with a TTL to disk at its release, keeping it on GPU or host
+    (CacheConfig.retention_write_through): retained content survives a crash once its write
+    lands, not only once it is evicted.  False: it reaches disk when evicted, or at a clean
+    close."""
     rank: int = attrs.field(default=0, validator=_positive_int(0, 1 << 16))
     namespace: str = attrs.field(default="target")
     """Separates caches that must never share slot files (a draft model's from the target's)."""
@@ -348,6 +353,7 @@ class StateKVConfig:
             spill_min_reuse=self.spill_min_reuse,
             protect_unexpired=self.protect_unexpired,
             drop_on_pressure=self.drop_on_pressure,
+            retention_write_through=self.retention_write_through,
             write_queue_depth=self.write_queue_depth,
             priority_levels=self.priority_levels,
             max_batch_blocks=self.max_batch_blocks,

@@ -208,7 +208,7 @@ class ReferenceCache:
         # Write-throughs (retention_write_through): writes that keep their block on host,
         # and staged writes of GPU content (no block; the key and the deadline written).
         self.keep_host: set[int] = set()
-        self.staged: dict[int, tuple[BlockHash, float | None]] = {}
+        self.staged: dict[int, tuple[BlockHash, float | None, int, int]] = {}
         self.reads: dict[int, MBlock] = {}
         self.prefetch_reads: dict[int, MBlock] = {}
         self.fetches: dict[int, MBlock] = {}
@@ -433,7 +433,7 @@ class ReferenceCache:
         a staging host page (taken as for a GPU victim); each only if the disk admits it
         and fewer than write_queue_depth writes are in flight."""
         now = self.now
-        staged_keys = {key for key, _ in self.staged.values()}
+        staged_keys = {key for key, *_ in self.staged.values()}
         for i in range(req.committed):
             b = req.blocks[i]
             t = b if b.key is not None else self.entries.get(req.key(i, self.bs))
@@ -468,7 +468,7 @@ class ReferenceCache:
             self.next_transfer += 1
             self.writes[self.next_transfer] = None
             assert t.key is not None
-            self.staged[self.next_transfer] = (t.key, t.expiry)
+            self.staged[self.next_transfer] = (t.key, t.expiry, t.depth, t.reuse)
             staged_keys.add(t.key)
             self.commands.append(("WriteSlot", t.key))
             self.c["spills"] += 1
@@ -938,8 +938,15 @@ class ReferenceCache:
             self._give_back_host()
             if v is None:
                 if staged is not None:
-                    key, written = staged
+                    key, written, depth, reuse = staged
                     t = self.entries.get(key)
+                    if t is None:
+                        # The content left while its write was in flight: on disk now.
+                        t = MBlock(key=key, depth=depth, tier=DISK, reuse=reuse,
+                                   expiry=written)
+                        self.entries[key] = t
+                        self._file(t)
+                        return
                     # The content adopts the slot if it is on GPU or host with no copy and
                     # a deadline at least the one the slot header holds.
                     if (t is not None and not t.copy and t.tier in (GPU, HOST)

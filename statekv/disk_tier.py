@@ -79,6 +79,11 @@ class Write:
     it lands, the content cached under this key adopts the slot if it has no disk copy."""
     staged_expiry: float | None = None
     """The deadline the staged write put in the slot header."""
+    staged_parent: BlockHash | None = None
+    staged_depth: int = 0
+    staged_reuse: int = 0
+    """What the slot header says of the staged content besides its key (for a record that
+    takes the slot if the content left the cache meanwhile)."""
 
 
 class DiskTier:
@@ -182,7 +187,9 @@ class DiskTier:
         slot = self._take_slot(block, now)
         tid = self.outbox.new_transfer()
         self.writes[tid] = Write(block=None, host_page=staging_page, slot=slot,
-                                 staged_key=key, staged_expiry=block.expiry)
+                                 staged_key=key, staged_expiry=block.expiry,
+                                 staged_parent=block.parent_key, staged_depth=block.depth,
+                                 staged_reuse=block.reuse_count)
         self.staged[key] = tid
         self._issue(tid, block, staging_page, slot, now)
 
@@ -249,15 +256,29 @@ class DiskTier:
         self.file(block, now)
 
     def _adopt(self, key: BlockHash, write: Write, now: float) -> bool:
-        """A staged write-through landed: the content cached under `key` takes the slot as
-        its disk copy if it is on GPU or host with none (matched by key, not by record: any
-        block of this key holds these bytes) and its deadline is at least the one the slot
-        header holds (content cached again since, with a shorter stamp or none, must not
-        come back from a restart with the old one).  A deadline that grew meanwhile reaches
-        the slot header."""
+        """A staged write-through landed: content no longer cached takes the slot with a
+        free record (on disk only, as after a spill); the content cached under `key` takes
+        the slot as its disk copy if it is on GPU or host with none (matched by key, not by
+        record: any block of this key holds these bytes) and its deadline is at least the
+        one the slot header holds (content cached again since, with a shorter stamp or
+        none, must not come back from a restart with the old one).  A deadline that grew
+        meanwhile reaches the slot header."""
         block = self.index.blocks.get(key)
         written = write.staged_expiry
-        if (block is None or block.disk_slot is not None or block.state not in COPY_STATES
+        if block is None:
+            # Left the cache while its write was in flight: it is on disk now, as a spill.
+            parent = write.staged_parent
+            assert parent is not None
+            block = self.records.free.pop()
+            block.depth = write.staged_depth
+            block.reuse_count = write.staged_reuse
+            block.expiry = written
+            block.disk_slot = write.slot
+            self.index.add(block, key, parent)
+            self.records.move(block, _E.STAGED_LANDED)
+            self.file(block, now)
+            return True
+        if (block.disk_slot is not None or block.state not in COPY_STATES
                 or block.expiry is None or written is None or block.expiry < written):
             return False
         block.disk_slot = write.slot

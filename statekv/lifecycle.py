@@ -60,7 +60,11 @@ request with a TTL is released, its content on GPU is copied into a staging host
 ordered, so the GPU page is free to change right after) and written from there; the write
 belongs to no block while it is in flight (the block has no disk slot yet, so nothing trusts
 the slot early), and when it lands the content is looked up by key: still cached on GPU or
-host with no disk copy, it adopts the slot (COPY_ADOPTED); else the slot is freed.  Content
+host with no disk copy, it adopts the slot (COPY_ADOPTED); no longer cached (a GPU victim
+that found no host page, since staging uses host pages too), a free record takes the slot
+and the content is on disk only (FREE -> ON_DISK, STAGED_LANDED: nothing retained is lost to
+the staging); cached again under a shorter deadline, or on its way to disk by another write,
+the slot is freed.  Content
 on host is written through as a beneath-an-engine block is (COPY_WRITTEN, below).
 
 So a restart finds the content: the slot is never freed (no FreeSlot, so the index journal
@@ -188,6 +192,7 @@ class BlockEvent(enum.IntEnum):
     LOAD_FAILED = 127
     COPY_WRITTEN = 128
     COPY_ADOPTED = 129
+    STAGED_LANDED = 130
 
 
 EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
@@ -276,6 +281,11 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
         "stamped) landed while the content is still cached on GPU or host with no disk "
         "copy: the slot becomes its disk copy, filed in the displacement order."
     ),
+    BlockEvent.STAGED_LANDED: (
+        "A write-through of content on GPU landed after the content left the GPU and host "
+        "tiers (evicted with no host page, or dropped): a free record takes the slot, and "
+        "the content is on disk, as after a spill."
+    ),
     BlockEvent.SAVED: (
         "Beneath an engine: a full block the engine computed, which the cache does not hold, "
         "is copied from the engine's page into a host page a free record takes."
@@ -349,6 +359,7 @@ TRANSITIONS: Final[Mapping[tuple[BlockState, BlockEvent], BlockState]] = {
     (S.ON_GPU, E.COPY_ADOPTED): S.ON_GPU,
     (S.RELEASED, E.COPY_ADOPTED): S.RELEASED,
     (S.ON_HOST, E.COPY_ADOPTED): S.ON_HOST,
+    (S.FREE, E.STAGED_LANDED): S.ON_DISK,
 }
 """The single source of truth for the block lifecycle."""
 
@@ -382,16 +393,18 @@ _LOAD_IN_FLIGHT_EXITS: Final = frozenset({BlockState.LOADING, BlockState.ON_DISK
 # A record leaves FREE for a new request's page, to adopt a slot found at open, or for a
 # fetch from the shared tier, nothing else.
 _LEAVES_FREE: Final = frozenset({BlockEvent.ALLOCATED, BlockEvent.RESTORED,
-                                 BlockEvent.FETCH_STARTED, BlockEvent.SAVED})
+                                 BlockEvent.FETCH_STARTED, BlockEvent.SAVED,
+                                 BlockEvent.STAGED_LANDED})
 # Bytes are on disk only once a write landed, or when an index rebuild at open found them
 # there (in a slot whose header, checksums and fingerprint were checked; restore is FREE-only),
 # or when a prefetched copy is given up (the slot was kept all along, never rewritten).
 # Or when a block with a valid disk copy is evicted (the copy was read from the slot or
 # prefetched from it, and the slot kept since).
 # Or when the last read of a block into an engine's pages lands (the slot was kept).
+# Or when a write-through lands for content no longer cached (the write landed, as a spill's).
 _ENTERS_ON_DISK: Final = frozenset({BlockEvent.SPILL_LANDED, BlockEvent.RESTORED,
                                     BlockEvent.PREFETCH_CANCELLED, BlockEvent.COPY_KEPT,
-                                    BlockEvent.LOAD_LANDED})
+                                    BlockEvent.LOAD_LANDED, BlockEvent.STAGED_LANDED})
 # A block becomes RELEASED only by its release (a RELEASED block losing its copy stays one).
 _STAYS_OR_ENTERS_RELEASED: Final = frozenset({BlockEvent.RELEASED, BlockEvent.COPY_DISPLACED,
                                               BlockEvent.COPY_ADOPTED})

@@ -55,6 +55,9 @@ def test_a_few_real_kill_9(tmp_path: Path) -> None:
     assert totals["wrong_bytes"] == 0 and totals["unknown_keys"] == 0 and totals["lost"] == 0
     assert totals["stale_index_entries"] == 0
     assert totals["blocks_verified"] > 0 and totals["landed_before_kill"] > 0
+    # Retained content written through at its release (on GPU or host when the child died)
+    # is there after the restart: none of it lost.
+    assert totals["retained_landed_before_kill"] > 0 and totals["retained_lost"] == 0
 
 
 def test_kill_minus_nine_with_failing_and_torn_writes_never_serves_wrong_bytes(

@@ -21,7 +21,7 @@ from statekv.lifecycle import (
 )
 from statekv.manager import RestoredBlock
 from tests.engine_harness import EngineHarness, engine_config
-from tests.harness import Executor, block_keys, config, fresh_tokens
+from tests.harness import Executor, config, fresh_tokens
 
 S = BlockState
 E = BlockEvent
@@ -119,7 +119,9 @@ def test_only_dropping_discarding_or_a_failed_read_frees_a_block() -> None:
 
 
 def test_a_free_record_can_only_be_allocated_restored_fetched_or_saved_into() -> None:
-    assert allowed_events(S.FREE) == {E.ALLOCATED, E.RESTORED, E.FETCH_STARTED, E.SAVED}
+    # (or take the slot of a write-through whose content left the cache meanwhile)
+    assert allowed_events(S.FREE) == {E.ALLOCATED, E.RESTORED, E.FETCH_STARTED, E.SAVED,
+                                      E.STAGED_LANDED}
     assert TRANSITIONS[(S.FREE, E.SAVED)] is S.ON_HOST
 
 
@@ -164,6 +166,7 @@ def test_content_reaches_disk_only_by_a_landed_write_or_a_restore_at_open() -> N
         (S.FREE, E.RESTORED), (S.SPILLING, E.SPILL_LANDED),
         (S.PREFETCHED, E.PREFETCH_CANCELLED), (S.RELEASED, E.COPY_KEPT),
         (S.ON_HOST, E.COPY_KEPT), (S.LOADING, E.LOAD_LANDED),
+        (S.FREE, E.STAGED_LANDED),      # a landed write-through of content that left
     ])
 
 
@@ -418,7 +421,14 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
     ex.churn("c1")                      # ... while c is evicted to host
     assert ex.tiers(c) == ["ON_HOST"]
     ex.drain()                          # ON_HOST COPY_ADOPTED
-    assert ex.cached()[block_keys(c, ex.bs)[0]].has_disk_copy
+    seen |= set(_seen(trace))
+    ex, trace = _traced(retention_write_through=True, gpu_blocks=2, host_blocks=1,
+                        reserved_host_blocks=0, disk_blocks=4)
+    ex.serve("w5", c, ttl=100.0)        # staged through the only host page ...
+    ex.churn("c2")                      # ... so the GPU victim is dropped
+    assert ex.tiers(c) == [None]
+    ex.drain()                          # FREE STAGED_LANDED
+    assert ex.tiers(c) == ["ON_DISK"]
     seen |= set(_seen(trace))
 
     assert seen == set(TRANSITIONS.items())

@@ -82,7 +82,7 @@ def test_retained_content_on_host_is_written_keeping_its_host_page() -> None:
     assert ex.add("d", tokens).host_tokens == ex.bs   # still a host hit
 
 
-def test_a_block_that_leaves_while_its_write_is_in_flight_does_not_adopt_the_slot() -> None:
+def test_content_dropped_while_its_write_is_in_flight_is_on_disk_when_it_lands() -> None:
     ex = make(gpu_blocks=2, host_blocks=1, reserved_host_blocks=0, disk_blocks=2)
     tokens = fresh_tokens(ex.bs + 1)
     ex.serve("a", tokens, ttl=600.0)      # staged write in flight, the only host page busy
@@ -90,9 +90,12 @@ def test_a_block_that_leaves_while_its_write_is_in_flight_does_not_adopt_the_slo
     ex.churn("c")                         # no host page for it: dropped from GPU
     assert ex.tiers(tokens) == [None]
     ex.land_write(write.transfer)
-    assert write.slot in ex.freed         # the bytes belong to nothing: the slot is free
-    assert ex.stats().disk_empty_slots == 2
-    assert ex.stats().disk_copy_blocks == 0
+    # Nothing retained is lost to the staging: the content is on disk, with its deadline.
+    assert write.slot not in ex.freed
+    assert ex.tiers(tokens) == ["ON_DISK"]
+    assert ex.cached()[write.key].expiry == write.expiry
+    match = ex.add("b", tokens)
+    assert match.disk_tokens == ex.bs
 
 
 def test_content_cached_again_with_a_shorter_deadline_does_not_adopt_the_old_write() -> None:
