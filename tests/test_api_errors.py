@@ -102,6 +102,10 @@ BAD_CALLS: list[tuple[str, BadCall, str]] = [
     ("negative-token", lambda b: lambda c: c.add_request("new", [1, -1], now=LATER),
      "token_ids"),
     ("huge-token", lambda b: lambda c: c.add_request("new", [2**32], now=LATER), "token_ids"),
+    ("bool-token", lambda b: lambda c: c.add_request("new", [5, True, 7], now=LATER),
+     "token_ids"),
+    ("bool-tokens", lambda b: lambda c: c.add_request("new", [False] * 3, now=LATER),
+     "token_ids"),
     # add_request: priority, salt, lora, ttl
     ("priority-negative",
      lambda b: lambda c: c.add_request("new", [1], now=LATER, priority=-1), "priority"),
@@ -162,6 +166,7 @@ BAD_CALLS: list[tuple[str, BadCall, str]] = [
     # append_tokens
     ("append-str-tokens", lambda b: lambda c: c.append_tokens("live", "12"), "token_ids"),
     ("append-bad-token", lambda b: lambda c: c.append_tokens("live", [4, -4]), "token_ids"),
+    ("append-bool-token", lambda b: lambda c: c.append_tokens("live", [True]), "token_ids"),
     # num_tokens / num_computed_tokens out of range
     ("allocate-below-computed", lambda b: lambda c: c.allocate_nowait("live", 2, now=LATER),
      "num_tokens"),
