@@ -506,9 +506,9 @@ def landed_writes(log: Path) -> dict[SlotId, tuple[BlockHash, bool]]:
                 continue  # journal appends: DeadlineLedger reads them
             if len(parts) in (2, 4) and parts[0] in {"W", "D"}:
                 last[SlotId(int(parts[1]))] = None
-            elif len(parts) == 4 and parts[0] == "L" and len(parts[2]) == 64:
+            elif len(parts) in (3, 4) and parts[0] == "L" and len(parts[2]) == 64:
                 last[SlotId(int(parts[1]))] = (BlockHash(bytes.fromhex(parts[2])),
-                                               parts[3] != "-")
+                                               parts[3:4] not in ([], ["-"]))
             elif len(parts) >= 2 and parts[1].isdigit():
                 # A line torn by the kill: what that slot holds is unknown.
                 last[SlotId(int(parts[1]))] = None

@@ -113,6 +113,7 @@ class SystemSpec:
     direct_io: bool
     max_batch_blocks: int = 16
     reclaim_prefetched_first: bool = True
+    retention_write_through: bool = True
 
     def config(self, directory: Path, device: str, backend: str) -> StateKVConfig:
         return StateKVConfig(
@@ -124,6 +125,7 @@ class SystemSpec:
             protect_unexpired=self.protect_unexpired, drop_on_pressure=self.drop_on_pressure,
             priority_levels=self.priority_levels, max_batch_blocks=self.max_batch_blocks,
             reclaim_prefetched_first=self.reclaim_prefetched_first,
+            retention_write_through=self.retention_write_through,
             model_fingerprint=FUZZ_FINGERPRINT,
         )
 
@@ -151,6 +153,7 @@ def system_specs(draw: st.DrawFn, max_threads: int = 2) -> SystemSpec:
         # Lone transfers, small batches that a burst splits, and batches of everything.
         max_batch_blocks=draw(st.sampled_from([1, 2, 16])),
         reclaim_prefetched_first=draw(st.booleans()),
+        retention_write_through=draw(st.booleans()),
     )
 
 

@@ -456,7 +456,9 @@ class ReferenceCache:
                 self.keep_host.add(self.next_transfer)
                 self.c["write_throughs"] += 1
                 continue
-            if not self._take_host_page():
+            # Never the last host page a GPU victim could have.
+            if (self.host_free + len(self._candidates(HOST)) + len(self._candidates(PREFETCHED))
+                    < 2 or not self._take_host_page()):
                 self.c["write_throughs_skipped"] += 1
                 continue
             if self._refusal(t) is not None:

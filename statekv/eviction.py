@@ -95,7 +95,8 @@ class Eviction:
 
         A block on host is spilled keeping its page (COPY_WRITTEN when it lands).  A block
         on GPU is copied into a staging host page, had as for a GPU victim, and written from
-        there (the block does not change; COPY_ADOPTED when it lands).  Each write must be
+        there (the block does not change; COPY_ADOPTED when it lands), never through the
+        last host page a GPU victim could have.  Each write must be
         one the disk admits (spill_refusal), and at most ``write_queue_depth`` writes are in
         flight; what cannot be written now is counted and left to the usual spill on
         eviction, or to the flush at close."""
@@ -124,6 +125,14 @@ class Eviction:
                 self.host.evictable.remove(target)
                 disk.spill(target, now, keep_host=True)
                 c.write_throughs += 1
+                continue
+            # Staging never takes the last host page a GPU victim could have (an empty one,
+            # or one evicting host content yields): on a small host tier, the page the
+            # staging holds until its write lands would otherwise cost the next GPU victim
+            # -- retained content among them -- its place on host.
+            host = self.host
+            if len(host.empty) + host.evictable.size + self.prefetched.size < 2:
+                c.write_throughs_skipped += 1
                 continue
             page = self.take_host_page(now, for_prefetch=False)
             if page is None:

@@ -445,7 +445,9 @@ def test_reserved_host_pages_go_out_and_come_back() -> None:
 
 def test_pressure_sheds_best_effort_spills_never_retained_ones() -> None:
     """Drop-on-pressure: best-effort spills shed at the gate, retained ones never (seed)."""
-    with system(drop_on_pressure=True, write_queue_depth=1, host=3, reserved_host=1) as run:
+    # (No write-through: the retained blocks must meet the pressure gate as spills.)
+    with system(drop_on_pressure=True, write_queue_depth=1, host=3, reserved_host=1,
+                retention_write_through=False) as run:
         run("serve_whole_request", spec=RequestSpec(DOCUMENTS[0][:7], 30.0))
         run("stall_the_disk")
         run("spill_burst", count=3)

@@ -422,13 +422,14 @@ def test_the_manager_exercises_every_table_entry_and_nothing_else() -> None:
     assert ex.tiers(c) == ["ON_HOST"]
     ex.drain()                          # ON_HOST COPY_ADOPTED
     seen |= set(_seen(trace))
-    ex, trace = _traced(retention_write_through=True, gpu_blocks=2, host_blocks=1,
+    ex, trace = _traced(retention_write_through=True, gpu_blocks=3, host_blocks=3,
                         reserved_host_blocks=0, disk_blocks=4)
-    ex.serve("w5", c, ttl=100.0)        # staged through the only host page ...
-    ex.churn("c2")                      # ... so the GPU victim is dropped
-    assert ex.tiers(c) == [None]
+    d = fresh_tokens(2 * ex.bs + 1)
+    ex.serve("w5", d, ttl=100.0)        # staged through two of the three host pages ...
+    ex.churn("c2")                      # ... so one GPU victim is dropped
+    assert None in ex.tiers(d)
     ex.drain()                          # FREE STAGED_LANDED
-    assert ex.tiers(c) == ["ON_DISK"]
+    assert ex.tiers(d) == ["ON_DISK", "ON_DISK"]
     seen |= set(_seen(trace))
 
     assert seen == set(TRANSITIONS.items())

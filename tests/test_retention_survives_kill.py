@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
     from io_actors.embed import BlockingCache
 
     through = sys.argv[2] == "on"
-    config = workload_config(Path(sys.argv[1]), gpu=12, host=4, disk=16,
+    config = workload_config(Path(sys.argv[1]), gpu=12, host=8, disk=16,
                              retention_write_through=through)
     cache = BlockingCache(config)
     prompt = [int(t) for t in sys.argv[3].split(",")]
@@ -73,7 +73,7 @@ def test_retained_content_on_gpu_survives_kill_9_once_its_write_landed(
     states, released_at = _serve_then_kill(directory, through)
     # When the child was killed the content was still on GPU (no eviction wrote it).
     assert states == "RELEASED"
-    with BlockingCache(workload_config(directory, gpu=12, host=4, disk=16)) as cache:
+    with BlockingCache(workload_config(directory, gpu=12, host=8, disk=16)) as cache:
         restored = cache.statistics().cache.restored_blocks
         match = cache.add_request("again", PROMPT)
         cache.release("again")

@@ -44,8 +44,9 @@ def _one_append_held_and_more_queued(
     tmp_path: Path,
 ) -> tuple[BlockingCache, HeldJournal, int, int]:
     """A cache whose first journal append waits at the gate with `held` records, and
-    `queued` more records taken from the core behind it."""
-    config = workload_config(tmp_path)
+    `queued` more records taken from the core behind it.  (Without write-through: a
+    write-through would often carry the lengthened deadline in the slot header itself.)"""
+    config = workload_config(tmp_path, retention_write_through=False)
     rank = config.rank_directory()
     assert rank is not None
     store = HeldJournal(rank, config.core_config())

@@ -285,7 +285,7 @@ def evict_a_disk_copy() -> tuple[Executor, Trigger]:
 def write_through(write_queue_depth: int = 64) -> Setup:
     def setup() -> tuple[Executor, Trigger]:
         ex = _cache(retention_write_through=True, write_queue_depth=write_queue_depth,
-                    host_blocks=2)
+                    host_blocks=3)
         doc = fresh_tokens(2 * BS + 1)
         ex.add("a", doc, ttl=100.0)
         ex.compute("a")
