@@ -115,6 +115,7 @@ def core_configs(draw: st.DrawFn) -> CacheConfig:
         reclaim_prefetched_first=draw(st.booleans()),
         shared_tier=draw(st.booleans()),
         retention_write_through=draw(st.booleans()),
+        publish_on=draw(st.sampled_from(["eviction", "release"])),
     )
 
 

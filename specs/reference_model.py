@@ -158,6 +158,8 @@ class MBlock:
     """On GPU or host and also in a disk slot (a valid disk copy, filed in the disk order)."""
     disk_stamp: int = 0
     """Order in the disk best-effort order (on disk, or a copy)."""
+    published: bool = False
+    """Offered to the shared tier since it was cached."""
 
 
 @attrs.define(eq=False)
@@ -309,18 +311,43 @@ class ReferenceCache:
                 victim.tier = HOST
                 victim.stamp = self._stamp()
                 self.c["host_offloads"] += 1
-                if self.cfg.shared_tier:
-                    if self._spill_mode_admits(victim):
-                        self.commands.append(("PublishBlock", victim.key))
-                        self.c["publishes_offered"] += 1
-                    else:
-                        self.c["publishes_not_admitted"] += 1
+                if self.cfg.shared_tier and not (victim.published and self._publish_on_release):
+                    self._offer_publish(victim)
                 return
             self.c["offloads_skipped"] += 1
         if victim.copy:
             self._keep_copy(victim)
         else:
             self._drop(victim)
+
+    @property
+    def _publish_on_release(self) -> bool:
+        return self.cfg.shared_tier and self.cfg.publish_on == "release"
+
+    def _offer_publish(self, b: MBlock) -> None:
+        if self._spill_mode_admits(b):
+            self.commands.append(("PublishBlock", b.key))
+            self.c["publishes_offered"] += 1
+            b.published = True
+        else:
+            self.c["publishes_not_admitted"] += 1
+
+    def _publish_released(self, req: MRequest) -> None:
+        """publish_on="release": the request's committed content is offered now, in prefix
+        order, once while it stays cached: from its host page (on host, or spilling), or
+        copied from GPU into a free host page (given back at once); else at its eviction."""
+        for i in range(req.committed):
+            b = req.blocks[i]
+            t = b if b.key is not None else self.entries.get(req.key(i, self.bs))
+            if t is None or t.published:
+                continue
+            if t.tier in (HOST, SPILLING):
+                self._offer_publish(t)
+            elif t.tier == GPU and self.host_free:
+                self.host_free -= 1
+                self.commands.append(("CopyGpuToHost", t.key))
+                self._offer_publish(t)
+                self._give_back_host()  # (to the reserve first, as any page given back)
 
     def _keep_copy(self, b: MBlock) -> None:
         """Evicted with a valid disk copy: disk content again, at its place, no write."""
@@ -855,6 +882,8 @@ class ReferenceCache:
                     # Its slot header holds an earlier deadline: the new one is journaled.
                     self.commands.append(("PersistRetention", target.key))
         self._let_go(req, req.blocks)
+        if self._publish_on_release:
+            self._publish_released(req)
         if req.ttl and self.cfg.retention_write_through and self.cfg.disk_blocks:
             self._write_through(req)
         self.c["requests_released"] += 1

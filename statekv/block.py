@@ -36,6 +36,8 @@ class Block:
     expiry: float | None = None
     """Retention stamp: the time until which a TTL request asked to keep this content."""
     priority: int = 0
+    published: bool = False
+    """Offered to the shared tier since it was cached (offered once: CacheConfig.publish_on)."""
 
     # Holders.
     ref_count: int = 0

@@ -112,6 +112,16 @@ def _check_bool(_inst: object, attribute: attrs.Attribute[Any], value: object) -
         raise ConfigError(attribute.name, f"must be True or False, got {value!r}")
 
 
+PUBLISH_ON: Final = ("eviction", "release")
+"""When content is offered to the shared tier (CacheConfig.publish_on)."""
+
+
+def _check_publish_on(_inst: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in PUBLISH_ON:
+        raise ConfigError("publish_on", f"must be one of {', '.join(PUBLISH_ON)}, got "
+                                        f"{value!r}")
+
+
 def _to_spill_mode(value: object) -> SpillMode:
     if isinstance(value, SpillMode):
         return value
@@ -199,6 +209,13 @@ class CacheConfig:
     """A shared tier (specs/remote_tier.md) is attached: blocks offloaded to host are offered
     for publishing (PublishBlock) when the spill mode admits them, and add_request may match
     past the local tiers against keys the remote fetcher found (``remote_keys``)."""
+    publish_on: str = attrs.field(default="eviction", validator=_check_publish_on)
+    """With a shared tier, when content is offered for publishing (only what the spill mode
+    admits): "eviction" -- each time its GPU copy is evicted to host (the shared tier holds
+    what a replica is letting go of); "release" -- as soon as the request that computed or
+    matched it is released (content on GPU copied into a host page free at that moment;
+    what finds none is offered at its eviction), so another replica is served a prompt this
+    one has just answered; once offered, not again while it stays cached."""
 
     @max_ttl_seconds.validator
     def _check_max_ttl(self, _attribute: attrs.Attribute[float], value: object) -> None:

@@ -37,7 +37,8 @@ class Eviction:
     """The GPU and host tiers' pages, their eviction orders and the cascade between them."""
 
     __slots__ = ("counters", "disk", "gpu", "has_disk", "has_host", "host", "outbox",
-                 "policies", "prefetched", "reclaim_first", "records", "shared", "write_depth")
+                 "policies", "prefetched", "publish_on_release", "reclaim_first", "records",
+                 "shared", "write_depth")
 
     def __init__(self, config: CacheConfig, policies: Policies, records: BlockRecords,
                  gpu: PagePool, host: HostPagePool, disk: DiskTier, outbox: Outbox,
@@ -54,6 +55,7 @@ class Eviction:
         self.shared = config.shared_tier
         self.reclaim_first = config.reclaim_prefetched_first
         self.write_depth = config.write_queue_depth
+        self.publish_on_release = config.shared_tier and config.publish_on == "release"
         # The PREFETCHED blocks in landing order (the newest is reclaimed first: its request
         # is the furthest from admission).
         self.prefetched = BlockList()
@@ -175,7 +177,9 @@ class Eviction:
                 self.records.move(victim, _E.OFFLOADED)
                 self.host.evictable.push(victim)
                 c.host_offloads += 1
-                if self.shared:
+                # (Offered at its release already, under publish_on="release": once is
+                # enough while it stays cached.)
+                if self.shared and not (victim.published and self.publish_on_release):
                     self.offer_publish(victim, host_page, now)
                 return page
             c.offloads_skipped += 1
@@ -184,6 +188,34 @@ class Eviction:
         else:
             self.records.discard(victim, _E.DROPPED)
         return page
+
+    def publish_released(self, req: Request, index: dict[BlockHash, Block],
+                         now: float) -> None:
+        """publish_on="release": offer `req`'s committed content to the shared tier now,
+        in prefix order, each block once while it stays cached.  Content on GPU is copied
+        into a host page that is free now and given back at once (a publish copies its
+        page at offer, in command order, so the page is free again right after); content on
+        host is offered from its page.  What finds no free page, or is elsewhere (on disk,
+        in flight), is offered at its eviction as with publish_on="eviction"."""
+        host = self.host
+        for i in range(req.committed):
+            block = req.blocks[i]
+            target = block if block.key is not None else index.get(req.keys[i])
+            if target is None or target.published:
+                continue
+            state = target.state
+            if state is _S.ON_HOST or state is _S.SPILLING:
+                page = target.host_page
+                assert page is not None
+                self.offer_publish(target, page, now)
+            elif (state is _S.RELEASED or state is _S.ON_GPU) and host.empty:
+                page = host.empty.pop()
+                gpu_page = target.gpu_page
+                assert gpu_page is not None
+                self.outbox.commands.append(
+                    CopyGpuToHost(block=target.id, gpu_page=gpu_page, host_page=page))
+                self.offer_publish(target, page, now)
+                host.give_back(page)
 
     def offer_publish(self, block: Block, host_page: PageId, now: float) -> None:
         """Offer a block just copied into `host_page` to the shared tier, when the spill mode
@@ -202,6 +234,7 @@ class Eviction:
             block=block.id, key=key, host_page=host_page, parent=parent, depth=block.depth,
             reuse_count=block.reuse_count, expiry=expiry,
         ))
+        block.published = True
         self.counters.publishes_offered += 1
 
     def take_host_page(self, now: float, *, for_prefetch: bool) -> PageId | None:

@@ -186,6 +186,7 @@ class KVCacheManager:
         self._has_disk = config.disk_blocks > 0
         self._shared = config.shared_tier
         self._write_through = config.retention_write_through and config.disk_blocks > 0
+        self._publish_on_release = config.shared_tier and config.publish_on == "release"
         self._counters = counters = Counters()
         self._outbox = outbox = Outbox()
         self._index = index = PrefixIndex(config.block_size)
@@ -486,6 +487,8 @@ class KVCacheManager:
             if req.ttl:
                 self._disk.stamp_retention(req, expiry_after(now, req.ttl), now)
             self._eviction.let_go(req, req.blocks)
+            if self._publish_on_release:
+                self._eviction.publish_released(req, self._index.blocks, now)
             if req.ttl and self._write_through:
                 self._eviction.write_through(req, self._index.blocks, now)
         finally:

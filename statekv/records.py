@@ -95,4 +95,5 @@ class BlockRecords:
         block.gpu_page = block.host_page = None
         block.expiry = None
         block.reuse_count = block.depth = block.priority = 0
+        block.published = False
         self.free.append(block)

@@ -68,6 +68,7 @@ def configs(draw: st.DrawFn) -> CacheConfig:
         priority_levels=draw(st.integers(1, 3)),
         shared_tier=draw(st.booleans()),
         retention_write_through=draw(st.booleans()),
+        publish_on=draw(st.sampled_from(["eviction", "release"])),
     )
 
 
