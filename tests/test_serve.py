@@ -209,6 +209,24 @@ def test_a_client_that_disconnects_mid_stream_releases_its_request(tmp_path: Pat
         assert cache.gpu_free_pages + cache.gpu_evictable_blocks == 1200  # nothing held
 
 
+def test_a_client_that_disconnects_releases_every_choice(tmp_path: Path) -> None:
+    roomy = attrs.evolve(SMALL, gpu_blocks=1200, max_model_len=4096)
+    with serving(roomy, tmp_path) as running, httpx.Client(timeout=60) as http:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "stream": True, "n": 2,
+                "temperature": 1.0}
+        with http.stream("POST", f"{running.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            assert json.loads(first.removeprefix("data: "))["object"] == "text_completion"
+        engine = running.server.engine
+        wait_until(lambda: engine.statistics().requests == 0, "the choices left the loop")
+        stats = engine.statistics()
+        assert stats.cancelled == 2 and stats.loop.decode_tokens < 4000
+        cache = running.server.cache.statistics().cache
+        assert cache.requests_added == cache.requests_released
+        assert cache.gpu_free_pages + cache.gpu_evictable_blocks == 1200  # nothing held
+
+
 def test_a_client_that_gives_up_on_a_whole_response_releases_its_request(
     tmp_path: Path,
 ) -> None:
@@ -363,6 +381,8 @@ def test_n_choices_have_their_indices_and_share_the_prompts_cache(roomy: Running
     again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3,
                                       temperature=1.0, seed=11, extra_body={"cache_salt": "x"})
     assert [choice.text for choice in again.choices] == texts
+    # Choice i of seed s draws as a request of seed s + i.
+    assert completion_text(client, "y", max_tokens=8, temperature=1.0, seed=12) == texts[1]
     greedy = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Twice."}], max_tokens=6, n=2)
     assert [choice.index for choice in greedy.choices] == [0, 1]
@@ -410,6 +430,14 @@ def test_logprobs_of_completions_and_chat(roomy: Running) -> None:
         assert top[token] == logprob == max(top.values())  # greedy: the likeliest
     assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
     assert logprobs.text_offset == sorted(logprobs.text_offset)
+    # The model's own log-probabilities, whatever the temperature draws with.
+    hot = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logprobs=3,
+                                    temperature=0.3, seed=3)
+    assert hot.choices[0].logprobs is not None and hot.choices[0].logprobs.top_logprobs
+    first = hot.choices[0].logprobs.top_logprobs[0]
+    assert list(first) == list(logprobs.top_logprobs[0])
+    assert list(first.values()) == pytest.approx(list(logprobs.top_logprobs[0].values()),
+                                                 abs=1e-4)
 
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Scores?"}], max_tokens=5,
