@@ -3,18 +3,43 @@
 FastAPI on uvicorn, as the serving engines of the ecosystem do.  The routes:
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming (server-sent events,
-  ``stream: true``) or not, greedy decoding;
-* ``GET /v1/models``, ``GET /health``, and ``GET /metrics`` (Prometheus: the cache's
-  ``statistics()`` through :class:`io_actors.metrics.StateKVCollector`, and the serving
-  loop's queue depths).
+  ``stream: true``) or not;
+* ``GET /v1/models``, ``GET /health`` (503 once the serving loop failed), ``GET /version``
+  and ``GET /metrics`` (Prometheus: the cache's ``statistics()`` through
+  :class:`io_actors.metrics.StateKVCollector`, and the serving loop's queue depths).
+
+OpenAI's fields both endpoints take: ``model``, ``max_tokens`` (chat also
+``max_completion_tokens``), ``stream``, ``stream_options.include_usage``, ``user``, and
+
+* ``temperature`` in [0, 2]: 0 is greedy, and so is leaving it out (OpenAI's default is 1);
+  above 0 a token is drawn from softmax(logits / temperature);
+* ``top_p`` in (0, 1]: the draw is among the likeliest tokens holding that much probability
+  (the likeliest is always kept, so a tiny ``top_p`` is greedy);
+* ``seed``: the request's own generator, so a seeded request gives the same answer again
+  (choice i of ``n`` uses seed + i); at temperature 0 seed and top_p change nothing;
+* ``stop``: a string or a list of up to 4; the answer ends where one first appears, without
+  it, and ``finish_reason`` is ``"stop"`` (streamed text that may begin a stop string is
+  held back until it cannot);
+* ``n`` up to 128: that many choices, each its own request in the loop, indexed 0 .. n-1 (in
+  streamed chunks too); the first computes the prompt and the others take its blocks from
+  the cache; usage counts the prompt once and every choice's completion tokens;
+* log-probabilities, the model's own (before temperature and top_p): ``logprobs`` 0 .. 5 on
+  completions (a byte above 0x7f is named ``bytes:\\xNN``), ``logprobs: true`` and
+  ``top_logprobs`` 0 .. 20 on chat (each token with its ``bytes``);
+* ``presence_penalty`` and ``frequency_penalty``: only 0; another value is refused.
+
+A chat message's ``content`` is a string or a list of parts; ``{"type": "text", "text": ...}``
+parts are joined, and any other part (``image_url``, ``input_audio``, ...) is refused naming
+it (``messages.0.content.1.type``): the model reads text only.
 
 Requests take three fields beyond OpenAI's, under the names the ecosystem uses:
 ``kv_cache_ttl_seconds`` (keep this request's KV reusable for that long, down to disk),
 ``cache_salt`` (vLLM's tenant isolation: requests share cached blocks only with the same salt)
 and ``priority`` (the retention class, 0 .. priority_levels - 1).  The response's
 ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens taken from the cache,
-on any tier.  A bad request gets HTTP 400 with OpenAI's error body, naming the field in
-``param``.  A streaming client that goes away cancels its request: the loop releases it.
+on any tier.  Any other field, and a bad value of any field, gets HTTP 400 with OpenAI's error
+body, naming the field in ``param``.  A client that goes away cancels its request (every
+choice): the loop releases it.
 """
 
 from __future__ import annotations
