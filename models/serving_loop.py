@@ -492,6 +492,8 @@ class ServingLoop:
     def _stop_length(run: _Running) -> int:
         """The length of the stop sequence the output now ends with (0: none); the longest
         when several do, as the text is cut where the first one found begins."""
+        if not run.req.stop:
+            return 0
         output = run.result.output
         return max((len(stop) for stop in run.req.stop
                     if len(output) >= len(stop) and tuple(output[-len(stop):]) == stop),

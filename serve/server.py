@@ -448,7 +448,8 @@ def _chat_prompt(body: ChatCompletionRequest) -> tuple[int, ...]:
 
 def _stops(body: _Common) -> tuple[tuple[int, ...], ...]:
     """The stop strings as token sequences.  One token per byte: the decoded text contains
-    a stop string exactly when the tokens contain its bytes."""
+    a stop string exactly when the tokens contain its bytes -- but for U+FFFD, which a stop
+    string matches only as its own three bytes, not where invalid bytes decode to it."""
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     return tuple(tokenizer.encode(text) for text in stop)
 
@@ -554,21 +555,29 @@ class _Answer:
         self._chat = chat
         self._logprobs = logprobs
         self._decoder = tokenizer.StreamDecoder()
-        self._output: list[int] = []
+        self._window = max((len(stop) for stop in stops), default=0)
+        self._tail: tuple[int, ...] = ()
+        """The last `_window` tokens generated."""
         self._pending: list[tuple[int, sampling.TokenLogprob | None]] = []
         self._chars = 0
 
     def feed(self, token: int, logprob: sampling.TokenLogprob | None
              ) -> tuple[str, dict[str, Any] | None]:
-        self._output.append(token)
         self._pending.append((token, logprob))
-        out = tuple(self._output)
-        if any(out[len(out) - len(stop):] == stop for stop in self._stops):
+        if not self._stops:
+            release, self._pending = self._pending, []
+            return self._render(release)
+        # Only the last tokens can end or begin a stop sequence: a bounded window, not the
+        # whole output, is compared on each token.
+        self._tail = (*self._tail, token)[-self._window:]
+        tail = self._tail
+        if any(tail[len(tail) - len(stop):] == stop for stop in self._stops
+               if len(stop) <= len(tail)):
             return "", None  # the loop ends the request on this token: none of it is text
         held = 0
         for stop in self._stops:
             for k in range(min(len(stop) - 1, len(self._pending)), held, -1):
-                if out[len(out) - k:] == stop[:k]:
+                if tail[len(tail) - k:] == stop[:k]:
                     held = k
                     break
         release = self._pending[:len(self._pending) - held]
