@@ -402,6 +402,7 @@ class Server:
                 and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
 
+
 def _completion_prompt(body: CompletionRequest) -> tuple[int, ...]:
     if isinstance(body.prompt, str):
         try:
@@ -432,7 +433,8 @@ def _message_text(message: ChatMessage, index: int) -> str:
         if not is_utf8_encodable(text):
             raise BadRequest("must be encodable as UTF-8 (it holds a lone surrogate)",
                              f"{where}.text")
-        for field in extra:  # refused, not ignored, as everywhere else
+        if extra:  # refused, not ignored, as everywhere else
+            field = next(iter(extra))
             raise BadRequest(f"Extra inputs are not permitted: {field!r}", f"{where}.{field}")
         texts.append(text)
     return "".join(texts)
