@@ -10,8 +10,11 @@ Each step:
    prefill chunks (long prompts are chunked);
 4. run the model: attention reads and writes K/V in statekv's GPU pool through each
    request's block table;
-5. commit what was computed (full blocks become shareable), sample greedily, append the
-   token, release finished requests (their blocks stay cached, stamped with their TTL).
+5. commit what was computed (full blocks become shareable), pick each request's token
+   (greedy in one batched arg-max; a request with a :class:`Sampling` that samples or wants
+   log-probabilities draws from its own row, ``models/sampling.py``), append it, release
+   finished requests -- at ``max_new_tokens``, or once the output ends with one of the
+   request's stop sequences (their blocks stay cached, stamped with their TTL).
 
 Parked requests are never in the forward pass, and the loop never waits on disk: with the
 blocking facade every cache call returns in microseconds.
@@ -40,6 +43,7 @@ from statekv.ids import PageId
 from statekv.manager import PrefetchStarted, PrefixMatch, RequestStatus
 
 from .model import Chunk, PagedDecoder, greedy
+from .sampling import Sampling, TokenLogprob, logprob_of, new_generator, sample
 
 
 class Cache(Protocol):
@@ -91,6 +95,10 @@ class ServeRequest:
     ttl_seconds: float | None = None
     priority: int = 0
     cache_salt: str | None = None
+    sampling: Sampling | None = None
+    """None: greedy, no log-probabilities (the batched path alone)."""
+    stop: tuple[tuple[int, ...], ...] = ()
+    """Token sequences that end the request as soon as its output ends with one."""
 
 
 @attrs.define(kw_only=True)
@@ -114,6 +122,21 @@ class RequestResult:
     parked_seconds: float = 0.0
     fell_back: bool = False
     """A disk read failed and the request recomputed the tokens it lost."""
+    stop_tokens: int = 0
+    """> 0: the request ended on a stop sequence, the last `stop_tokens` of `output`
+    (generated, so counted, but not part of the answer)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of `output`, when the request's sampling asked for them."""
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's: "stop" (a stop sequence) or "length" (max_new_tokens)."""
+        return "stop" if self.stop_tokens else "length"
+
+    @property
+    def answer(self) -> list[int]:
+        """The output without the stop sequence that ended it."""
+        return self.output[:len(self.output) - self.stop_tokens]
 
     @property
     def ttft(self) -> float | None:
@@ -128,6 +151,8 @@ class _Running:
     computed: int = 0
     parked_since: float | None = None
     matched: int = 0
+    generator: torch.Generator | None = None
+    """The request's own, made at its first draw (on the logits' device)."""
 
 
 STEP_SECONDS_KEPT: Final = 100_000
@@ -161,7 +186,7 @@ class ServingLoop:
         batch_invariant: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         ready_everywhere: Callable[[list[str]], set[str]] | None = None,
-        on_token: Callable[[str, int], None] | None = None,
+        on_token: Callable[[str, int, TokenLogprob | None], None] | None = None,
         prefetch_ahead: int = 0,
     ) -> None:
         for field, value in (("max_step_tokens", max_step_tokens),
@@ -188,8 +213,8 @@ class ServingLoop:
         """Tensor parallel: of these parked requests, which landed on every rank (all ranks
         must admit the same batch).  None: this cache's own is_ready decides."""
         self._on_token = on_token
-        """Told (request id, token) for every generated token, as it is sampled (a server
-        streams them)."""
+        """Told (request id, token, its log-probabilities or None) for every generated token,
+        as it is sampled (a server streams them)."""
         self._start = clock()
         self._waiting: deque[ServeRequest] = deque()
         self._running: dict[str, _Running] = {}
@@ -212,6 +237,8 @@ class ServingLoop:
             raise UsageError("max_new_tokens", f"must be >= 1, got {request.max_new_tokens}")
         if not request.prompt:
             raise UsageError("prompt", "a request needs at least one token")
+        if any(not stop for stop in request.stop):
+            raise UsageError("stop", "a stop sequence needs at least one token")
         self._waiting.append(request)
 
     def cancel(self, request_id: str) -> bool:
@@ -341,6 +368,8 @@ class ServingLoop:
                 request_id=req.request_id, prompt_tokens=len(req.prompt), arrival=req.arrival,
                 admitted=now, gpu_tokens=match.gpu_tokens, host_tokens=match.host_tokens,
                 disk_tokens=match.disk_tokens, remote_tokens=match.remote_tokens,
+                logprobs=([] if req.sampling is not None and req.sampling.logprobs is not None
+                          else None),
             )
             run = _Running(req=req, result=result, tokens=list(req.prompt),
                            computed=match.matched_tokens, matched=match.matched_tokens)
@@ -411,7 +440,7 @@ class ServingLoop:
         finished: list[RequestResult] = []
         cache = self.cache
         now = self.now()
-        for (run, n), token in zip(plan, tokens, strict=True):
+        for row, ((run, n), greedy_token) in enumerate(zip(plan, tokens, strict=True)):
             rid = run.req.request_id
             was_prefill = run.computed < len(run.req.prompt)
             run.computed += n
@@ -424,10 +453,15 @@ class ServingLoop:
                 run.result.first_token = now
             else:
                 self._decode_tokens += 1
+            token, logprob = self._pick(run, logits, row, greedy_token)
             run.result.output.append(token)
+            if logprob is not None and run.result.logprobs is not None:
+                run.result.logprobs.append(logprob)
             if self._on_token is not None:
-                self._on_token(rid, token)
-            if len(run.result.output) >= run.req.max_new_tokens:
+                self._on_token(rid, token, logprob)
+            stop = self._stop_length(run)
+            if stop or len(run.result.output) >= run.req.max_new_tokens:
+                run.result.stop_tokens = stop
                 run.result.finished = now
                 cache.release(rid)
                 del self._running[rid]
@@ -436,6 +470,34 @@ class ServingLoop:
                 run.tokens.append(token)
                 cache.append_tokens(rid, [token])
         return finished
+
+    @staticmethod
+    def _pick(run: _Running, logits: torch.Tensor, row: int, greedy_token: int
+              ) -> tuple[int, TokenLogprob | None]:
+        """The request's token (the batch's arg-max unless it samples) and, when it asked,
+        its log-probabilities; only a request with a Sampling that needs it looks at its row."""
+        sampling = run.req.sampling
+        if sampling is None or not sampling.needs_row:
+            return greedy_token, None
+        token = greedy_token
+        if not sampling.greedy:
+            if run.generator is None:
+                run.generator = new_generator(sampling, logits.device)
+            token = sample(logits[row], sampling, run.generator)
+        if sampling.logprobs is None:
+            return token, None
+        return token, logprob_of(logits[row], token, sampling.logprobs)
+
+    @staticmethod
+    def _stop_length(run: _Running) -> int:
+        """The length of the stop sequence the output now ends with (0: none); the longest
+        when several do, as the text is cut where the first one found begins."""
+        if not run.req.stop:
+            return 0
+        output = run.result.output
+        return max((len(stop) for stop in run.req.stop
+                    if len(output) >= len(stop) and tuple(output[-len(stop):]) == stop),
+                   default=0)
 
     # ------------------------------------------------------------------ whole runs
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from models import chat_run, config, demo, model, serving_loop
+    from models import chat_run, config, demo, model, sampling, serving_loop
 else:
-    from statekv_models import chat_run, config, demo, model, serving_loop
+    from statekv_models import chat_run, config, demo, model, sampling, serving_loop
 
-__all__ = ["chat_run", "config", "demo", "model", "serving_loop"]
+__all__ = ["chat_run", "config", "demo", "model", "sampling", "serving_loop"]

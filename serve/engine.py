@@ -24,6 +24,7 @@ from io_actors.actors.scheduler import SystemStatistics
 from io_actors.embed import BlockingCache
 
 from ._models import model as model_module
+from ._models import sampling as sampling_module
 from ._models import serving_loop
 
 IDLE_WAIT: Final = 0.05
@@ -41,7 +42,7 @@ LATENCY_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 
 class TokenSink(Protocol):
     """What the engine tells about one request; called on the engine thread."""
 
-    def token(self, token: int) -> None: ...
+    def token(self, token: int, logprob: sampling_module.TokenLogprob | None) -> None: ...
 
     def finished(self, result: serving_loop.RequestResult) -> None: ...
 
@@ -56,6 +57,8 @@ class GenerateRequest:
     ttl_seconds: float | None = None
     priority: int = 0
     cache_salt: str | None = None
+    sampling: sampling_module.Sampling | None = None
+    stop: tuple[tuple[int, ...], ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -156,10 +159,11 @@ class Engine:
         return EngineStatistics(loop=self._loop.statistics(), requests=len(self._sinks),
                                 cancelled=self._cancelled, failed=self._error is not None)
 
-    def _on_token(self, request_id: str, token: int) -> None:
+    def _on_token(self, request_id: str, token: int,
+                  logprob: sampling_module.TokenLogprob | None) -> None:
         sink = self._sinks.get(request_id)
         if sink is not None:
-            sink.token(token)
+            sink.token(token, logprob)
 
     def _handle(self, message: _Submit | _Cancel | _Statistics) -> None:
         if isinstance(message, _Statistics):
@@ -178,6 +182,7 @@ class Engine:
                 request_id=req.request_id, prompt=req.prompt,
                 max_new_tokens=req.max_new_tokens, arrival=self._loop.now(),
                 ttl_seconds=req.ttl_seconds, priority=req.priority, cache_salt=req.cache_salt,
+                sampling=req.sampling, stop=req.stop,
             ))
 
     def _drain_inbox(self, wait: float | None) -> None:

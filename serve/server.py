@@ -3,18 +3,43 @@
 FastAPI on uvicorn, as the serving engines of the ecosystem do.  The routes:
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming (server-sent events,
-  ``stream: true``) or not, greedy decoding;
-* ``GET /v1/models``, ``GET /health``, and ``GET /metrics`` (Prometheus: the cache's
-  ``statistics()`` through :class:`io_actors.metrics.StateKVCollector`, and the serving
-  loop's queue depths).
+  ``stream: true``) or not;
+* ``GET /v1/models``, ``GET /health`` (503 once the serving loop failed), ``GET /version``
+  and ``GET /metrics`` (Prometheus: the cache's ``statistics()`` through
+  :class:`io_actors.metrics.StateKVCollector`, and the serving loop's queue depths).
+
+OpenAI's fields both endpoints take: ``model``, ``max_tokens`` (chat also
+``max_completion_tokens``), ``stream``, ``stream_options.include_usage``, ``user``, and
+
+* ``temperature`` in [0, 2]: 0 is greedy, and so is leaving it out (OpenAI's default is 1);
+  above 0 a token is drawn from softmax(logits / temperature);
+* ``top_p`` in (0, 1]: the draw is among the likeliest tokens holding that much probability
+  (the likeliest is always kept, so a tiny ``top_p`` is greedy);
+* ``seed``: the request's own generator, so a seeded request gives the same answer again
+  (choice i of ``n`` uses seed + i); at temperature 0 seed and top_p change nothing;
+* ``stop``: a string or a list of up to 4; the answer ends where one first appears, without
+  it, and ``finish_reason`` is ``"stop"`` (streamed text that may begin a stop string is
+  held back until it cannot);
+* ``n`` up to 128: that many choices, each its own request in the loop, indexed 0 .. n-1 (in
+  streamed chunks too); the first computes the prompt and the others take its blocks from
+  the cache; usage counts the prompt once and every choice's completion tokens;
+* log-probabilities, the model's own (before temperature and top_p): ``logprobs`` 0 .. 5 on
+  completions (a byte above 0x7f is named ``bytes:\\xNN``), ``logprobs: true`` and
+  ``top_logprobs`` 0 .. 20 on chat (each token with its ``bytes``);
+* ``presence_penalty`` and ``frequency_penalty``: only 0; another value is refused.
+
+A chat message's ``content`` is a string or a list of parts; ``{"type": "text", "text": ...}``
+parts are joined, and any other part (``image_url``, ``input_audio``, ...) is refused naming
+it (``messages.0.content.1.type``): the model reads text only.
 
 Requests take three fields beyond OpenAI's, under the names the ecosystem uses:
 ``kv_cache_ttl_seconds`` (keep this request's KV reusable for that long, down to disk),
 ``cache_salt`` (vLLM's tenant isolation: requests share cached blocks only with the same salt)
 and ``priority`` (the retention class, 0 .. priority_levels - 1).  The response's
 ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens taken from the cache,
-on any tier.  A bad request gets HTTP 400 with OpenAI's error body, naming the field in
-``param``.  A streaming client that goes away cancels its request: the loop releases it.
+on any tier.  Any other field, and a bad value of any field, gets HTTP 400 with OpenAI's error
+body, naming the field in ``param``.  A client that goes away cancels its request (every
+choice): the loop releases it.
 """
 
 from __future__ import annotations
@@ -27,7 +52,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -51,7 +76,7 @@ from statekv.config import is_utf8_encodable
 from . import tokenizer
 from ._models import config as model_config
 from ._models import model as model_module
-from ._models import serving_loop
+from ._models import sampling, serving_loop
 from .accept_errors import accept_errors_limited
 from .engine import Engine, EngineStopped, GenerateRequest
 from .shutdown import sigterm_raises
@@ -103,6 +128,17 @@ which JSON's \\ud800 escapes can carry, is refused naming the field)."""
 Ttl = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
 Priority = Annotated[int, Field(ge=0, strict=True)]
 MaxTokens = Annotated[int, Field(ge=1, strict=True)]
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False, strict=True)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False, strict=True)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False, strict=True)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64, strict=True)]
+"""What torch.Generator.manual_seed takes."""
+StopText = Annotated[Text, Field(min_length=1)]
+
+MAX_N: Final = 128
+"""Choices one request may ask for (OpenAI's bound)."""
+MAX_STOP: Final = 4
+"""Stop strings one request may give (OpenAI's bound)."""
 
 
 class StreamOptions(BaseModel):
@@ -119,9 +155,15 @@ class _Common(BaseModel):
     max_tokens: MaxTokens | None = None
     stream: Annotated[bool, Field(strict=True)] = False
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0, le=0, strict=True)] | None = None
-    """Only greedy decoding: 0 or absent."""
-    n: Annotated[int, Field(ge=1, le=1, strict=True)] | None = None
+    temperature: Temperature | None = None
+    """Absent or 0: greedy (this server's default, where OpenAI's is 1)."""
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N, strict=True)] | None = None
+    presence_penalty: Penalty | None = None
+    """Only 0 (or absent): penalties are not implemented, and a non-zero one is refused."""
+    frequency_penalty: Penalty | None = None
     user: Text | None = None
     kv_cache_ttl_seconds: Ttl | None = None
     cache_salt: Annotated[Text, Field(min_length=1)] | None = None
@@ -130,17 +172,30 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Text | list[Annotated[int, Field(strict=True)]]
+    logprobs: Annotated[int, Field(ge=0, le=5, strict=True)] | None = None
+    """The sampled token's log-probability and this many most likely alternatives."""
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content.  Any type is read, so that a part the text-only
+    model cannot take (image_url, input_audio, ...) is refused naming its `type`, and a text
+    part's fields are checked in :func:`_message_text`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
-    content: Text
+    content: Text | list[ContentPart]
 
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    logprobs: Annotated[bool, Field(strict=True)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20, strict=True)] | None = None
 
 
 class BadRequest(Exception):
@@ -163,31 +218,46 @@ def _error_body(message: str, param: str | None, code: str | None,
 # ---------------------------------------------------------------------- one request
 
 
-class _Stream:
-    """One request's events, carried from the engine thread into the event loop."""
+@attrs.frozen
+class _Event:
+    """What happened to choice `index`: a token, its end (`result`) or its failure."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    index: int
+    token: int | None = None
+    logprob: sampling.TokenLogprob | None = None
+    result: serving_loop.RequestResult | None = None
+    error: BaseException | None = None
+
+
+class _ChoiceSink:
+    """One choice's events, carried from the engine thread into the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue[_Event],
+                 index: int) -> None:
         self._loop = loop
-        self.events: asyncio.Queue[int | serving_loop.RequestResult | BaseException] = (
-            asyncio.Queue())
+        self._events = events
+        self._index = index
 
-    def _put(self, item: int | serving_loop.RequestResult | BaseException) -> None:
+    def _put(self, event: _Event) -> None:
         # The event loop may be gone already (the server stopped with requests in flight).
         with suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.events.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
-    def token(self, token: int) -> None:
-        self._put(token)
+    def token(self, token: int, logprob: sampling.TokenLogprob | None) -> None:
+        self._put(_Event(self._index, token=token, logprob=logprob))
 
     def finished(self, result: serving_loop.RequestResult) -> None:
-        self._put(result)
+        self._put(_Event(self._index, result=result))
 
     def failed(self, error: BaseException) -> None:
-        self._put(error)
+        self._put(_Event(self._index, error=error))
 
 
-def _usage(result: serving_loop.RequestResult) -> dict[str, Any]:
-    completion = len(result.output)
+def _usage(result: serving_loop.RequestResult,
+           others: Sequence[serving_loop.RequestResult] = ()) -> dict[str, Any]:
+    """OpenAI's usage of a completion whose first choice is `result`: the prompt counted
+    once, the completion tokens of every choice (stop sequences included: generated)."""
+    completion = len(result.output) + sum(len(other.output) for other in others)
     # Every prompt token the model did not compute came from the cache, whichever tier
     # (the shared tier's included), and a failed read that made it recompute counts as
     # computed: what the request was really spared.
@@ -324,19 +394,13 @@ class Server:
             raise BadRequest(f"priority must be an integer in [0, "
                              f"{self.options.priority_levels}), got {body.priority}",
                              "priority")
-
-    def generate(self, body: _Common, request_id: str, prompt: tuple[int, ...],
-                 max_tokens: int) -> _Stream:
-        stream = _Stream(asyncio.get_running_loop())
-        try:
-            self.engine.submit(GenerateRequest(
-                request_id=request_id, prompt=prompt, max_new_tokens=max_tokens,
-                ttl_seconds=body.kv_cache_ttl_seconds, priority=body.priority,
-                cache_salt=body.cache_salt,
-            ), stream)
-        except EngineStopped as exc:
-            raise BadRequest(str(exc), None, status=503, code="engine_stopped") from None
-        return stream
+        for field in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, field):
+                raise BadRequest(f"{field} is not supported: only 0 (or leaving it out)",
+                                 field)
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None \
+                and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
 
 
 def _completion_prompt(body: CompletionRequest) -> tuple[int, ...]:
@@ -352,23 +416,239 @@ def _completion_prompt(body: CompletionRequest) -> tuple[int, ...]:
     return tuple(body.prompt)
 
 
+def _message_text(message: ChatMessage, index: int) -> str:
+    """A message's text: its string, or its text parts joined (the model reads only text)."""
+    if isinstance(message.content, str):
+        return message.content
+    texts: list[str] = []
+    for number, part in enumerate(message.content):
+        where = f"messages.{index}.content.{number}"
+        if part.type != "text":
+            raise BadRequest(f"content parts of type {part.type!r} are not supported: the "
+                             f"model reads text only (type \"text\")", f"{where}.type")
+        extra = dict(part.model_extra or {})
+        text = extra.pop("text", None)
+        if not isinstance(text, str):
+            raise BadRequest("a text part needs a string `text`", f"{where}.text")
+        if not is_utf8_encodable(text):
+            raise BadRequest("must be encodable as UTF-8 (it holds a lone surrogate)",
+                             f"{where}.text")
+        if extra:  # refused, not ignored, as everywhere else
+            field = next(iter(extra))
+            raise BadRequest(f"Extra inputs are not permitted: {field!r}", f"{where}.{field}")
+        texts.append(text)
+    return "".join(texts)
+
+
 def _chat_prompt(body: ChatCompletionRequest) -> tuple[int, ...]:
+    conversation = [(m.role, _message_text(m, i)) for i, m in enumerate(body.messages)]
     try:
-        return tokenizer.encode(tokenizer.chat_prompt(
-            [(m.role, m.content) for m in body.messages]))
+        return tokenizer.encode(tokenizer.chat_prompt(conversation))
     except UnicodeEncodeError:
         raise BadRequest("message content must be encodable as UTF-8", "messages") from None
 
 
-async def _collect(stream: _Stream) -> serving_loop.RequestResult:
-    """Wait for a request's result (its tokens arrive one by one before it)."""
-    while True:
-        item = await stream.events.get()
-        if isinstance(item, BaseException):
-            raise BadRequest(f"generation failed: {item}", None, status=500,
+def _stops(body: _Common) -> tuple[tuple[int, ...], ...]:
+    """The stop strings as token sequences.  One token per byte: the decoded text contains
+    a stop string exactly when the tokens contain its bytes -- but for U+FFFD, which a stop
+    string matches only as its own three bytes, not where invalid bytes decode to it."""
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    return tuple(tokenizer.encode(text) for text in stop)
+
+
+def _sampling(body: _Common, index: int) -> sampling.Sampling | None:
+    """Choice `index`'s sampling; None for the batched greedy path (greedy, no logprobs)."""
+    if isinstance(body, CompletionRequest):
+        top = body.logprobs
+    else:
+        assert isinstance(body, ChatCompletionRequest)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+    temperature = body.temperature or 0.0
+    if temperature == 0 and top is None:
+        return None
+    # Choices of one seeded request differ from each other, and each is reproducible.
+    seed = None if body.seed is None else (body.seed + index) % sampling.SEED_MODULUS
+    return sampling.Sampling(temperature=temperature,
+                             top_p=1.0 if body.top_p is None else body.top_p,
+                             seed=seed, logprobs=top)
+
+
+class _Choices:
+    """The n requests of one completion in the engine, their events on one queue.
+
+    Choice 0 goes first; the others are submitted once it has a token (its prompt is then
+    computed and committed), so that they take the prompt's full blocks from the cache
+    instead of all computing it side by side."""
+
+    def __init__(self, server: Server, body: _Common, request_id: str,
+                 prompt: tuple[int, ...], max_tokens: int) -> None:
+        self._server = server
+        self._body = body
+        self._prompt = prompt
+        self._max_tokens = max_tokens
+        self._stop = _stops(body)
+        self.n = body.n or 1
+        self.ids = [request_id] if self.n == 1 else [f"{request_id}-{i}"
+                                                      for i in range(self.n)]
+        self.events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._unfinished: set[int] = set()
+        self._submitted = 0
+        self._submit(0)
+
+    def _submit(self, index: int) -> None:
+        body = self._body
+        try:
+            self._server.engine.submit(GenerateRequest(
+                request_id=self.ids[index], prompt=self._prompt,
+                max_new_tokens=self._max_tokens, ttl_seconds=body.kv_cache_ttl_seconds,
+                priority=body.priority, cache_salt=body.cache_salt,
+                sampling=_sampling(body, index), stop=self._stop,
+            ), _ChoiceSink(self._loop, self.events, index))
+        except EngineStopped as exc:
+            self.cancel()
+            raise BadRequest(str(exc), None, status=503, code="engine_stopped") from None
+        self._unfinished.add(index)
+        self._submitted += 1
+
+    async def next(self) -> _Event:
+        """The next event of any choice; a failed choice raises BadRequest (500)."""
+        event = await self.events.get()
+        if event.index == 0 and event.error is None:
+            while self._submitted < self.n:
+                self._submit(self._submitted)
+        if event.result is not None or event.error is not None:
+            self._unfinished.discard(event.index)
+        if event.error is not None:
+            raise BadRequest(f"generation failed: {event.error}", None, status=500,
                              code="engine_error")
-        if isinstance(item, serving_loop.RequestResult):
-            return item
+        return event
+
+    @property
+    def done(self) -> bool:
+        return self._submitted == self.n and not self._unfinished
+
+    def cancel(self) -> None:
+        """Release every choice still in the engine (the client went away, or one failed)."""
+        for index in self._unfinished:
+            self._server.engine.cancel(self.ids[index])
+        self._unfinished.clear()
+
+
+def _completion_token(token: int) -> str:
+    """A byte token's name in a completion's logprobs (distinct per byte: the keys of
+    top_logprobs), as OpenAI names a token that is not a whole character."""
+    return chr(token) if token < 0x80 else f"bytes:\\x{token:02x}"
+
+
+def _chat_token(token: int) -> dict[str, Any]:
+    return {"token": bytes([token]).decode("utf-8", errors="replace"), "bytes": [token]}
+
+
+class _Answer:
+    """One choice's text, released as its tokens arrive, with their logprobs.
+
+    Text that may still turn out to be the start of a stop string is held back until the
+    next token says otherwise (OpenAI never returns the stop string, streamed or not)."""
+
+    def __init__(self, stops: tuple[tuple[int, ...], ...], *, chat: bool,
+                 logprobs: bool) -> None:
+        self._stops = stops
+        self._chat = chat
+        self._logprobs = logprobs
+        self._decoder = tokenizer.StreamDecoder()
+        self._window = max((len(stop) for stop in stops), default=0)
+        self._tail: tuple[int, ...] = ()
+        """The last `_window` tokens generated."""
+        self._pending: list[tuple[int, sampling.TokenLogprob | None]] = []
+        self._chars = 0
+
+    def feed(self, token: int, logprob: sampling.TokenLogprob | None
+             ) -> tuple[str, dict[str, Any] | None]:
+        self._pending.append((token, logprob))
+        if not self._stops:
+            release, self._pending = self._pending, []
+            return self._render(release)
+        # Only the last tokens can end or begin a stop sequence: a bounded window, not the
+        # whole output, is compared on each token.
+        self._tail = (*self._tail, token)[-self._window:]
+        tail = self._tail
+        if any(tail[len(tail) - len(stop):] == stop for stop in self._stops
+               if len(stop) <= len(tail)):
+            return "", None  # the loop ends the request on this token: none of it is text
+        held = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(self._pending)), held, -1):
+                if tail[len(tail) - k:] == stop[:k]:
+                    held = k
+                    break
+        release = self._pending[:len(self._pending) - held]
+        self._pending = self._pending[len(self._pending) - held:]
+        return self._render(release)
+
+    def finish(self, result: serving_loop.RequestResult) -> tuple[str, dict[str, Any] | None]:
+        keep = len(self._pending) - result.stop_tokens
+        if keep < 0:
+            raise RuntimeError(f"the stop sequence ({result.stop_tokens} tokens) was not "
+                               f"held back ({len(self._pending)} tokens were)")
+        text, logprobs = self._render(self._pending[:keep])
+        self._pending = []
+        tail = self._decoder.flush()
+        self._chars += len(tail)
+        return text + tail, logprobs
+
+    def whole(self, result: serving_loop.RequestResult) -> tuple[str, dict[str, Any] | None]:
+        """A finished request's answer at once (the loop cut its stop sequence already)."""
+        kept = result.answer
+        logprobs = result.logprobs
+        text, body = self._render([(token, None if logprobs is None else logprobs[i])
+                                   for i, token in enumerate(kept)])
+        tail = self._decoder.flush()
+        self._chars += len(tail)
+        return text + tail, body
+
+    def _render(self, tokens: list[tuple[int, sampling.TokenLogprob | None]]
+                ) -> tuple[str, dict[str, Any] | None]:
+        text: list[str] = []
+        offsets: list[int] = []
+        for token, _logprob in tokens:
+            offsets.append(self._chars)
+            piece = self._decoder.feed([token])
+            self._chars += len(piece)
+            text.append(piece)
+        if not self._logprobs:
+            return "".join(text), None
+        entries = [logprob for _token, logprob in tokens if logprob is not None]
+        if len(entries) != len(tokens):
+            raise RuntimeError("the serving loop gave a token without its logprobs")
+        if self._chat:
+            return "".join(text), {"content": [
+                {**_chat_token(e.token), "logprob": e.logprob,
+                 "top_logprobs": [{**_chat_token(t), "logprob": lp} for t, lp in e.top]}
+                for e in entries], "refusal": None}
+        return "".join(text), {
+            "tokens": [_completion_token(e.token) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_completion_token(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+
+def _wants_logprobs(body: _Common) -> bool:
+    if isinstance(body, CompletionRequest):
+        return body.logprobs is not None
+    assert isinstance(body, ChatCompletionRequest)
+    return bool(body.logprobs)
+
+
+async def _collect(choices: _Choices) -> list[serving_loop.RequestResult]:
+    """Wait for every choice's result (their tokens arrive one by one before)."""
+    results: dict[int, serving_loop.RequestResult] = {}
+    while len(results) < choices.n:
+        event = await choices.next()
+        if event.result is not None:
+            results[event.index] = event.result
+    return [results[index] for index in range(choices.n)]
 
 
 async def _disconnected(request: Request) -> None:
@@ -397,10 +677,12 @@ async def _respond(server: Server, request: Request, body: _Common, *, chat: boo
     created = int(time.time())
     model = server.options.served_model_name
     obj = "chat.completion" if chat else "text_completion"
-    stream = server.generate(body, request_id, prompt, max_tokens)
+    choices = _Choices(server, body, request_id, prompt, max_tokens)
+    stops = _stops(body)
+    wants_logprobs = _wants_logprobs(body)
 
     if not body.stream:
-        collector = asyncio.ensure_future(_collect(stream))
+        collector = asyncio.ensure_future(_collect(choices))
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -408,26 +690,33 @@ async def _respond(server: Server, request: Request, body: _Common, *, chat: boo
             watcher.cancel()
             if not collector.done():  # the client went away (or the server stops)
                 collector.cancel()
-                server.engine.cancel(request_id)
+            choices.cancel()  # a no-op once every choice finished
         if not collector.done() or collector.cancelled():
             return JSONResponse(_error_body("the client closed the connection", None,
                                             "client_closed"), status_code=499)
-        result = collector.result()  # raises BadRequest when generation failed
-        text = tokenizer.decode(result.output)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        results = collector.result()  # raises BadRequest when generation failed
+        out: list[dict[str, Any]] = []
+        for index, result in enumerate(results):
+            text, logprob_body = _Answer((), chat=chat, logprobs=wants_logprobs).whole(result)
+            choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason,
+                                      "logprobs": logprob_body}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            out.append(choice)
         return JSONResponse({"id": request_id, "object": obj, "created": created,
-                             "model": model, "choices": [choice], "usage": _usage(result)})
+                             "model": model, "choices": out,
+                             "usage": _usage(results[0], results[1:])})
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta_text: str | None, finish: str | None, *, role: bool = False
+    def chunk(index: int, delta_text: str | None, finish: str | None,
+              logprobs: dict[str, Any] | None = None, *, role: bool = False
               ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish,
+                                  "logprobs": logprobs}
         if chat:
             delta: dict[str, Any] = {}
             if role:
@@ -444,36 +733,39 @@ async def _respond(server: Server, request: Request, body: _Common, *, chat: boo
         return payload
 
     async def events() -> AsyncIterator[bytes]:
-        decoder = tokenizer.StreamDecoder()
-        done = False
+        answers = [_Answer(stops, chat=chat, logprobs=wants_logprobs)
+                   for _ in range(choices.n)]
+        results: dict[int, serving_loop.RequestResult] = {}
         try:
             if chat:
-                yield _sse(chunk("", None, role=True))
-            while True:
-                item = await stream.events.get()
-                if isinstance(item, BaseException):
-                    yield _sse(_error_body(f"generation failed: {item}", None,
-                                           "engine_error", "server_error"))
-                    done = True
-                    break
-                if isinstance(item, int):
-                    text = decoder.feed([item])
-                    if text:
-                        yield _sse(chunk(text, None))
+                for index in range(choices.n):
+                    yield _sse(chunk(index, "", None, role=True))
+            while len(results) < choices.n:
+                try:
+                    event = await choices.next()
+                except BadRequest as exc:
+                    yield _sse(_error_body(exc.message, None, exc.code, "server_error"))
+                    return
+                answer = answers[event.index]
+                if event.token is not None:
+                    text, logprobs = answer.feed(event.token, event.logprob)
+                    if text or logprobs is not None:
+                        yield _sse(chunk(event.index, text, None, logprobs))
                     continue
-                done = True
-                tail = decoder.flush()
-                yield _sse(chunk(tail or ("" if not chat else None), "length"))
-                if include_usage:
-                    usage_chunk: dict[str, Any] = {
-                        "id": request_id, "object": chunk_obj, "created": created,
-                        "model": model, "choices": [], "usage": _usage(item)}
-                    yield _sse(usage_chunk)
-                break
+                assert event.result is not None
+                results[event.index] = event.result
+                tail, logprobs = answer.finish(event.result)
+                yield _sse(chunk(event.index, tail or ("" if not chat else None),
+                                 event.result.finish_reason, logprobs))
+            if include_usage:
+                ordered = [results[index] for index in range(choices.n)]
+                usage_chunk: dict[str, Any] = {
+                    "id": request_id, "object": chunk_obj, "created": created,
+                    "model": model, "choices": [], "usage": _usage(ordered[0], ordered[1:])}
+                yield _sse(usage_chunk)
             yield _sse("[DONE]")
         finally:
-            if not done:  # the client went away (or the server stops): free its pages
-                server.engine.cancel(request_id)
+            choices.cancel()  # the client went away (or the server stops): free its pages
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

@@ -209,6 +209,24 @@ def test_a_client_that_disconnects_mid_stream_releases_its_request(tmp_path: Pat
         assert cache.gpu_free_pages + cache.gpu_evictable_blocks == 1200  # nothing held
 
 
+def test_a_client_that_disconnects_releases_every_choice(tmp_path: Path) -> None:
+    roomy = attrs.evolve(SMALL, gpu_blocks=1200, max_model_len=4096)
+    with serving(roomy, tmp_path) as running, httpx.Client(timeout=60) as http:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "stream": True, "n": 2,
+                "temperature": 1.0}
+        with http.stream("POST", f"{running.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            assert json.loads(first.removeprefix("data: "))["object"] == "text_completion"
+        engine = running.server.engine
+        wait_until(lambda: engine.statistics().requests == 0, "the choices left the loop")
+        stats = engine.statistics()
+        assert stats.cancelled == 2 and stats.loop.decode_tokens < 4000
+        cache = running.server.cache.statistics().cache
+        assert cache.requests_added == cache.requests_released
+        assert cache.gpu_free_pages + cache.gpu_evictable_blocks == 1200  # nothing held
+
+
 def test_a_client_that_gives_up_on_a_whole_response_releases_its_request(
     tmp_path: Path,
 ) -> None:
@@ -224,6 +242,269 @@ def test_a_client_that_gives_up_on_a_whole_response_releases_its_request(
         assert stats.cancelled == 1 and stats.loop.decode_tokens < 4000
         cache = running.server.cache.statistics().cache
         assert cache.requests_added == cache.requests_released == 1
+
+
+# ---------------------------------------------------------------------- sampling
+
+ROOMY = attrs.evolve(SMALL, gpu_blocks=400, max_model_len=400)
+"""Room for many choices of one request at once."""
+
+
+@pytest.fixture
+def roomy(tmp_path: Path) -> Iterator[Running]:
+    with serving(ROOMY, tmp_path) as running:
+        yield running
+
+
+def completion_text(client: openai.OpenAI, salt: str, **fields: Any) -> str:
+    """One completion's text; each `salt` computes afresh (no cached prefix), so that two
+    requests meant to agree run the same arithmetic."""
+    reply = client.completions.create(model=MODEL, prompt=PROMPT,
+                                      extra_body={"cache_salt": salt}, **fields)
+    text = reply.choices[0].text
+    assert isinstance(text, str)
+    return text
+
+
+def test_a_seeded_sample_is_reproducible_and_unlike_other_seeds_and_greedy(
+    roomy: Running,
+) -> None:
+    client = roomy.client()
+    greedy = completion_text(client, "g", max_tokens=24)
+    assert completion_text(client, "g0", max_tokens=24, temperature=0) == greedy
+    # At temperature 0 the seed and top_p change nothing: greedy.
+    assert completion_text(client, "g1", max_tokens=24, temperature=0, seed=5,
+                           top_p=0.5) == greedy
+    seeded = completion_text(client, "a", max_tokens=24, temperature=1.0, seed=7)
+    assert completion_text(client, "b", max_tokens=24, temperature=1.0, seed=7) == seeded
+    assert completion_text(client, "c", max_tokens=24, temperature=1.0, seed=8) != seeded
+    assert seeded != greedy
+    # Unseeded draws are fresh each time (24 near-uniform bytes never repeat by chance).
+    assert (completion_text(client, "d", max_tokens=24, temperature=1.0)
+            != completion_text(client, "e", max_tokens=24, temperature=1.0))
+
+
+def test_a_tiny_top_p_is_greedy(roomy: Running) -> None:
+    client = roomy.client()
+    greedy = completion_text(client, "g", max_tokens=24)
+    assert completion_text(client, "p", max_tokens=24, temperature=1.5, top_p=1e-6,
+                           seed=3) == greedy
+    assert completion_text(client, "q", max_tokens=24, temperature=1.5, top_p=0.9,
+                           seed=3) != greedy
+
+
+def test_samples_follow_the_models_distribution_sharpened_by_temperature(
+    roomy: Running,
+) -> None:
+    client = roomy.client()
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logprobs=5)
+    assert greedy.choices[0].logprobs is not None
+    (top,) = greedy.choices[0].logprobs.top_logprobs or [{}]
+    assert len(top) == 5
+    p_top = sum(math.exp(logprob) for logprob in top.values())
+
+    def in_top(temperature: float) -> int:
+        """Of 128 first tokens drawn at `temperature`, how many are the model's top 5."""
+        reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, n=128,
+                                          temperature=temperature, seed=1, logprobs=0)
+        assert [choice.index for choice in reply.choices] == list(range(128))
+        names = [(choice.logprobs.tokens or [""])[0] for choice in reply.choices
+                 if choice.logprobs is not None]
+        assert len(names) == 128
+        return sum(name in top for name in names)
+
+    # Temperature 1 draws from the model's own distribution: within five standard
+    # deviations of the binomial's mean (seeded, so the same count every run).
+    at_1 = in_top(1.0)
+    assert abs(at_1 - 128 * p_top) <= 5 * math.sqrt(128 * p_top * (1 - p_top)), (at_1, p_top)
+    # A lower temperature concentrates the draws on the likeliest tokens, a higher spreads.
+    assert in_top(0.25) > 3 * at_1 and in_top(2.0) < at_1
+
+
+def generated_bytes(tokens: list[str]) -> bytes:
+    """The bytes a completion's logprobs name (a byte above 0x7f is "bytes:\\xNN")."""
+    return bytes(int(name[len("bytes:\\x"):], 16) if name.startswith("bytes:") else ord(name)
+                 for name in tokens)
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(roomy: Running) -> None:
+    client = roomy.client()
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48, logprobs=0,
+                                      extra_body={"cache_salt": "full"})
+    full = whole.choices[0].text
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.tokens
+    output = generated_bytes(whole.choices[0].logprobs.tokens)
+    assert len(output) == 48 and output.decode(errors="replace") == full
+    # A stop string of two ASCII bytes, where the output has them (its first place).
+    at = next(i for i in range(4, 47) if output[i] < 0x80 and output[i + 1] < 0x80)
+    pair = output[at:at + 2].decode()
+    cut = output.index(pair.encode())
+    expected = output[:cut].decode(errors="replace")
+    absent = "\u20ac\u20ac\u20ac"
+    assert absent not in full
+    for salt, stop in (("one", pair), ("list", [absent, pair])):
+        reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48, stop=stop,
+                                          extra_body={"cache_salt": salt})
+        assert reply.choices[0].text == expected
+        assert reply.choices[0].finish_reason == "stop"
+        # The stop string's tokens were generated: they count as completion tokens.
+        assert reply.usage is not None and reply.usage.completion_tokens == cut + 2
+    unmatched = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48,
+                                          stop=absent, extra_body={"cache_salt": "none"})
+    assert unmatched.choices[0].text == full
+    assert unmatched.choices[0].finish_reason == "length"
+
+    streamed: list[str] = []
+    finishes: list[Any] = []  # the client's type says str; streamed chunks carry None
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48,
+                                           stop=[pair], stream=True,
+                                           extra_body={"cache_salt": "stream"}):
+        streamed.append(chunk.choices[0].text)
+        finishes.append(chunk.choices[0].finish_reason)
+    assert "".join(streamed) == expected
+    assert finishes[-1] == "stop" and not any(finishes[:-1])
+
+
+def test_n_choices_have_their_indices_and_share_the_prompts_cache(roomy: Running) -> None:
+    client = roomy.client()
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3,
+                                      temperature=1.0, seed=11)
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    texts = [choice.text for choice in reply.choices]
+    assert len(set(texts)) == 3  # each choice draws with a seed of its own
+    assert all(choice.finish_reason == "length" for choice in reply.choices)
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (40, 24)
+    # Choices 1 and 2 started once choice 0 had computed the prompt: they took its nine
+    # full blocks before the last token (36 tokens) from the GPU cache.
+    assert roomy.server.cache.statistics().cache.hit_tokens_gpu == 2 * 36
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3,
+                                      temperature=1.0, seed=11, extra_body={"cache_salt": "x"})
+    assert [choice.text for choice in again.choices] == texts
+    # Choice i of seed s draws as a request of seed s + i.
+    assert completion_text(client, "y", max_tokens=8, temperature=1.0, seed=12) == texts[1]
+    greedy = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Twice."}], max_tokens=6, n=2)
+    assert [choice.index for choice in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_streaming_n_choices_carries_each_choices_index(roomy: Running) -> None:
+    client = roomy.client()
+    messages: list[Any] = [{"role": "user", "content": "Two streams."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, n=2,
+                                           temperature=0.8, seed=4,
+                                           extra_body={"cache_salt": "whole"})
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    roles: list[int] = []
+    finishes: dict[int, str] = {}
+    usage = None
+    for event in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, n=2, temperature=0.8, seed=4,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"cache_salt": "stream"}):
+        if event.usage is not None:
+            usage = event.usage
+        for choice in event.choices:
+            if choice.delta.role is not None:
+                roles.append(choice.index)
+            pieces[choice.index].append(choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    assert sorted(roles) == [0, 1] and finishes == {0: "length", 1: "length"}
+    assert ["".join(pieces[i]) for i in (0, 1)] == [
+        choice.message.content for choice in whole.choices]
+    assert usage is not None and usage.completion_tokens == 20
+
+
+def test_logprobs_of_completions_and_chat(roomy: Running) -> None:
+    client = roomy.client()
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=3)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                   logprobs.top_logprobs, strict=True):
+        assert len(top) == 3 and logprob < 0
+        assert top[token] == logprob == max(top.values())  # greedy: the likeliest
+    assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    # The model's own log-probabilities, whatever the temperature draws with.
+    hot = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logprobs=3,
+                                    temperature=0.3, seed=3)
+    assert hot.choices[0].logprobs is not None and hot.choices[0].logprobs.top_logprobs
+    first = hot.choices[0].logprobs.top_logprobs[0]
+    assert list(first) == list(logprobs.top_logprobs[0])
+    assert list(first.values()) == pytest.approx(list(logprobs.top_logprobs[0].values()),
+                                                 abs=1e-4)
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Scores?"}], max_tokens=5,
+        logprobs=True, top_logprobs=2, temperature=1.0, seed=2)
+    content = chat.choices[0].logprobs
+    assert content is not None and content.content is not None and len(content.content) == 5
+    answer = b"".join(bytes(entry.bytes or []) for entry in content.content)
+    assert answer.decode(errors="replace") == chat.choices[0].message.content
+    for entry in content.content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob <= entry.top_logprobs[0].logprob
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Scores?"}], max_tokens=5,
+        logprobs=False)
+    assert plain.choices[0].logprobs is None
+
+    streamed: list[float] = []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                           logprobs=1, stream=True,
+                                           extra_body={"cache_salt": "s"}):
+        if chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs or []
+    assert streamed == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+
+
+def test_content_parts_are_joined_text(roomy: Running) -> None:
+    client = roomy.client()
+    as_string = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Stream, please."}], max_tokens=8,
+        extra_body={"cache_salt": "s"})
+    as_parts = client.chat.completions.create(
+        model=MODEL, max_tokens=8, extra_body={"cache_salt": "p"},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Stream, "},
+                                               {"type": "text", "text": "please."}]}])
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    assert as_parts.usage is not None and as_string.usage is not None
+    assert as_parts.usage.prompt_tokens == as_string.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, max_tokens=8, messages=[
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
+    assert isinstance(raised.value.body, dict)
+    assert raised.value.body["param"] == "messages.0.content.1.type"
+
+
+def test_zero_penalties_are_accepted(small: Running) -> None:
+    reply = small.client().completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                              presence_penalty=0, frequency_penalty=0.0)
+    assert reply.usage is not None and reply.usage.completion_tokens == 2
+
+
+def test_stop_strings_are_held_back_until_they_cannot_match() -> None:
+    """A streamed answer never shows a stop string, nor text taken back later."""
+    from serve._models import serving_loop
+    from serve.server import _Answer
+
+    answer = _Answer((tuple(b"AB"), tuple(b"XYZ")), chat=False, logprobs=False)
+    fed = [answer.feed(token, None)[0] for token in b"AXAC"]
+    # "A" may begin "AB", then "X" "XYZ", then "A" again; "C" begins nothing.
+    assert fed == ["", "A", "X", "AC"]
+    fed = [answer.feed(token, None)[0] for token in b"XYAB"]
+    assert fed == ["", "", "XY", ""]  # "XYA" is no stop's start; "AB" is one
+    result = serving_loop.RequestResult(request_id="r", prompt_tokens=1,
+                                        output=list(b"AXACXYAB"), stop_tokens=2)
+    assert answer.finish(result) == ("", None)
 
 
 # ---------------------------------------------------------------------- bad requests
@@ -247,8 +528,34 @@ def _post(running: Running, path: str, content: str) -> httpx.Response:
     ('"cache_salt": 7', "cache_salt"),
     ('"max_tokens": 0', "max_tokens"),
     ('"max_tokens": 90', "prompt"),
-    ('"temperature": 0.7', "temperature"),
-    ('"n": 2', "n"),
+    ('"temperature": -0.1', "temperature"),
+    ('"temperature": 2.5', "temperature"),
+    ('"temperature": "hot"', "temperature"),
+    ('"temperature": NaN', "temperature"),
+    ('"top_p": 0', "top_p"),
+    ('"top_p": 1.5', "top_p"),
+    ('"top_p": "all"', "top_p"),
+    ('"n": 0', "n"),
+    ('"n": 129', "n"),
+    ('"n": 2.5', "n"),
+    ('"n": "3"', "n"),
+    ('"stop": ["a", "b", "c", "d", "e"]', "stop"),
+    ('"stop": ""', "stop"),
+    ('"stop": [""]', "stop"),
+    ('"stop": 7', "stop"),
+    ('"stop": ["a", 7]', "stop"),
+    ('"stop": "\\ud800"', "stop"),
+    ('"seed": 1.5', "seed"),
+    ('"seed": "7"', "seed"),
+    ('"seed": 18446744073709551616', "seed"),
+    ('"logprobs": 6', "logprobs"),
+    ('"logprobs": -1', "logprobs"),
+    ('"logprobs": true', "logprobs"),
+    ('"presence_penalty": 0.5', "presence_penalty"),
+    ('"frequency_penalty": -1', "frequency_penalty"),
+    ('"frequency_penalty": 3', "frequency_penalty"),
+    ('"top_logprobs": 2', "top_logprobs"),
+    ('"logit_bias": {"65": 5}', "logit_bias"),
     ('"stream": "yes"', "stream"),
     ('"stream_options": {"include_usage": true}', "stream_options"),
     ('"best_of": 3', "best_of"),
@@ -293,12 +600,47 @@ def test_a_bad_prompt_is_a_400(small: Running, body: str, param: str | None) -> 
     ('[{"role": "wizard", "content": "hi"}]', "messages.0.role"),
     ('[{"role": "user"}]', "messages.0.content"),
     ('[{"role": "user", "content": "' + "y" * 200 + '"}]', "messages"),
+    ('[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]',
+     "messages.0.content.0.type"),
+    ('[{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", '
+     '"text": "hi"}, {"type": "input_audio", "input_audio": {}}]}]',
+     "messages.1.content.1.type"),
+    ('[{"role": "user", "content": [{"type": "text"}]}]', "messages.0.content.0.text"),
+    ('[{"role": "user", "content": [{"type": "text", "text": 7}]}]',
+     "messages.0.content.0.text"),
+    ('[{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]',
+     "messages.0.content.0.text"),
+    ('[{"role": "user", "content": [{"type": "text", "text": "a", "colour": 1}]}]',
+     "messages.0.content.0.colour"),
+    ('[{"role": "user", "content": [{"text": "a"}]}]', "messages.0.content"),
+    ('[{"role": "user", "content": 7}]', "messages.0.content"),
 ])
 def test_a_bad_chat_request_is_a_400(small: Running, messages: str, param: str) -> None:
     response = _post(small, "/v1/chat/completions",
                      f'{{"model": "{MODEL}", "messages": {messages}}}')
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ('"logprobs": 1', "logprobs"),
+    ('"top_logprobs": 21', "top_logprobs"),
+    ('"top_logprobs": 2', "top_logprobs"),
+    ('"logprobs": false, "top_logprobs": 2', "top_logprobs"),
+    ('"max_completion_tokens": 0', "max_completion_tokens"),
+    ('"temperature": 2.01', "temperature"),
+    ('"n": -1', "n"),
+    ('"stop": ["a", "b", "c", "d", "e"]', "stop"),
+    ('"presence_penalty": 1', "presence_penalty"),
+    ('"tools": []', "tools"),
+])
+def test_a_bad_chat_field_is_a_400(small: Running, fields: str, param: str) -> None:
+    response = _post(small, "/v1/chat/completions",
+                     f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": '
+                     f'"hi"}}], {fields}}}')
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
 
 
 def test_the_openai_client_sees_bad_request_errors(small: Running) -> None:

@@ -21,7 +21,7 @@ def test_cancel_drops_waiting_and_running_requests_and_releases_their_pages(
     streamed: list[tuple[str, int]] = []
     with BlockingCache(config) as cache:
         loop = ServingLoop(model, cache, max_running=1,
-                           on_token=lambda rid, token: streamed.append((rid, token)))
+                           on_token=lambda rid, token, _logprob: streamed.append((rid, token)))
         for rid in ("a", "b"):
             loop.submit(ServeRequest(request_id=rid, prompt=tuple(range(10)),
                                      max_new_tokens=5))
