@@ -187,6 +187,10 @@ class StateKVConfig:
     """Prefix of every key in the cluster: deployments sharing a cluster keep theirs apart."""
     remote_timeout_s: float = attrs.field(default=1.0)
     """Bound on every network wait of the shared tier (a dead master costs at most two)."""
+    publish_on: str = attrs.field(default="release")
+    """When the shared tier is offered content (CacheConfig.publish_on): "release" (the
+    default) -- as soon as its request is released, so another replica is served a prompt
+    this one has just answered; "eviction" -- only when its GPU copy is evicted to host."""
     remote_queue_depth: int | None = attrs.field(default=None)
     """Publishes waiting before best-effort ones are shed (with drop_on_pressure); twice this
     refuses every publish.  None: write_queue_depth.  What is published is the spill mode's
@@ -362,6 +366,7 @@ class StateKVConfig:
             cost_aware_onboarding=self.cost_aware_onboarding,
             reclaim_prefetched_first=self.reclaim_prefetched_first,
             shared_tier=self.remote_url is not None,
+            publish_on=self.publish_on,
         )
 
     def rank_directory(self) -> Path | None:
