@@ -46,8 +46,10 @@ computed by the ``crc32c`` package, which runs the CPU's CRC32 instruction (SSE4
 Every spill checksums its whole payload on a writer thread before the write, so the
 checksum's rate bounds the spill's: measured by ``python -m bench.checksum`` on this
 project's 2-vCPU CPU machine (AMD EPYC; BENCHMARKS.md, "Payload checksum"), CRC-32C runs
-at about twice zlib's CRC-32 on 256 KiB - 4 MiB buffers read from memory, and both release
-the GIL (two threads reach twice one thread's rate).  Earlier measurements put sha256 /
+at 2.1-3.0x zlib's CRC-32 on 256 KiB - 4 MiB buffers read from memory (10-15 GB/s against
+4-6.5 GB/s a thread), which takes the checksum's share of a spilled block's writer-thread
+time from 29-47% to 16-25%.  Both release the GIL on large buffers (zlib above 5 KiB,
+crc32c from 32 KiB), so writer threads checksum in parallel.  Earlier measurements put sha256 /
 sha1 (SHA-NI) at 1.5 GB/s and blake2b / md5 at 0.65 GB/s; zlib.adler32 is no faster than
 zlib.crc32 and weaker.  A CRC is not a MAC: it detects rot, torn and misdirected writes,
 not an adversary who can write the disk (who could as well rewrite the key).  Because a CRC
@@ -65,10 +67,11 @@ Versions.  Version 2 added the fields after header_crc; a version 1 file (``slot
 holds nothing an index rebuild could use (no parent key, no deadline), so it is reclaimed,
 never read.  Version 3 changed only the checksum function, of both checksums, from zlib's
 CRC-32 to CRC-32C: every byte of the layout is version 2's, so version 2 slots are still
-read, and verified with the checksum they were written with (the version field, which
-both checksums cover, says which; a version rotted into the other one fails the header
-checksum).  New slots are written as version 3; a data file holds both versions side by
-side until its old slots are overwritten, and keeps its version 2 name (posix_open).
+read, and verified with the checksum they were written with (the version field says
+which; the header checksum covers it, so a version rotted into the other one fails that
+checksum, computed with the other function, but for the CRC's 2^-32 odds).  New slots are
+written as version 3; a data file holds both versions side by side until its old slots are
+overwritten, and keeps its version 2 name (posix_open).
 """
 
 from __future__ import annotations
