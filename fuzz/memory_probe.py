@@ -5,8 +5,8 @@ closed with what was held before it opened.  Some device memory is held for the 
 *process*, not of a cache, and appears the first time a path runs:
 
 * the CRC tables of the device checksum (``io_actors.storage.slot_format._crc_device_tables``, an
-  ``lru_cache`` of up to 16 entries, one per device and payload size), built by the first
-  read the kvikio store verifies on the GPU;
+  ``lru_cache`` of up to 16 entries, one per device, payload size and slot format version),
+  built by the first read the kvikio store verifies on the GPU;
 * whatever torch creates on first use and keeps -- per-thread CUDA handles and the
   workspaces it allocates through the caching allocator, the caching allocator's own state.
 

@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 
@@ -178,14 +179,16 @@ def test_a_closed_store_refuses_batches(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("length", [1, 100, 4095, 4096, 4097, 65536 + 3, 2 * 1024 * 1024])
-def test_the_batched_gpu_checksum_is_zlib_crc32(length: int) -> None:
+def test_the_batched_gpu_checksum_is_the_host_checksum_of_both_versions(length: int) -> None:
     from io_actors.storage.gpu_checksum import payload_checksums_cuda
 
     gen = torch.Generator().manual_seed(length)
     pages = [torch.randint(0, 256, (length,), dtype=torch.uint8, generator=gen)
              for _ in range(5)]
-    expected = [zlib.crc32(p.numpy().tobytes()) for p in pages]
+    expected = [crc32c.crc32c(p.numpy().tobytes()) for p in pages]
     assert payload_checksums_cuda([p.cuda() for p in pages]) == expected
+    old = [zlib.crc32(p.numpy().tobytes()) for p in pages]  # version 2 slots
+    assert payload_checksums_cuda([p.cuda() for p in pages], version=2) == old
 
 
 @pytest.mark.gpu
@@ -210,5 +213,6 @@ def test_copying_pages_to_host_records_their_checksums_on_the_gpu() -> None:
     engine.copy_pages(pairs, to_gpu=False)
     engine.fence().wait()
     for _g, h in pairs:
-        expected = zlib.crc32(pools.host_page(h).numpy().tobytes())
+        # The checksum a new (version 3) slot's header stores: CRC-32C.
+        expected = crc32c.crc32c(pools.host_page(h).numpy().tobytes())
         assert int(pools.host_crcs[h]) & 0xFFFFFFFF == expected

@@ -11,6 +11,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 
@@ -130,7 +131,8 @@ def test_slots_written_by_the_posix_store_read_onto_the_gpu(tmp_path: Path) -> N
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("length", [1, 4095, 4096, 4097, 1 << 20, (4 << 20) + 3])
-def test_the_gpu_checksum_equals_zlib_crc32(length: int) -> None:
+def test_the_gpu_checksum_equals_the_host_checksum_of_both_versions(length: int) -> None:
     data = os.urandom(length)
     tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
-    assert payload_checksum_torch(tensor) == zlib.crc32(data)
+    assert payload_checksum_torch(tensor) == crc32c.crc32c(data)
+    assert payload_checksum_torch(tensor, version=2) == zlib.crc32(data)

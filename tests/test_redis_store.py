@@ -216,6 +216,28 @@ def test_the_value_is_the_slot_format(store: RedisClusterStore) -> None:
     assert value == image[: HEADER_SIZE + CONFIG.block_bytes]
 
 
+def test_a_version_2_value_is_fetched_and_a_corrupted_one_refused(
+        store: RedisClusterStore) -> None:
+    """A value a replica of the previous build published (slot format version 2, zlib CRC-32)
+    is fetched and verified with its own checksums; one bit off and it is CORRUPT."""
+    good, bad = chain(2)
+    for key, seed in ((good, 4), (bad, 5)):
+        image = pack_slot(slot=0, key=key,  # type: ignore[arg-type]
+                          payload=block(seed).numpy().tobytes(),
+                          config=store.config_fingerprint, version=2)
+        value = bytearray(image[: HEADER_SIZE + CONFIG.block_bytes])
+        if key == bad:
+            value[HEADER_SIZE + 17] ^= 0x01
+        store.client.set(store.redis_key(key), bytes(value))
+    got, other = blank(), blank()
+    outcome = store.fetch_many([RemoteIO(good, got), RemoteIO(bad, other)])
+    assert status_of(outcome[0]) is FetchStatus.HIT
+    assert torch.equal(got, block(4))
+    assert status_of(outcome[1]) is FetchStatus.CORRUPT
+    assert "payload checksum mismatch" in str(outcome[1])
+    assert torch.equal(other, blank())
+
+
 def test_match_stops_at_the_first_block_the_cluster_lacks(store: RedisClusterStore) -> None:
     keys = chain(6)
     store.publish_many([RemoteIO(k, block(i)) for i, k in enumerate(keys) if i != 3])

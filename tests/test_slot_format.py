@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import struct
 import zlib
 
+import crc32c
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -15,6 +17,7 @@ from io_actors.storage.slot_format import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
+    OLDEST_READ_VERSION,
     MacMismatch,
     SlotHeader,
     SlotMeta,
@@ -83,14 +86,64 @@ def test_unexpected_payload_length_is_refused() -> None:
         unpack_slot(image, slot=SlotId(3), key=KEY, payload_len=201)
 
 
-def test_other_format_version_is_refused() -> None:
+@pytest.mark.parametrize("version", [0, 1, FORMAT_VERSION + 1])
+def test_other_format_version_is_refused(version: int) -> None:
     header = SlotHeader(
-        slot=0, key=KEY, payload_len=4, payload_crc=payload_checksum(b"abcd"),
-        version=FORMAT_VERSION + 1,
+        slot=0, key=KEY, payload_len=4, payload_crc=payload_checksum(b"abcd", version=version),
+        version=version,
     )
     image = header.pack() + b"abcd" + bytes(ALIGN - 4)
-    with pytest.raises(TransferFailed, match="version"):
+    with pytest.raises(TransferFailed, match=f"version {version}, this build reads versions 2 "):
         unpack_slot(image, slot=SlotId(0), key=KEY, payload_len=4)
+
+
+# --- version 2 slots (zlib CRC-32), as the previous build wrote them: still read ------------
+
+
+def test_the_versions_read_are_2_and_3() -> None:
+    assert (OLDEST_READ_VERSION, FORMAT_VERSION) == (2, 3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=3 * ALIGN))
+def test_a_version_2_slot_is_read_and_verified_with_zlib_crc32(payload: bytes) -> None:
+    image = pack_slot(slot=SlotId(4), key=KEY, payload=payload, meta=META, version=2)
+    header = SlotHeader.unpack(image, what="slot 4")
+    assert header.version == 2
+    assert header.payload_crc == zlib.crc32(payload)
+    assert bytes(unpack_slot(image, slot=SlotId(4), key=KEY, payload_len=len(payload))) == (
+        payload
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(index=st.integers(0, HEADER_SIZE + 2 * ALIGN - 1), bit=st.integers(0, 7))
+def test_any_flipped_bit_of_a_version_2_slot_is_detected(index: int, bit: int) -> None:
+    image = pack_slot(slot=SlotId(5), key=KEY, payload=os.urandom(2 * ALIGN), meta=META,
+                      version=2)
+    with pytest.raises(TransferFailed):
+        unpack_slot(_flip(image, index, bit), slot=SlotId(5), key=KEY, payload_len=2 * ALIGN)
+
+
+@pytest.mark.parametrize(("written", "claimed"), [(2, 3), (3, 2)])
+def test_a_version_field_changed_to_the_other_version_fails_the_header_checksum(
+    written: int, claimed: int
+) -> None:
+    # The version picks the checksum function: a version rotted into the other readable one
+    # must not make the reader check the wrong CRC and pass (the header CRC covers it).
+    image = bytearray(pack_slot(slot=SlotId(1), key=KEY, payload=b"kv" * 64, version=written))
+    struct.pack_into("<I", image, 8, claimed)
+    with pytest.raises(TransferFailed, match="header checksum mismatch"):
+        unpack_slot(bytes(image), slot=SlotId(1), key=KEY, payload_len=128)
+
+
+def test_a_version_2_payload_under_a_crc32c_checksum_is_refused() -> None:
+    # A version 2 header whose payload_crc is CRC-32C (a writer that mixed them up) fails.
+    payload = os.urandom(ALIGN)
+    header = SlotHeader(slot=0, key=KEY, payload_len=ALIGN, payload_crc=crc32c.crc32c(payload),
+                        version=2)
+    with pytest.raises(TransferFailed, match="payload checksum mismatch"):
+        unpack_slot(header.pack() + payload, slot=SlotId(0), key=KEY, payload_len=ALIGN)
 
 
 def test_zeroed_slot_reads_as_never_written() -> None:
@@ -172,29 +225,52 @@ def test_pack_into_a_short_buffer_names_the_field() -> None:
     assert info.value.field == "block"
 
 
-def test_host_checksum_is_zlib_crc32() -> None:
+def test_host_checksum_is_crc32c_known_answers() -> None:
+    # The check values of the CRC catalogue (CRC-32C, "CRC-32/ISCSI") and RFC 3720 B.4.
+    assert payload_checksum(b"123456789") == 0xE3069283
+    assert payload_checksum(bytes(32)) == 0x8A9136AA
+    assert payload_checksum(b"\xff" * 32) == 0x62A8AB43
+    assert payload_checksum(bytes(range(32))) == 0x46DD794E
+    # Version 2's: zlib's CRC-32 ("CRC-32/ISO-HDLC").
+    assert payload_checksum(b"123456789", version=2) == 0xCBF43926
+
+
+@pytest.mark.parametrize(("version", "reference"), [(3, crc32c.crc32c), (2, zlib.crc32)])
+def test_host_checksum_is_the_reference_and_runs_on(version: int, reference: object) -> None:
+    assert callable(reference)
     data = os.urandom(10_000)
-    assert payload_checksum(data) == zlib.crc32(data)
-    assert payload_checksum(data[5000:], payload_checksum(data[:5000])) == zlib.crc32(data)
+    whole = payload_checksum(data, version=version)
+    assert whole == reference(data)
+    first = payload_checksum(data[:5000], version=version)
+    assert payload_checksum(data[5000:], first, version=version) == whole
+
+
+_REFERENCE = {3: crc32c.crc32c, 2: zlib.crc32}
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.binary(min_size=0, max_size=3 * 4096 + 5))
-@example(data=b"\x00")
-@example(data=b"\xff" * 4096)
-@example(data=b"\x01" * 4097)
-def test_device_checksum_equals_zlib_crc32(data: bytes) -> None:
+@given(data=st.binary(min_size=0, max_size=3 * 4096 + 5), version=st.sampled_from([2, 3]))
+@example(data=b"\x00", version=3)
+@example(data=b"\xff" * 4096, version=3)
+@example(data=b"\x01" * 4097, version=3)
+@example(data=b"123456789", version=3)
+@example(data=b"\x01" * 4097, version=2)
+def test_device_checksum_equals_the_host_checksum(data: bytes, version: int) -> None:
     tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
         0, dtype=torch.uint8
     )
-    assert payload_checksum_torch(tensor) == zlib.crc32(data)
+    assert payload_checksum_torch(tensor, version=version) == _REFERENCE[version](data)
+    if version == FORMAT_VERSION:
+        assert payload_checksum_torch(tensor) == payload_checksum(data)
 
 
+@pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("length", [256 * 4096, 256 * 4096 + 1, 300 * 4096 + 17])
-def test_device_checksum_equals_zlib_crc32_across_slices(length: int) -> None:
+def test_device_checksum_equals_the_host_checksum_across_slices(length: int,
+                                                               version: int) -> None:
     data = os.urandom(length)
     tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    assert payload_checksum_torch(tensor) == zlib.crc32(data)
+    assert payload_checksum_torch(tensor, version=version) == _REFERENCE[version](data)
 
 
 def test_device_checksum_refuses_non_byte_tensors() -> None:
@@ -206,9 +282,42 @@ def test_device_checksum_refuses_non_byte_tensors() -> None:
 def test_the_slot_format_is_stable_byte_for_byte() -> None:
     # Slot files outlive the process that wrote them: a change to any byte of the format
     # (field order, either checksum's input, the MAC's input) makes existing files unreadable,
-    # so it must be a new FORMAT_VERSION, never an accident.  The images below are version 2.
+    # so it must be a new FORMAT_VERSION, never an accident.  The images below are version 3;
+    # the checksums are crc32c.crc32c of the payload, and of the header with its CRC zeroed.
     image = pack_slot(slot=SlotId(3), key=BlockHash(bytes(range(32))),
                       payload=bytes(range(256)) * 16)
+    assert len(image) == 8192
+    assert image[:72].hex() == (
+        "53544b56534c4f54" "03000000" "00100000" "0300000000000000" "0010000000000000"
+        "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f" "32fe719c"
+        "333f160b"
+    )
+    assert image[68:72] == struct.pack(
+        "<I", crc32c.crc32c(bytes(image[:68]) + bytes(4) + bytes(image[72:4096]))
+    )
+    assert image[72:4096] == bytes(4096 - 72)
+    assert image[4096:] == bytes(range(256)) * 16
+    meta = SlotMeta(parent=bytes(range(32, 64)), depth=5, reuse_count=2, expiry=1.5e9,
+                    written_at=1.4e9, sequence=9)
+    image = pack_slot(slot=SlotId(3), key=BlockHash(bytes(range(32))),
+                      payload=bytes(range(256)) * 16, config=bytes(range(16)), meta=meta,
+                      mac_key=b"k" * 16)
+    assert image[64:72].hex() == "32fe719cd6e61fdb"
+    assert image[72:188].hex() == (
+        "000102030405060708090a0b0c0d0e0f"
+        "202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f"
+        "000000c00b5ad641" "0000008093dcd441" "0900000000000000" "05000000" "02000000"
+        "07000000"
+        "bea0160266b6643ee77711ecd0f44f5983b5095b96110e1d33cffc852af0b301"
+    )
+    assert image[188:4096] == bytes(4096 - 188)
+
+
+def test_the_version_2_slot_format_is_read_as_it_was_written() -> None:
+    # Exactly the images the version 2 build wrote (its golden bytes, unchanged): this build
+    # must read them, so existing slot files and Redis values keep serving after the upgrade.
+    image = pack_slot(slot=SlotId(3), key=BlockHash(bytes(range(32))),
+                      payload=bytes(range(256)) * 16, version=2)
     assert len(image) == 8192
     assert image[:72].hex() == (
         "53544b56534c4f54" "02000000" "00100000" "0300000000000000" "0010000000000000"
@@ -221,8 +330,12 @@ def test_the_slot_format_is_stable_byte_for_byte() -> None:
                     written_at=1.4e9, sequence=9)
     image = pack_slot(slot=SlotId(3), key=BlockHash(bytes(range(32))),
                       payload=bytes(range(256)) * 16, config=bytes(range(16)), meta=meta,
-                      mac_key=b"k" * 16)
+                      mac_key=b"k" * 16, version=2)
     assert image[64:72].hex() == "822091a289b2c743"
+    assert bytes(unpack_slot(image, slot=SlotId(3), key=BlockHash(bytes(range(32))),
+                             payload_len=4096, mac_key=b"k" * 16)) == bytes(range(256)) * 16
+    header = SlotHeader.unpack(image, what="slot 3")
+    assert (header.version, header.meta, header.config) == (2, meta, bytes(range(16)))
     assert image[72:188].hex() == (
         "000102030405060708090a0b0c0d0e0f"
         "202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f"

@@ -52,8 +52,8 @@ CASES: list[tuple[str, Callable[[], bytearray], dict[str, object], str]] = [
     ("no magic", lambda: _flipped(0), {}, "no slot header (magic b'CTKVSLOT'): never "
                                           "written, or overwritten"),
     ("other version", lambda: _with_fields(version=slot_format.FORMAT_VERSION + 1), {},
-     f"slot format version {slot_format.FORMAT_VERSION + 1}, this build reads "
-     f"{slot_format.FORMAT_VERSION}"),
+     f"slot format version {slot_format.FORMAT_VERSION + 1}, this build reads versions "
+     f"{slot_format.OLDEST_READ_VERSION} to {slot_format.FORMAT_VERSION}"),
     ("header size", lambda: _with_fields(header_size=8192), {},
      "header size 8192, expected 4096"),
     ("header checksum", lambda: _flipped(HEADER_SIZE - 1), {}, "header checksum mismatch"),

@@ -1,7 +1,8 @@
 """The slot format's payload checksum of many GPU pages in one kernel launch.
 
-:func:`io_actors.storage.slot_format.payload_checksum_torch` computes ``zlib.crc32`` of one device
-buffer from gathers and XORs on int32 tensors: exact on any torch device, but about a dozen
+:func:`io_actors.storage.slot_format.payload_checksum_torch` computes the payload checksum
+(CRC-32C; zlib's CRC-32 for version 2 slots) of one device buffer from gathers and XORs on
+int32 tensors: exact on any torch device, but about a dozen
 kernel launches and tensor temporaries per block, all issued from Python.  A reader that
 verifies a batch of pages read straight into GPU memory would pay that per block, on a
 worker thread that competes with the serving loop for the interpreter lock.  Here the same
@@ -9,9 +10,11 @@ arithmetic runs as one CUDA kernel (a CuPy ``RawKernel``: cupy is the ``cu12``/`
 extra) for a whole batch: one thread block per page, one thread per 4 KiB chunk, each thread
 running the byte-at-a-time CRC register over its chunk (table in shared memory), shifting it
 past the chunks after it with the same per-chunk byte tables the torch version uses
-(``_crc_device_tables``), and the block XOR-reducing its threads' results.  The result is
-bit-identical to ``zlib.crc32``; the torch path stays the fallback where cupy is missing and
-the reference the tests compare against.
+(``_crc_device_tables``), and the block XOR-reducing its threads' results.  The kernel
+knows no polynomial: the byte table, the shift tables and the CRC of zeros it is given are
+those of the slot format version asked for, so one kernel computes both checksums, each
+bit-identical to the host's (``crc32c.crc32c``, ``zlib.crc32``); the torch path stays the
+fallback where cupy is missing and the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from io_actors.storage.slot_format import (
     _CRC_CHUNK,
+    FORMAT_VERSION,
     _crc_device_tables,
     _crc_of_zeros,
     _crc_table,
@@ -42,9 +46,9 @@ extern "C" __global__ void crc32_pages(
     const unsigned long long* pages,  // device address of each page
     long long length,                 // bytes per page
     int chunks,                       // ceil(length / CHUNK)
-    const unsigned int* table,        // the 256-entry CRC-32 table
+    const unsigned int* table,        // the 256-entry table of the CRC's polynomial
     const unsigned int* shifts,       // [chunks][1024]: byte tables of Z^(CHUNK*(chunks-1-k))
-    unsigned int zeros_crc,           // crc32 of `length` zero bytes
+    unsigned int zeros_crc,           // the CRC of `length` zero bytes
     unsigned int* out,                // the CRCs (device memory, or pinned host memory)
     const long long* out_index)       // where page k's CRC goes (null: at k)
 {
@@ -91,8 +95,8 @@ def _kernel() -> Any | None:
 
 
 @functools.cache
-def _table(device: torch.device) -> torch.Tensor:
-    return torch.tensor(_crc_table(), dtype=torch.int64).to(torch.int32).to(device)
+def _table(device: torch.device, version: int) -> torch.Tensor:
+    return torch.tensor(_crc_table(version), dtype=torch.int64).to(torch.int32).to(device)
 
 
 def have_kernel() -> bool:
@@ -126,8 +130,9 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
-            index: torch.Tensor | None) -> None:
-    """Enqueue the kernel on the current stream (no synchronization)."""
+            index: torch.Tensor | None, version: int) -> None:
+    """Enqueue the kernel, computing the checksum of slot format `version`, on the current
+    stream (no synchronization)."""
     import cupy
     import numpy as np
 
@@ -135,8 +140,8 @@ def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
     assert kernel is not None
     device = pages[0].device
     chunks = -(-length // _CRC_CHUNK)
-    _position, shifts = _crc_device_tables(device, chunks)
-    table = _table(device)
+    _position, shifts = _crc_device_tables(device, chunks, version)
+    table = _table(device, version)
     addresses = _to_device([p.data_ptr() for p in pages], device)
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
@@ -145,7 +150,7 @@ def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
             (
                 np.uint64(addresses.data_ptr()), np.int64(length), np.int32(chunks),
                 np.uint64(table.data_ptr()), np.uint64(shifts.data_ptr()),
-                np.uint32(_crc_of_zeros(length)), np.uint64(out.data_ptr()),
+                np.uint32(_crc_of_zeros(length, version)), np.uint64(out.data_ptr()),
                 np.uint64(0 if index is None else index.data_ptr()),
             ),
         )
@@ -160,7 +165,8 @@ def warm_up(length: int, device: torch.device) -> None:
 
     The first call otherwise pays for both (about 0.7 s on the H200 machine, measured): on a
     serving thread's first eviction, or inside the first batch of reads.  Caches open their
-    pools and stores with this.
+    pools and stores with this.  The tables are those of the format this build writes; the
+    first read of a version 2 slot builds that version's (the kernel is the same).
     """
     if _kernel() is None or length <= 0:
         return
@@ -169,26 +175,28 @@ def warm_up(length: int, device: torch.device) -> None:
         payload_checksums_cuda([page])
 
 
-def payload_checksums_cuda(pages: Sequence[torch.Tensor]) -> list[int]:
-    """``zlib.crc32`` of each page: contiguous 1-D uint8 CUDA tensors of one length, on one
-    device.  Runs on the current stream and reads the results back with one synchronizing
-    copy."""
+def payload_checksums_cuda(pages: Sequence[torch.Tensor], *,
+                           version: int = FORMAT_VERSION) -> list[int]:
+    """The payload checksum of slot format `version` (``payload_checksum``) of each page:
+    contiguous 1-D uint8 CUDA tensors of one length, on one device.  Runs on the current
+    stream and reads the results back with one synchronizing copy."""
     if not pages:
         return []
     length = _check_pages(pages)
     if _kernel() is None or length == 0:
-        return [payload_checksum_torch(page) for page in pages]
+        return [payload_checksum_torch(page, version=version) for page in pages]
     out = torch.empty(len(pages), dtype=torch.int32, device=pages[0].device)
-    _launch(pages, length, out, None)
+    _launch(pages, length, out, None, version)
     return [int(v) & 0xFFFFFFFF for v in out.cpu().tolist()]
 
 
 def checksums_into(pages: Sequence[torch.Tensor], out: torch.Tensor,
                    slots: Sequence[int]) -> None:
-    """Enqueue on the current stream: ``out[slots[k]] = zlib.crc32(pages[k])``, without
-    waiting.  `out` is int32, on the pages' device or in pinned host memory (which a CUDA
-    kernel writes directly: pinned memory is mapped into the device's address space under
-    unified addressing).  Whoever reads an entry first waits for an event recorded after
+    """Enqueue on the current stream: ``out[slots[k]] = payload_checksum(pages[k])``, of the
+    format this build writes (a writer stores it in a new slot's header), without waiting.
+    `out` is int32, on the pages' device or in pinned host memory (which a CUDA kernel
+    writes directly: pinned memory is mapped into the device's address space under unified
+    addressing).  Whoever reads an entry first waits for an event recorded after
     this call on the same stream.  Needs the kernel (``have_kernel()``)."""
     if not pages:
         return
@@ -202,4 +210,4 @@ def checksums_into(pages: Sequence[torch.Tensor], out: torch.Tensor,
     if len(slots) != len(pages) or not all(0 <= s < out.numel() for s in slots):
         raise UsageError("slots", "one index into `out` per page")
     index = _to_device(list(slots), pages[0].device)
-    _launch(pages, length, out, index)
+    _launch(pages, length, out, index, FORMAT_VERSION)

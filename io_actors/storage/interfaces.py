@@ -35,7 +35,8 @@ class SlotIO:
     """uint8, one block: a host page to write from, or a page or staging view to read into."""
     crc: int | None = None
     """A write's payload checksum when it was computed elsewhere (on the GPU, by the copy
-    that filled the host page); None: the store computes it.  A wrong value can only make
+    that filled the host page), of the slot format this build writes (CRC-32C, version 3);
+    None: the store computes it.  A wrong value can only make
     the slot fail its check when read back, never serve wrong bytes."""
     meta: SlotMeta | None = None
     """A write's restore metadata for the slot header (what an index rebuild needs)."""

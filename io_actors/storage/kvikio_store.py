@@ -9,9 +9,10 @@ reported in :meth:`KvikioSlotStore.gds`.
 
 Verifying a device read.  The header is small and read on the host first (one 4 KiB
 O_DIRECT read), then checked against the expected slot, key and length before any payload
-byte moves.  The payload goes straight into the GPU page, and its CRC-32 is computed *on the
-GPU* by :func:`~io_actors.storage.slot_format.payload_checksum_torch`, which is bit-for-bit
-``zlib.crc32`` (what the writer stored), built from gathers and XORs on int32 tensors on a
+byte moves.  The payload goes straight into the GPU page, and its checksum is computed *on
+the GPU* by :func:`~io_actors.storage.slot_format.payload_checksum_torch`, which is
+bit-for-bit the host's (CRC-32C, or zlib's CRC-32 for a version 2 slot: what the writer
+stored, as the header's version says), built from gathers and XORs on int32 tensors on a
 stream of this store's own.  The alternative, staging the payload through a host buffer to
 check it there, would put the bytes through host memory twice and defeat GDS; reading the
 payload back from the GPU to check it would add a copy per block.  The page holds unverified
@@ -22,7 +23,8 @@ Batches: ``read_many`` submits every slot of a batch to kvikio's C++ thread pool
 (header into a host buffer, payload into its GPU page: two futures per slot, no Python
 between the bytes), waits for all of them, checks the headers on the host, and verifies
 every payload with one checksum kernel launch for the whole batch
-(:func:`io_actors.storage.gpu_checksum.payload_checksums_cuda`).  ``write_many`` goes to the wrapped
+(:func:`io_actors.storage.gpu_checksum.payload_checksums_cuda`; one per slot format version
+in the batch, so a batch holding version 2 slots too takes two).  ``write_many`` goes to the wrapped
 POSIX store's vector writes.
 
 Ordering obligations of the caller (the reader actor): before a device read, wait on a
@@ -220,7 +222,7 @@ class KvikioSlotStore:
             raise TransferFailed(what, f"short read: {got} of {payload_len} payload bytes")
         try:
             with torch.cuda.device(dst.device), torch.cuda.stream(self._verify_stream):
-                actual = payload_checksum_torch(dst)
+                actual = payload_checksum_torch(dst, version=header.version)
         except RuntimeError as exc:
             raise TransferFailed(what, f"device checksum failed: {exc}") from exc
         verify_checksum(header, actual, what=what)
@@ -297,20 +299,24 @@ class KvikioSlotStore:
                 out[n] = exc
             else:
                 landed.append((n, header))
-        if not landed:
-            return out
-        try:
-            with torch.cuda.device(self._device), torch.cuda.stream(self._verify_stream):
-                crcs = payload_checksums_cuda([items[n].buffer for n, _h in landed])
-        except RuntimeError as exc:
-            for n, _header in landed:
-                out[n] = TransferFailed(f"slot {items[n].slot}", f"device checksum failed: {exc}")
-            return out
-        for (n, header), crc in zip(landed, crcs, strict=True):
+        # Each slot is verified with the checksum of its header's version: one launch per
+        # version present (slots written before version 3 hold zlib CRC-32s).
+        for version in sorted({header.version for _n, header in landed}):
+            group = [(n, header) for n, header in landed if header.version == version]
             try:
-                verify_checksum(header, crc, what=f"slot {items[n].slot}")
-            except TransferFailed as exc:
-                out[n] = exc
+                with torch.cuda.device(self._device), torch.cuda.stream(self._verify_stream):
+                    crcs = payload_checksums_cuda([items[n].buffer for n, _h in group],
+                                                  version=version)
+            except RuntimeError as exc:
+                for n, _header in group:
+                    out[n] = TransferFailed(f"slot {items[n].slot}",
+                                            f"device checksum failed: {exc}")
+                continue
+            for (n, header), crc in zip(group, crcs, strict=True):
+                try:
+                    verify_checksum(header, crc, what=f"slot {items[n].slot}")
+                except TransferFailed as exc:
+                    out[n] = exc
         return out
 
     def discard(self, slot: SlotId) -> None:

@@ -405,7 +405,7 @@ class PosixSlotStore:
         verify_header(header, what=what, slot=slot, key=key, payload_len=self._payload_len)
         if header.config != self._config_fp:
             raise TransferFailed(what, "written under another configuration fingerprint")
-        verify_checksum(header, payload_checksum(payload), what=what)
+        verify_checksum(header, payload_checksum(payload, version=header.version), what=what)
         try:
             verify_mac(self._mac_key, buffer.header, header, payload, what=what)
         except MacMismatch:
@@ -558,7 +558,8 @@ class PosixSlotStore:
                               payload_len=self._payload_len)
                 if header.config != self._config_fp:
                     raise TransferFailed(what, "written under another configuration fingerprint")
-                verify_checksum(header, payload_checksum(payload), what=what)
+                verify_checksum(header, payload_checksum(payload, version=header.version),
+                                what=what)
                 verify_mac(self._mac_key, headers.views[n], header, payload, what=what)
             except MacMismatch as exc:
                 with self._cond:

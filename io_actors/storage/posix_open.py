@@ -46,7 +46,6 @@ from io_actors.storage.retention_journal import (
 )
 from io_actors.storage.slot_format import (
     ALIGN,
-    FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
     SlotHeader,
@@ -57,9 +56,18 @@ from statekv.ids import BlockHash, SlotId
 
 _log = logging.getLogger(__name__)
 
-DATA_FILE: Final = f"slots.v{FORMAT_VERSION}"
-"""Name of the data file inside a store's directory (the format version is in the name, so
-a directory written by another version is recognised before a byte of it is read)."""
+DATA_FILE_VERSION: Final = 2
+"""The version in the data file's name: the slot format version that last changed what a data
+file holds beyond its checksums.  Version 3 of the slot format changed only the checksum
+function, which every slot header names (its version), so a version 2 file is opened and
+restored as it is, with old and new slots side by side.  Raising this to 3 would reclaim
+(delete) every version 2 file at the upgrade.  The cost is in the other direction: a
+version 2 build opens a file holding version 3 slots and counts those as corrupt (a scan),
+or fails their reads (a journal restore), so they are recomputed: never served wrong."""
+DATA_FILE: Final = f"slots.v{DATA_FILE_VERSION}"
+"""Name of the data file inside a store's directory (the file's version is in the name, so
+a directory written by an incompatible version is recognised before a byte of it is
+read)."""
 DATA_FILE_GRAIN: Final = ALIGN
 """Every data file of any configuration is a whole number of these (each slot is)."""
 _NEW_FILE: Final = DATA_FILE + ".new"
@@ -270,13 +278,13 @@ class StoreOpening:
             if match is None:
                 continue
             version = int(match.group(1))
-            if version > FORMAT_VERSION:
+            if version > DATA_FILE_VERSION:
                 raise NewerFormat(
                     "directory", f"{self._directory / name} was written by a newer statekv "
-                    f"(slot format version {version}; this build writes {FORMAT_VERSION}): "
+                    f"(data file version {version}; this build writes {DATA_FILE_VERSION}): "
                     "upgrade, or give this cache another directory"
                 )
-            if version < FORMAT_VERSION:
+            if version < DATA_FILE_VERSION:
                 older.append(self._directory / name)
             elif match.group(2):
                 leftover = True

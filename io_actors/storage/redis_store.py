@@ -15,7 +15,12 @@ The value is the disk tier's slot format without the padding: the 4 KiB header b
 config fingerprint, payload length, payload CRC, header CRC, restore metadata and, when a
 MAC key is configured, the keyed BLAKE2b MAC), then the payload.  The format code is
 io_actors.storage.slot_format's; nothing here re-implements a field.  The header's slot number is
-always :data:`REMOTE_SLOT`: a Redis key names the value, there is no slot geometry.
+always :data:`REMOTE_SLOT`: a Redis key names the value, there is no slot geometry.  Values
+are written in the current slot format version (CRC-32C checksums); a value of version 2
+(zlib CRC-32), published by a replica of an older build under the same Redis key (the
+config fingerprint did not change), is read and verified with its own checksums.  The other
+way round, an older replica refuses a version 3 value as CORRUPT, a miss: during a rolling
+upgrade the old replicas recompute what the new ones publish.
 
 Retention deadlines become Redis key expiry (``SET ... PX``): a block retained for 60 s
 disappears from the cluster when its deadline passes.  Best-effort blocks get no expiry and
@@ -446,7 +451,8 @@ class RedisClusterStore:
         try:
             verify_header(header, what=what, slot=REMOTE_SLOT, key=key,
                           payload_len=self._payload_len)
-            verify_checksum(header, payload_checksum(payload), what=what)
+            verify_checksum(header, payload_checksum(payload, version=header.version),
+                            what=what)
         except TransferFailed as exc:
             raise RemoteFetchFailed(what, exc.cause, FetchStatus.CORRUPT) from None
         try:

@@ -20,7 +20,8 @@ little-endian)::
           64    config    16s  config fingerprint of the writer (slot_format.config_fingerprint)
           80    mac       32s  keyed BLAKE2b-256 of bytes [0, 80), or zeros
          112    zeros
-         124    crc       u32  CRC-32 of bytes [0, 124)
+         124    crc       u32  CRC-32 of bytes [0, 124) (zlib's, as the index journal's,
+                                 which says why the journals did not move to CRC-32C)
 
 Why fixed-size records: one batch is appended with one ``write(2)`` (O_APPEND), so only the
 last record can be torn by a crash, and every other record stays at a multiple of

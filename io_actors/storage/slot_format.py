@@ -4,13 +4,14 @@ Layout of one slot (integers little-endian)::
 
     offset 0      header block, HEADER_SIZE bytes
                     magic        8s   b"STKVSLOT"
-                    version      u32  FORMAT_VERSION
+                    version      u32  FORMAT_VERSION (3; this build reads 2 and 3)
                     header_size  u32  HEADER_SIZE
                     slot         u64  the slot number the writer meant
                     payload_len  u64  bytes of KV that follow
                     key          32s  the block's BlockHash
-                    payload_crc  u32  CRC-32 of the payload (zlib's polynomial and conventions)
-                    header_crc   u32  CRC-32 of the whole header block, this field read as zero
+                    payload_crc  u32  CRC-32C of the payload (version 2: CRC-32, below)
+                    header_crc   u32  CRC-32C of the whole header block, this field read as
+                                      zero (version 2: CRC-32)
                   (version 2: what an index rebuild after a restart needs)
                     config       16s  config fingerprint: model, layout, block size, version
                     parent       32s  the key of the previous block of the chain
@@ -40,24 +41,37 @@ Why these fields:
 - The header checksum covers the whole 4 KiB header block, so no byte of it can rot
   unnoticed; the payload checksum covers every payload byte.
 
-Checksum choice: CRC-32 as computed by ``zlib.crc32``.  Measured on this project's 2-vCPU
-CPU machine (AMD EPYC, zlib 1.2.13): about 3 GB/s per thread on 1-4 MiB buffers, against
-1.5 GB/s for sha256 / sha1 (SHA-NI), 0.65 GB/s for blake2b and md5; zlib.adler32 is no
-faster and weaker.  ``zlib.crc32`` releases the GIL for buffers over 5 KiB: two threads
-checksumming concurrently reach the same aggregate rate as two processes (5.2 GB/s on
-4 MiB buffers).  A CRC is not a MAC: it detects rot, torn and misdirected writes, not an
-adversary who can write the disk (who could as well rewrite the key).  Because a CRC is
-linear over GF(2), it can also be computed on the GPU with plain tensor ops
+Checksum choice: CRC-32C (the Castagnoli polynomial, as iSCSI, ext4 and SCTP use it), as
+computed by the ``crc32c`` package, which runs the CPU's CRC32 instruction (SSE4.2, ARMv8).
+Every spill checksums its whole payload on a writer thread before the write, so the
+checksum's rate bounds the spill's: measured by ``python -m bench.checksum`` on this
+project's 2-vCPU CPU machine (AMD EPYC; BENCHMARKS.md, "Payload checksum"), CRC-32C runs
+at 2.1-3.0x zlib's CRC-32 on 256 KiB - 4 MiB buffers read from memory (10-15 GB/s against
+4-6.5 GB/s a thread), which takes the checksum's share of a spilled block's writer-thread
+time from 29-47% to 16-25%.  Both release the GIL on large buffers (zlib above 5 KiB,
+crc32c from 32 KiB), so writer threads checksum in parallel.  Earlier measurements put sha256 /
+sha1 (SHA-NI) at 1.5 GB/s and blake2b / md5 at 0.65 GB/s; zlib.adler32 is no faster than
+zlib.crc32 and weaker.  A CRC is not a MAC: it detects rot, torn and misdirected writes,
+not an adversary who can write the disk (who could as well rewrite the key).  Because a CRC
+is linear over GF(2), it can also be computed on the GPU with plain tensor ops
 (:func:`payload_checksum_torch`), which is what lets a GPUDirect read be verified without
-bringing the bytes back to the host.
+bringing the bytes back to the host; CRC-32C is the same computation with another
+polynomial.
 
 For a disk that other users can write, the optional keyed MAC (BLAKE2b with a key the caller
 holds and never stores in the directory) closes that gap: a slot forged without the key fails
 its MAC and is never served.  It costs a BLAKE2b pass over the payload (0.65 GB/s per
 thread above), so it is off unless a key is given.
 
-Version 2 added the fields after header_crc; a version 1 file (``slots.v1``) holds nothing an
-index rebuild could use (no parent key, no deadline), so it is reclaimed, never read.
+Versions.  Version 2 added the fields after header_crc; a version 1 file (``slots.v1``)
+holds nothing an index rebuild could use (no parent key, no deadline), so it is reclaimed,
+never read.  Version 3 changed only the checksum function, of both checksums, from zlib's
+CRC-32 to CRC-32C: every byte of the layout is version 2's, so version 2 slots are still
+read, and verified with the checksum they were written with (the version field says
+which; the header checksum covers it, so a version rotted into the other one fails that
+checksum, computed with the other function, but for the CRC's 2^-32 odds).  New slots are
+written as version 3; a data file holds both versions side by side until its old slots are
+overwritten, and keeps its version 2 name (posix_open).
 """
 
 from __future__ import annotations
@@ -71,6 +85,7 @@ import zlib
 from typing import TYPE_CHECKING, Final
 
 import attrs
+import crc32c
 import torch
 
 from statekv.errors import TransferFailed, UsageError
@@ -84,7 +99,18 @@ ALIGN: Final = 4096
 """Alignment of every offset and length in a slot (O_DIRECT and GDS)."""
 HEADER_SIZE: Final = 4096
 MAGIC: Final = b"STKVSLOT"
-FORMAT_VERSION: Final = 2
+FORMAT_VERSION: Final = 3
+"""The version this build writes."""
+OLDEST_READ_VERSION: Final = 2
+"""The oldest version this build reads (version 2: the zlib CRC-32 checksums)."""
+CRC32C_SINCE: Final = 3
+"""The first version whose checksums are CRC-32C; the versions before use zlib's CRC-32."""
+_CONFIG_VERSION: Final = 2
+"""The version in every config fingerprint: what the payload bytes mean, which version 3 (a
+checksum change) left as it was.  Kept at 2 so that the slots and index journal records a
+version 2 cache wrote still match the fingerprint of this build's cache (else every one of
+them would be foreign at a restart), and replicas of either version name a block by the same
+Redis key."""
 KEY_SIZE: Final = DIGEST_SIZE
 CONFIG_FINGERPRINT_SIZE: Final = 16
 MAC_SIZE: Final = 32
@@ -123,8 +149,13 @@ def slot_nbytes(payload_len: int) -> int:
     return HEADER_SIZE + align_up(payload_len)
 
 
-def payload_checksum(data: ReadableBuffer, value: int = 0) -> int:
-    """The format's payload checksum of host bytes (releases the GIL above 5 KiB)."""
+def payload_checksum(data: ReadableBuffer, value: int = 0, *,
+                     version: int = FORMAT_VERSION) -> int:
+    """The payload checksum of host bytes under slot format `version` (a read verifies a
+    slot with its header's version): CRC-32C, or zlib's CRC-32 before CRC32C_SINCE.  Both
+    release the GIL on large buffers (crc32c from 32 KiB, zlib above 5 KiB)."""
+    if version >= CRC32C_SINCE:
+        return crc32c.crc32c(data, value)
     return zlib.crc32(data, value) & _U32
 
 
@@ -148,11 +179,12 @@ def check_key(key: object) -> None:
         raise UsageError("key", f"must be {KEY_SIZE} bytes (a BlockHash), got {key!r:.80}")
 
 
-def _header_crc(block: ReadableBuffer) -> int:
+def _header_crc(block: ReadableBuffer, version: int = FORMAT_VERSION) -> int:
+    """The header checksum: the same function as the payload's, of the same version."""
     view = memoryview(block)
-    crc = zlib.crc32(view[:_CRC_AT])
-    crc = zlib.crc32(_ZERO_CRC_FIELD, crc)
-    return zlib.crc32(view[_HEADER_USED:HEADER_SIZE], crc) & _U32
+    crc = payload_checksum(view[:_CRC_AT], version=version)
+    crc = payload_checksum(_ZERO_CRC_FIELD, crc, version=version)
+    return payload_checksum(view[_HEADER_USED:HEADER_SIZE], crc, version=version)
 
 
 def check_mac_key(field: str, key: object) -> bytes | None:
@@ -188,7 +220,7 @@ def config_fingerprint(
     The model fingerprint is in every chained key too; the layout and block size decide how
     the payload is read as KV, which no key says.
     """
-    text = repr((FORMAT_VERSION, model_fingerprint, layout, block_size)).encode()
+    text = repr((_CONFIG_VERSION, model_fingerprint, layout, block_size)).encode()
     return hashlib.blake2b(text, digest_size=CONFIG_FINGERPRINT_SIZE,
                            person=b"statekv-config").digest()
 
@@ -250,7 +282,9 @@ class SlotHeader:
     key: bytes
     payload_len: int
     payload_crc: int
+    """The payload's checksum, of this header's `version` (:func:`payload_checksum`)."""
     version: int = FORMAT_VERSION
+    """The format version; only tests and tools write anything but FORMAT_VERSION."""
     config: bytes = bytes(CONFIG_FINGERPRINT_SIZE)
     """Config fingerprint of the writer (:func:`config_fingerprint`); zeros when unknown."""
     meta: SlotMeta | None = None
@@ -311,7 +345,7 @@ class SlotHeader:
             view[_MAC_AT:_FIELDS_END] = slot_mac(mac_key, view, payload)
         elif self.mac is not None:
             view[_MAC_AT:_FIELDS_END] = self.mac
-        _CRC.pack_into(view, _CRC_AT, _header_crc(view))
+        _CRC.pack_into(view, _CRC_AT, _header_crc(view, self.version))
 
     def pack(self) -> bytes:
         block = bytearray(HEADER_SIZE)
@@ -323,7 +357,8 @@ class SlotHeader:
         """Parse and self-check a header block; `what` names the slot in errors.
 
         raises: TransferFailed when the block is short, not a slot header, of another
-        format version, or fails its header checksum.
+        format version than those this build reads, or fails its header checksum (of the
+        function its version names).
         """
         view = memoryview(block).cast("B")
         if view.nbytes < HEADER_SIZE:
@@ -335,14 +370,15 @@ class SlotHeader:
             raise TransferFailed(
                 what, f"no slot header (magic {bytes(magic)!r}): never written, or overwritten"
             )
-        if version != FORMAT_VERSION:
+        if not OLDEST_READ_VERSION <= version <= FORMAT_VERSION:
             raise TransferFailed(
-                what, f"slot format version {version}, this build reads {FORMAT_VERSION}"
+                what, f"slot format version {version}, this build reads versions "
+                f"{OLDEST_READ_VERSION} to {FORMAT_VERSION}"
             )
         if header_size != HEADER_SIZE:
             raise TransferFailed(what, f"header size {header_size}, expected {HEADER_SIZE}")
         (stored_crc,) = _CRC.unpack_from(view, _CRC_AT)
-        actual_crc = _header_crc(view)
+        actual_crc = _header_crc(view, version)
         if stored_crc != actual_crc:
             raise TransferFailed(
                 what, f"header checksum mismatch (stored {stored_crc:#010x}, "
@@ -407,7 +443,11 @@ def verify_mac(
 
 
 def verify_checksum(header: SlotHeader, actual_crc: int, *, what: str) -> None:
-    """raises: TransferFailed when the payload's checksum is not the header's."""
+    """raises: TransferFailed when the payload's checksum is not the header's.
+
+    `actual_crc` is the payload's checksum of the header's version
+    (``payload_checksum(payload, version=header.version)``, or its device forms).
+    """
     if actual_crc != header.payload_crc:
         raise TransferFailed(
             what, f"payload checksum mismatch (header {header.payload_crc:#010x}, "
@@ -418,12 +458,16 @@ def verify_checksum(header: SlotHeader, actual_crc: int, *, what: str) -> None:
 def pack_slot(
     *, slot: SlotId, key: BlockHash, payload: ReadableBuffer, config: bytes | None = None,
     meta: SlotMeta | None = None, mac_key: bytes | None = None,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
-    """A whole slot image: header, payload, zero padding (tests and tools)."""
+    """A whole slot image: header, payload, zero padding (tests and tools; `version` makes
+    a slot as an older build wrote it)."""
     data = memoryview(payload).cast("B")
     header = SlotHeader(
-        slot=slot, key=key, payload_len=data.nbytes, payload_crc=payload_checksum(data),
+        slot=slot, key=key, payload_len=data.nbytes,
+        payload_crc=payload_checksum(data, version=version),
         config=config if config is not None else bytes(CONFIG_FINGERPRINT_SIZE), meta=meta,
+        version=version,
     )
     image = bytearray(slot_nbytes(data.nbytes))
     header.pack_into(image, mac_key=mac_key, payload=data)
@@ -447,7 +491,7 @@ def unpack_slot(
     if view.nbytes < end:
         raise TransferFailed(what, f"short slot: {view.nbytes} bytes, needs {end}")
     payload = view[HEADER_SIZE:end]
-    verify_checksum(header, payload_checksum(payload), what=what)
+    verify_checksum(header, payload_checksum(payload, version=header.version), what=what)
     verify_mac(mac_key, view[:HEADER_SIZE], header, payload, what=what)
     return payload
 
@@ -463,32 +507,44 @@ class SlotExtent:
 
 # --- the same checksum on any torch device ----------------------------------------------------
 #
-# zlib's CRC-32 is affine in the data: crc32(d) = crc32(zeros(len(d))) ^ R(d), where R is the
-# reflected CRC register run from zero state without the final inversion, a GF(2)-linear
-# function of the bytes.  R splits over fixed chunks of C bytes (the data left-padded with
-# zeros, which leave a zero register unchanged):
+# Both checksums (CRC-32C, and version 2's zlib CRC-32) are reflected CRCs that start from
+# an all-ones register and invert the result, so each is affine in the data:
+# crc(d) = crc(zeros(len(d))) ^ R(d), where R is the reflected CRC register run from zero
+# state without the final inversion, a GF(2)-linear function of the bytes.  Only the
+# polynomial differs, and with it the tables below.  R splits over fixed chunks of C bytes
+# (the data left-padded with zeros, which leave a zero register unchanged):
 #
 #     R(d_0 || ... || d_{n-1}) = XOR_j  Z^(C*(n-1-j)) ( R(d_j) )
 #
 # where Z is "feed one zero byte", a linear map on 32-bit values.  R(d_j) is the XOR over the
 # chunk's positions of a table lookup P[position][byte], and a linear map on a 32-bit value is
 # the XOR of four lookups, one per byte of the value.  Everything is gathers and XORs on int32
-# tensors, which every torch device runs exactly; the tables are built once per device and
-# chunk count.
+# tensors, which every torch device runs exactly; the tables are built once per device, chunk
+# count and polynomial.
 
 _CRC_CHUNK: Final = 4096
 """Bytes per chunk (a power of two, for the XOR folds)."""
 _CRC_SLICE_CHUNKS: Final = 256
 """Chunks processed per step: bounds the temporary memory to about 30 MiB."""
+_CRC32C_POLY: Final = 0x82F63B78
+"""Castagnoli's polynomial, bit-reflected (CRC-32C)."""
+_CRC32_POLY: Final = 0xEDB88320
+"""The IEEE 802.3 polynomial, bit-reflected (zlib's CRC-32, slot format version 2)."""
+
+
+def _polynomial(version: int) -> int:
+    return _CRC32C_POLY if version >= CRC32C_SINCE else _CRC32_POLY
 
 
 @functools.cache
-def _crc_table() -> tuple[int, ...]:
+def _crc_table(version: int) -> tuple[int, ...]:
+    """The byte-at-a-time table of the CRC of slot format `version`."""
+    poly = _polynomial(version)
     table = []
     for n in range(256):
         c = n
         for _ in range(8):
-            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+            c = (c >> 1) ^ poly if c & 1 else c >> 1
         table.append(c)
     return tuple(table)
 
@@ -499,9 +555,9 @@ def _feed_zero_byte(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _crc_cpu_tables() -> tuple[torch.Tensor, torch.Tensor]:
+def _crc_cpu_tables(version: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(P, ZC): P[j*256 + v] = R(byte v at position j of a chunk); ZC[b*256 + v] = Z^C(v << 8b)."""
-    table = torch.tensor(_crc_table(), dtype=torch.int64)
+    table = torch.tensor(_crc_table(version), dtype=torch.int64)
     rows = [table]
     for _ in range(_CRC_CHUNK - 1):
         rows.append(_feed_zero_byte(rows[-1], table))
@@ -525,10 +581,12 @@ def _apply_linear(tables: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _crc_device_tables(device: torch.device, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, S) on `device`: S[k] are the byte tables of Z^(C*(chunks-1-k)), so chunk k's
-    register is shifted past every chunk after it."""
-    position, zc = _crc_cpu_tables()
+def _crc_device_tables(
+    device: torch.device, chunks: int, version: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, S) on `device` for the CRC of `version`: S[k] are the byte tables of
+    Z^(C*(chunks-1-k)), so chunk k's register is shifted past every chunk after it."""
+    position, zc = _crc_cpu_tables(version)
     shifts = [torch.cat([torch.arange(256, dtype=torch.int64) << (8 * b) for b in range(4)])]
     for _ in range(chunks - 1):
         shifts.append(_apply_linear(zc, shifts[-1]))
@@ -538,8 +596,8 @@ def _crc_device_tables(device: torch.device, chunks: int) -> tuple[torch.Tensor,
 
 
 @functools.lru_cache(maxsize=16)
-def _crc_of_zeros(length: int) -> int:
-    return zlib.crc32(bytes(length)) & _U32
+def _crc_of_zeros(length: int, version: int) -> int:
+    return payload_checksum(bytes(length), version=version)
 
 
 def _xor_fold(x: torch.Tensor) -> torch.Tensor:
@@ -550,11 +608,12 @@ def _xor_fold(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def payload_checksum_torch(data: torch.Tensor) -> int:
+def payload_checksum_torch(data: torch.Tensor, *, version: int = FORMAT_VERSION) -> int:
     """:func:`payload_checksum` of a contiguous uint8 tensor on any device, computed there.
 
-    Equal to ``zlib.crc32`` of the same bytes.  On CUDA the work runs on the current stream
-    and the result is read back with one synchronizing ``.item()``.
+    Equal to ``payload_checksum`` of the same bytes and `version` (``crc32c.crc32c``, or
+    ``zlib.crc32`` for version 2).  On CUDA the work runs on the current stream and the
+    result is read back with one synchronizing ``.item()``.
     """
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
         raise UsageError("data", f"must be a contiguous 1-D uint8 tensor, got {data.dtype} "
@@ -563,7 +622,7 @@ def payload_checksum_torch(data: torch.Tensor) -> int:
     if length == 0:
         return 0
     chunks = -(-length // _CRC_CHUNK)
-    position, shifts = _crc_device_tables(data.device, chunks)
+    position, shifts = _crc_device_tables(data.device, chunks, version)
     pad = chunks * _CRC_CHUNK - length
     offsets = torch.arange(_CRC_CHUNK, device=data.device, dtype=torch.int64) * 256
     total = torch.zeros((), dtype=torch.int32, device=data.device)
@@ -588,4 +647,4 @@ def payload_checksum_torch(data: torch.Tensor) -> int:
         if width != shifted.numel():
             shifted = torch.cat([shifted, shifted.new_zeros(width - shifted.numel())])
         total = total ^ _xor_fold(shifted).to(torch.int32)
-    return (int(total.item()) & _U32) ^ _crc_of_zeros(length)
+    return (int(total.item()) & _U32) ^ _crc_of_zeros(length, version)
