@@ -34,7 +34,9 @@ for step in "$@"; do
         tests/test_memory.py tests/test_kvikio_store.py tests/test_io_actors.py \
         tests/test_io_faults.py tests/test_batched_io.py tests/test_mac_read_paths.py \
         tests/test_disk_dir_ownership.py tests/test_vllm_layouts.py \
-        tests/test_connector_machine.py ;;
+        tests/test_connector_machine.py tests/test_slot_format.py \
+        tests/test_slot_format_upgrade.py tests/test_write_through.py \
+        tests/test_close_flush.py ;;
     io) run io ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 --write ${IO_ARGS:-} ;;
