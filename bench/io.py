@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from bench.disk_limits import pinned_h2d_rate, raw_read_rate, raw_write_rate
@@ -85,9 +86,35 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         write_queue_depth=max(64, n), device=args.device, spill_mode="retained_only",
         backend=args.backend, max_batch_blocks=args.batch_blocks,
         model_fingerprint="bench-io-transfer",
+        # The spill path alone (host -> disk on eviction): req1's retained blocks must not
+        # be written through at their release, before the timed phase.
+        retention_write_through=False,
     )
     block_bytes = config.block_bytes
     out: dict[str, float] = {}
+    # The write-through (the default): a retained request's blocks written to disk from the
+    # GPU (through staging host pages) at its release, from the release until every write
+    # landed; the host tier holds every block, so staging never waits for a page.
+    through = attrs.evolve(config, retention_write_through=True, disk_dir=directory / "wt",
+                           host=n + 1)
+    with BlockingCache(through) as cache:
+        _fill(cache, "warm", 30_000_000, 1, ttl=3600.0)
+        _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
+        bs = cache.config.block_size
+        tokens = [40_000_000 + i for i in range(n * bs + 1)]
+        cache.add_request("wt", tokens, ttl_seconds=3600.0)
+        cache.allocate_nowait("wt", len(tokens))
+        for page in cache.block_table("wt"):
+            cache.kv_pool[page].fill_(float(page % 7) + 1.0)
+        cache.commit("wt", len(tokens))
+        before = cache.statistics().cache.spills_completed
+        start = time.perf_counter()
+        cache.release("wt")
+        _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
+        through_s = time.perf_counter() - start
+        stats = cache.statistics().cache
+        assert stats.spills_completed - before == n and stats.write_throughs_skipped == 0, stats
+        out["write_through_gb_per_s"] = n * block_bytes / through_s / 1e9
     with BlockingCache(config) as cache:
         # GPU: req1 (retained) then req2 push req1 to host; req3 pushes req1 to disk.
         first = _fill(cache, "req1", 0, n, ttl=3600.0)
@@ -356,6 +383,8 @@ def main() -> int:
           f"{args.batch_blocks}")
     rows = [
         ("spill host->disk", phases["spill_gb_per_s"], raw_write.gb_per_s, "raw O_DIRECT write"),
+        ("write-through", phases["write_through_gb_per_s"], raw_write.gb_per_s,
+         "raw O_DIRECT write"),
         ("onboard disk->GPU", phases["onboard_gb_per_s"], raw_read.gb_per_s,
          "raw O_DIRECT read"),
         ("recall host->GPU", recall, h2d, "pinned H2D copy" if torch.cuda.is_available()
@@ -378,8 +407,8 @@ def main() -> int:
     if args.write:
         figures: dict[str, dict[str, object]] = {}
         for key, (name, value, limit, limit_name) in zip(
-            ("spill_host_to_disk", "onboard_disk_to_gpu", "recall_host_to_gpu",
-             "onboard_vs_kvikio_alone")[: len(rows)], rows, strict=True,
+            ("spill_host_to_disk", "write_through_gpu_to_disk", "onboard_disk_to_gpu",
+             "recall_host_to_gpu", "onboard_vs_kvikio_alone")[: len(rows)], rows, strict=True,
         ):
             del name
             figures[key] = {"value": round(value, 3), "unit": "GB/s", "limit": round(limit, 3),
