@@ -7,7 +7,9 @@
     statekv trace perfetto TRACE [-o F] the trace in Chrome trace-event format (Perfetto)
     statekv --version
 
-Command-line flags are read here, once, into configuration records; nothing deeper reads the
+Command-line flags are read here, once, into configuration records; so are, for `statekv
+serve`, the STATEKV_* environment variables and the --config file (serve/settings.py, handed
+the environment from here: flag > environment > file > default).  Nothing deeper reads the
 command line or the environment.  A user's mistake (a bad flag value, a typed error from the
 layers below, a path that cannot be written) is answered with one line on stderr and exit
 status 2, never a traceback; Ctrl-C ends with status 130.  statekv's own bugs
@@ -344,7 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
         "/v1/models) over the continuous-batching loop, with Prometheus metrics at "
         "/metrics.  The model has random weights and a byte-level tokenizer.  It needs the "
-        f"server's dependencies: {SERVE_EXTRA}.")
+        f"server's dependencies: {SERVE_EXTRA}.  Every flag is also an environment variable "
+        "(--max-model-len: STATEKV_MAX_MODEL_LEN) and a key of the --config file "
+        "(max_model_len); a flag beats the environment, which beats the file.")
     _add_cache_flags(serve, gpu_tokens=4 * GPU_TOKENS, host_tokens=4 * HOST_TOKENS,
                      reserved_tokens=RESERVED_HOST_TOKENS, disk_tokens=DISK_TOKENS)
     serve.add_argument("--config", type=Path, default=None, metavar="FILE",

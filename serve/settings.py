@@ -57,7 +57,7 @@ class Origin(dict[str, str]):
     `FILE: gpu_size`, or (for a default) the flag."""
 
     def name(self, dest: str) -> str:
-        return self.get(dest, "--" + dest.replace("_", "-"))
+        return self.get(dest, flag_of(dest))
 
 
 def flag_of(dest: str) -> str:
@@ -163,17 +163,17 @@ def read_file(path: Path, actions: Mapping[str, argparse.Action]) -> dict[str, o
     return values
 
 
-def read_environment(environ: Mapping[str, str], actions: Mapping[str, argparse.Action]
+def read_environment(variables: Mapping[str, str], actions: Mapping[str, argparse.Action]
                      ) -> tuple[dict[str, object], list[str]]:
     """The settings of the STATEKV_ variables, each checked by its flag's parser; and the
     warnings to print, one line each, for STATEKV_ variables that are no setting."""
     values: dict[str, object] = {}
     warnings: list[str] = []
     known = {variable_of(dest) for dest in actions} | set(SECRET_VARIABLES) | {CONFIG_VARIABLE}
-    for name in sorted(environ):
+    for name in sorted(variables):
         if not name.startswith(ENV_PREFIX) or name in OTHER_VARIABLES or name == CONFIG_VARIABLE:
             continue
-        text = environ[name]
+        text = variables[name]
         if name in SECRET_VARIABLES:
             values[SECRET_VARIABLES[name]] = _secret(name, text)
             continue
@@ -212,20 +212,20 @@ def _secret(name: str, text: str) -> bytes | str:
 
 
 def resolve(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser,
-            argv: Sequence[str], args: argparse.Namespace, environ: Mapping[str, str]
+            argv: Sequence[str], args: argparse.Namespace, variables: Mapping[str, str]
             ) -> tuple[argparse.Namespace, Origin, list[str]]:
     """`args` (argv parsed by `parser`, whose subcommand `sub` it ran) with every setting
     that argv does not give taken from the environment, else the config file, else left at
     its default.  Returns the settings, where each came from, and warnings to print."""
     actions = settings_of(sub)
     given = _given(parser, sub, argv)
-    env, warnings = read_environment(environ, actions)
+    env, warnings = read_environment(variables, actions)
     config: Path | None = args.config
     config_origin = "--config"
-    if config is None and CONFIG_VARIABLE in environ:
-        config = Path(environ[CONFIG_VARIABLE])
+    if config is None and CONFIG_VARIABLE in variables:
+        config = Path(variables[CONFIG_VARIABLE])
         config_origin = CONFIG_VARIABLE
-        if not environ[CONFIG_VARIABLE]:
+        if not variables[CONFIG_VARIABLE]:
             raise SettingError(f"{CONFIG_VARIABLE} is empty: unset it, or name a file")
     try:
         from_file = read_file(config, actions) if config is not None else {}

@@ -414,3 +414,37 @@ def test_a_server_started_from_a_config_file_reports_the_blocks_it_converted(
         _out, err = server.communicate(timeout=60)
     assert server.returncode == 130, err
     assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------- who reads it
+
+
+def _reads_the_environment(source: str) -> list[int]:
+    """Lines of `source` that name os.environ, os.getenv or os.putenv (any spelling that
+    ends in those attributes or names)."""
+    import ast
+
+    names = {"environ", "getenv", "putenv", "environb", "getenvb"}
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if (isinstance(node, ast.Attribute) and node.attr in names)
+            or (isinstance(node, ast.Name) and node.id in names)
+            or (isinstance(node, ast.alias) and node.name in names)]
+
+
+@pytest.mark.parametrize("package", ["statekv", "io_actors", "models", "serve"])
+def test_only_the_entry_point_reads_the_environment(package: str) -> None:
+    """The command reads it once (serve/cli.py) and hands it to serve/settings.py; below, a
+    setting arrives as a field of a configuration record."""
+    found = {str(path.relative_to(REPO)): lines
+             for path in sorted((REPO / package).rglob("*.py"))
+             if (lines := _reads_the_environment(path.read_text()))}
+    if package == "serve":
+        assert set(found) == {"serve/cli.py"}, found
+    else:
+        assert found == {}, found
+
+
+def test_the_environment_check_catches_a_planted_read() -> None:
+    assert _reads_the_environment("import os\nx = os.environ.get('A')\n") == [2]
+    assert _reads_the_environment("from os import getenv\n") == [1]
+    assert _reads_the_environment("import os\nx = os.path.join('a')\n") == []
