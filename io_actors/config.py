@@ -50,6 +50,19 @@ def _to_disk_dir(value: object) -> Path | None:
     return Path(text)
 
 
+def size_in_bytes(field: str, text: str, *, hint: str = "e.g. '512 MiB', '8 GiB'") -> int:
+    """The bytes a size string names: a number (a fraction allowed) and a unit, binary (KiB,
+    MiB, GiB, TiB) or decimal (KB, MB, GB, TB), or B; rounded down to whole bytes.  A bare
+    number has no unit and is refused: it could as well mean blocks."""
+    match = _SIZE.match(text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigError(field, f"cannot read size {text!r} ({hint})")
+    number = float(match.group(1))
+    if not math.isfinite(number):
+        raise ConfigError(field, f"size {text!r} is not finite")
+    return int(number * _UNITS[match.group(2).lower()])
+
+
 def blocks_from_size(field: str, value: object, block_bytes: int) -> int:
     """Whole blocks in `value`: an int counts blocks, a string with a unit counts bytes."""
     if isinstance(value, bool):
@@ -59,15 +72,8 @@ def blocks_from_size(field: str, value: object, block_bytes: int) -> int:
             raise ConfigError(field, f"must be >= 0 blocks, got {value}")
         return value
     if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ConfigError(
-                field, f"cannot read size {value!r} (use blocks, or e.g. '512 MiB', '8 GiB')"
-            )
-        number = float(match.group(1))
-        if not math.isfinite(number):
-            raise ConfigError(field, f"size {value!r} is not finite")
-        return int(number * _UNITS[match.group(2).lower()]) // block_bytes
+        return size_in_bytes(field, value, hint="use blocks, or e.g. '512 MiB', '8 GiB'"
+                             ) // block_bytes
     raise ConfigError(field, f"must be a block count or a size like '8 GiB', got {value!r}")
 
 

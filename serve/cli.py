@@ -7,7 +7,9 @@
     statekv trace perfetto TRACE [-o F] the trace in Chrome trace-event format (Perfetto)
     statekv --version
 
-Command-line flags are read here, once, into configuration records; nothing deeper reads the
+Command-line flags are read here, once, into configuration records; so are, for `statekv
+serve`, the STATEKV_* environment variables and the --config file (serve/settings.py, handed
+the environment from here: flag > environment > file > default).  Nothing deeper reads the
 command line or the environment.  A user's mistake (a bad flag value, a typed error from the
 layers below, a path that cannot be written) is answered with one line on stderr and exit
 status 2, never a traceback; Ctrl-C ends with status 130.  statekv's own bugs
@@ -31,10 +33,13 @@ from typing import TYPE_CHECKING, Final, NoReturn
 
 from statekv.errors import InvariantViolation, StateKVError, UsageError
 
+from .settings import Origin, SettingError, resolve
 from .shutdown import Terminated
 
 if TYPE_CHECKING:
     from rich.progress import Progress
+
+    from .server import ServerOptions
 
 EXIT_USAGE: Final = 2
 """A user's mistake (argparse's own status for bad flags)."""
@@ -52,6 +57,7 @@ HOST_TOKENS: Final = 128
 RESERVED_HOST_TOKENS: Final = 128
 DISK_TOKENS: Final = 65536
 DEVICES: Final = "auto, cpu, cuda or cuda:N"
+SIZE_UNITS: Final = "B, KiB, MiB, GiB, TiB, or decimal KB, MB, GB, TB"
 SERVER_MODULES: Final = frozenset({
     "fastapi", "starlette", "pydantic", "pydantic_core", "anyio", "uvicorn", "h11", "click",
     "prometheus_client"})
@@ -60,17 +66,15 @@ missing means the `serve` extra is not installed, which the user fixes with pip.
 SERVE_EXTRA: Final = "pip install 'statekv[serve]'"
 
 
-FIELD_FLAGS: Final[dict[str, str]] = {
-    "block_size": "--block-size", "gpu": "--gpu-blocks", "gpu_blocks": "--gpu-blocks",
-    "host": "--host-blocks", "host_blocks": "--host-blocks",
-    "reserved_host": "--reserved-host-blocks", "reserved_host_blocks": "--reserved-host-blocks",
-    "disk": "--disk-blocks", "disk_blocks": "--disk-blocks", "disk_dir": "--disk-dir",
-    "device": "--device", "num_layers": "--layers", "seed": "--seed", "ttl_seconds": "--ttl",
-    "remote_url": "--remote-url", "remote_namespace": "--remote-namespace",
-    "remote_secret": "--remote-secret-file", "remote_password": "--remote-password-file",
-    "remote_tls_ca_file": "--remote-tls-ca-file",
+FIELD_SETTINGS: Final[dict[str, str]] = {
+    "block_size": "block_size", "disk_dir": "disk_dir", "device": "device",
+    "num_layers": "layers", "seed": "seed", "ttl_seconds": "ttl", "remote_url": "remote_url",
+    "remote_namespace": "remote_namespace", "remote_secret": "remote_secret_file",
+    "remote_password": "remote_password_file", "remote_tls_ca_file": "remote_tls_ca_file",
 }
-"""Configuration fields the flags set: a typed error naming one is reported with its flag."""
+"""Configuration fields the settings set: a typed error naming one is reported with the flag
+(or variable, or config key) the user set it with.  The pools' fields (`gpu`,
+`gpu_blocks`...) name their pool's --POOL-size or --POOL-blocks."""
 
 
 class UserMistake(Exception):
@@ -98,6 +102,8 @@ def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
         return value
 
+    # serve/settings.py reads a config file's key as a TOML integer by this name.
+    parse.__name__ = "integer"
     return parse
 
 
@@ -114,7 +120,28 @@ def _number(low: float, *, strict: bool, high: float | None = None) -> Callable[
             raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text!r}")
         return value
 
+    parse.__name__ = "number"  # a TOML integer or float (serve/settings.py)
     return parse
+
+
+def _size(text: str) -> int:
+    """A size in bytes with its unit (`8GiB`, `512MB`, `1.5TiB`): a bare number is refused,
+    as it could as well be taken for blocks (the --*-blocks flags count those)."""
+    from io_actors.config import size_in_bytes
+    from statekv.errors import ConfigError
+
+    hint = f"give a number and a unit: {SIZE_UNITS}; e.g. 8GiB"
+    try:
+        float(text)
+    except ValueError:
+        pass
+    else:
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit ({hint}); a count of blocks "
+                                         "goes to the --*-blocks flags")
+    try:
+        return size_in_bytes("size", text, hint=hint)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def _directory(text: str) -> Path:
@@ -149,19 +176,79 @@ def _device(text: str) -> str:
     return text
 
 
-def _blocks(args: argparse.Namespace, flag: str, tokens: int) -> int:
-    """The flag's block count, or `tokens` worth of blocks of --block-size."""
-    value: int | None = getattr(args, flag)
+POOLS: Final = ("gpu", "host", "reserved_host", "disk")
+"""The cache's pools: each sized by --POOL-blocks or --POOL-size (one of the two)."""
+
+
+def _origin(args: argparse.Namespace) -> Origin:
+    """Where each setting came from (serve: the flag, a variable or the config file)."""
+    origin = getattr(args, "origin", None)
+    return origin if isinstance(origin, Origin) else Origin()
+
+
+def _pool_name(args: argparse.Namespace, pool: str) -> str:
+    """The flag, variable or config key the user sized `pool` with (the blocks flag when
+    neither was given: its default applied)."""
+    dest = f"{pool}_size" if getattr(args, f"{pool}_size", None) is not None else f"{pool}_blocks"
+    return _origin(args).name(dest)
+
+
+def _pool_blocks(args: argparse.Namespace, tokens: dict[str, int]) -> dict[str, int]:
+    """Every pool in blocks: --POOL-blocks as given, --POOL-size in whole blocks of this
+    model's KV (rounding down), else `tokens[pool]` worth of blocks of --block-size."""
     block_size: int = args.block_size
-    return -(-tokens // block_size) if value is None else value
+    blocks: dict[str, int] = {}
+    block_bytes: int | None = None
+    for pool in POOLS:
+        counted: int | None = getattr(args, f"{pool}_blocks")
+        size: int | None = getattr(args, f"{pool}_size", None)
+        if counted is not None and size is not None:  # serve/settings.py checked serve's
+            flag = "--" + pool.replace("_", "-")
+            raise UserMistake(f"{flag}-size and {flag}-blocks both size one pool: give one "
+                              "of them")
+        if size is None:
+            blocks[pool] = -(-tokens[pool] // block_size) if counted is None else counted
+            continue
+        if block_bytes is None:
+            block_bytes = kv_block_bytes(args.model, args.layers, block_size)
+        blocks[pool] = size // block_bytes
+        if blocks[pool] == 0 and (size > 0 or pool == "gpu"):
+            # Rounding down to nothing is no pool: a mistake, not "disabled" (0B is that).
+            raise UserMistake(f"{_argument(_pool_name(args, pool))}{_bytes(size)} holds no "
+                              f"block: one block of {block_size} tokens of {args.model} "
+                              f"is {_bytes(block_bytes)}")
+    return blocks
+
+
+def kv_block_bytes(model: str, layers: int | None, block_size: int) -> int:
+    """Bytes of KV in one block of this model's cache: layers x 2 (K and V) x kv heads x
+    head_dim x block_size x the dtype's size, as the server's pools are laid out."""
+    from ._models import config
+
+    return config.preset(model, num_layers=layers).kv_layout().block_bytes(block_size)
+
+
+def _bytes(count: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.4g}{unit}"
+    return f"{count}B"
+
+
+def _argument(name: str) -> str:
+    """A setting's name as an error starts with it: `argument --flag: `, or the variable or
+    the config file's key as they are."""
+    return f"argument {name}: " if name.startswith("--") else f"{name}: "
 
 
 # ---------------------------------------------------------------------- the parser
 
 
 LOG_LEVELS: Final = ("critical", "error", "warning", "info", "debug")
-LIBRARY_LOGGERS: Final = ("statekv", "io_actors", "models", "serve")
-"""The loggers of this package's code; uvicorn's have their own configuration."""
+LIBRARY_LOGGERS: Final = ("statekv", "io_actors", "models", "serve", "statekv_models",
+                          "statekv_serve")
+"""The loggers of this package's code, under the names of a source tree and of an install
+(`serve/` is `statekv_serve` installed); uvicorn's take the same level from run_server."""
 
 
 def _add_log_level(p: argparse.ArgumentParser, default: str) -> None:
@@ -204,6 +291,12 @@ def _add_cache_flags(p: argparse.ArgumentParser, *, gpu_tokens: int, host_tokens
     p.add_argument("--disk-blocks", type=_int_at_least(0), default=None,
                    help=f"disk slots in blocks, 0 disables the disk tier (default: "
                         f"{disk_tokens} tokens' worth, {disk_tokens // 16} blocks of 16)")
+    for pool, what in (("gpu", "GPU pool"), ("host", "pinned host pool"),
+                       ("reserved-host", "reserved host pages"), ("disk", "disk tier")):
+        p.add_argument(f"--{pool}-size", type=_size, default=None, metavar="SIZE",
+                       help=f"the {what} in bytes with a unit ({SIZE_UNITS}), rounded "
+                            f"down to whole blocks of the model's KV; instead of "
+                            f"--{pool}-blocks (default: none, --{pool}-blocks applies)")
     p.add_argument("--disk-dir", type=_directory, default=None,
                    help="directory for slot files, created if missing (default: a temporary "
                         "directory, removed at the end)")
@@ -253,9 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
         "/v1/models) over the continuous-batching loop, with Prometheus metrics at "
         "/metrics.  The model has random weights and a byte-level tokenizer.  It needs the "
-        f"server's dependencies: {SERVE_EXTRA}.")
+        f"server's dependencies: {SERVE_EXTRA}.  Every flag is also an environment variable "
+        "(--max-model-len: STATEKV_MAX_MODEL_LEN) and a key of the --config file "
+        "(max_model_len); a flag beats the environment, which beats the file.")
     _add_cache_flags(serve, gpu_tokens=4 * GPU_TOKENS, host_tokens=4 * HOST_TOKENS,
                      reserved_tokens=RESERVED_HOST_TOKENS, disk_tokens=DISK_TOKENS)
+    serve.add_argument("--config", type=Path, default=None, metavar="FILE",
+                       help="a TOML file of settings, keys named as the long flags "
+                            "(max_model_len = 4096); flags and STATEKV_* variables override "
+                            "it (default: $STATEKV_CONFIG, else none)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=_int_at_least(0, 65535), default=8000,
@@ -373,11 +472,11 @@ def _demo(args: argparse.Namespace) -> int:
     _check_model(args.model)
     from ._models import chat_run, demo
 
+    blocks = _pool_blocks(args, {"gpu": GPU_TOKENS, "host": HOST_TOKENS,
+                                 "reserved_host": RESERVED_HOST_TOKENS, "disk": DISK_TOKENS})
     budgets = chat_run.Budgets(
-        block_size=args.block_size, gpu_blocks=_blocks(args, "gpu_blocks", GPU_TOKENS),
-        host_blocks=_blocks(args, "host_blocks", HOST_TOKENS),
-        reserved_host_blocks=_blocks(args, "reserved_host_blocks", RESERVED_HOST_TOKENS),
-        disk_blocks=_blocks(args, "disk_blocks", DISK_TOKENS),
+        block_size=args.block_size, gpu_blocks=blocks["gpu"], host_blocks=blocks["host"],
+        reserved_host_blocks=blocks["reserved_host"], disk_blocks=blocks["disk"],
     )
     options = demo.DemoOptions(
         model=args.model, layers=args.layers, device=args.device, users=args.users,
@@ -392,47 +491,45 @@ def _demo(args: argparse.Namespace) -> int:
             return demo.run(options, progress=bars)
     except UsageError as exc:
         if exc.field == "prompt":  # the serving loop: a request larger than the GPU pool
-            raise UserMistake(f"argument --gpu-blocks: {budgets.gpu_blocks} blocks of "
-                              f"{budgets.block_size} tokens are too few: {exc}") from None
+            raise UserMistake(f"{_argument(_pool_name(args, 'gpu'))}{budgets.gpu_blocks} "
+                              f"blocks of {budgets.block_size} tokens are too few: {exc}"
+                              ) from None
         raise
 
 
-def _read_secret_file(path: Path, flag: str) -> bytes:
+def _read_secret_file(path: Path, name: str) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise UserMistake(f"argument {flag}: cannot read {path}: {exc.strerror or exc}") from None
+        raise UserMistake(f"{_argument(name)}cannot read {path}: {exc.strerror or exc}"
+                          ) from None
 
 
 def _remote_secret(args: argparse.Namespace) -> bytes | None:
     """The shared tier's secret: the file's bytes (a trailing newline dropped), else the
-    environment's hex string.  Read here, once; never printed."""
+    hex string of STATEKV_REMOTE_SECRET (serve/settings.py read it).  Never printed."""
     if args.remote_secret_file is not None:
-        return _read_secret_file(args.remote_secret_file, "--remote-secret-file").rstrip(b"\n")
-    text = os.environ.get("STATEKV_REMOTE_SECRET")
-    if text is None:
-        return None
-    try:
-        return bytes.fromhex(text.strip())
-    except ValueError:
-        raise UserMistake("STATEKV_REMOTE_SECRET must be hex (e.g. `openssl rand -hex 32`)"
-                          ) from None
+        name = _origin(args).name("remote_secret_file")
+        return _read_secret_file(args.remote_secret_file, name).rstrip(b"\n")
+    secret: bytes | None = args.remote_secret
+    return secret
 
 
 def _remote_password(args: argparse.Namespace) -> str | None:
     if args.remote_password_file is not None:
-        raw = _read_secret_file(args.remote_password_file, "--remote-password-file")
+        name = _origin(args).name("remote_password_file")
+        raw = _read_secret_file(args.remote_password_file, name)
         try:
             return raw.decode().rstrip("\n")
         except UnicodeDecodeError:
-            raise UserMistake("argument --remote-password-file: the password must be UTF-8 "
-                              "text") from None
-    return os.environ.get("STATEKV_REMOTE_PASSWORD")
+            raise UserMistake(f"{_argument(name)}the password must be UTF-8 text") from None
+    password: str | None = args.remote_password
+    return password
 
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .server import ServerOptions, run_server
+        from .server import run_server
     except ModuleNotFoundError as exc:
         # The library installs without the server's dependencies: say which extra brings
         # them rather than show the import's traceback.  Any other missing module is not
@@ -445,25 +542,55 @@ def _serve(args: argparse.Namespace) -> int:
     _check_device(args.device)
     _check_model(args.model)
 
-    options = ServerOptions(
-        model=args.model, layers=args.layers, device=args.device, seed=args.seed,
-        block_size=args.block_size, gpu_blocks=_blocks(args, "gpu_blocks", 4 * GPU_TOKENS),
-        host_blocks=_blocks(args, "host_blocks", 4 * HOST_TOKENS),
-        reserved_host_blocks=_blocks(args, "reserved_host_blocks", RESERVED_HOST_TOKENS),
-        disk_blocks=_blocks(args, "disk_blocks", DISK_TOKENS), disk_dir=args.disk_dir,
-        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
-        max_running=args.max_running, remote_url=args.remote_url,
-        remote_namespace=args.remote_namespace, remote_secret=_remote_secret(args),
-        remote_password=_remote_password(args), remote_tls_ca_file=args.remote_tls_ca_file,
-    )
-    capacity = options.gpu_blocks * options.block_size
-    if capacity < options.max_model_len:
+    options = server_options(args)
+    listener = _listen(args)
+    host, port = listener.getsockname()[:2]
+
+    def announce() -> None:
+        print(f"statekv serve: {args.served_model_name} ({args.model}) on http://{host}:{port}"
+              f"/v1, metrics at /metrics; {_pools(options)}; Ctrl-C stops", flush=True)
+
+    with listener:
+        run_server(options, listener, log_level=args.log_level, on_ready=announce)
+    return 0
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """The server's options record from the settings, every check of the command made (the
+    server's dependencies imported already)."""
+    from .server import ServerOptions
+
+    blocks = _pool_blocks(args, {"gpu": 4 * GPU_TOKENS, "host": 4 * HOST_TOKENS,
+                                 "reserved_host": RESERVED_HOST_TOKENS, "disk": DISK_TOKENS})
+    capacity = blocks["gpu"] * args.block_size
+    if capacity < args.max_model_len:
         # The serving loop keeps a running request's every token on the GPU: a prompt of
         # --max-model-len tokens could never run, and would be refused only once sent.
-        raise UserMistake(f"argument --gpu-blocks: {options.gpu_blocks} blocks of "
-                          f"{options.block_size} tokens hold {capacity} tokens, fewer than "
-                          f"--max-model-len {options.max_model_len}: raise --gpu-blocks or "
-                          "lower --max-model-len")
+        gpu = _pool_name(args, "gpu")
+        max_len = _origin(args).name("max_model_len")
+        size = "" if args.gpu_size is None else f"{_bytes(args.gpu_size)} is "
+        raise UserMistake(f"{_argument(gpu)}{size}{blocks['gpu']} blocks of {args.block_size} "
+                          f"tokens, which hold {capacity} tokens, fewer than {max_len} "
+                          f"{args.max_model_len}: raise {gpu} or lower {max_len}")
+    return ServerOptions(
+        model=args.model, layers=args.layers, device=args.device, seed=args.seed,
+        block_size=args.block_size, gpu_blocks=blocks["gpu"], host_blocks=blocks["host"],
+        reserved_host_blocks=blocks["reserved_host"], disk_blocks=blocks["disk"],
+        disk_dir=args.disk_dir, served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len, max_running=args.max_running,
+        remote_url=args.remote_url, remote_namespace=args.remote_namespace,
+        remote_secret=_remote_secret(args), remote_password=_remote_password(args),
+        remote_tls_ca_file=args.remote_tls_ca_file,
+    )
+
+
+def _pools(options: ServerOptions) -> str:
+    return (f"GPU {options.gpu_blocks} blocks, host {options.host_blocks}+"
+            f"{options.reserved_host_blocks}, disk {options.disk_blocks} blocks of "
+            f"{options.block_size} tokens")
+
+
+def _listen(args: argparse.Namespace) -> socket.socket:
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as exc:
@@ -476,15 +603,7 @@ def _serve(args: argparse.Namespace) -> int:
         flag = "--host" if host_fault else "--port"
         raise UserMistake(f"argument {flag}: cannot listen on {args.host}:{args.port}: "
                           f"{exc.strerror or exc}") from None
-    host, port = listener.getsockname()[:2]
-
-    def announce() -> None:
-        print(f"statekv serve: {args.served_model_name} ({args.model}) on http://{host}:{port}"
-              f"/v1, metrics at /metrics; Ctrl-C stops", flush=True)
-
-    with listener:
-        run_server(options, listener, log_level=args.log_level, on_ready=announce)
-    return 0
+    return listener
 
 
 def _trace(args: argparse.Namespace) -> int:
@@ -513,13 +632,56 @@ def _trace(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- the entry point
 
 
+def _field_name(args: argparse.Namespace, field: str) -> str | None:
+    """The flag, variable or config key the user set a configuration `field` with."""
+    pool = field.removesuffix("_blocks")
+    if pool in POOLS:
+        return _pool_name(args, pool)
+    dest = FIELD_SETTINGS.get(field)
+    if dest is None:
+        return None
+    secret = dest.removesuffix("_file")
+    if dest != secret and getattr(args, dest, None) is None and getattr(args, secret, None):
+        return _origin(args).name(secret)  # the secret came from its variable
+    return _origin(args).name(dest)
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand of `parser` (build_parser's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise LookupError(f"no subcommand {name!r}")
+
+
+def _resolve_serve(parser: argparse.ArgumentParser, argv: Sequence[str],
+                   args: argparse.Namespace) -> argparse.Namespace:
+    """serve's settings completed from the environment and the config file (read here, the
+    one place that reads the environment)."""
+    resolved, origin, warnings = resolve(parser, subcommand(parser, "serve"), argv, args,
+                                         os.environ)
+    for warning in warnings:
+        print(f"statekv serve: warning: {warning}", file=sys.stderr)
+    resolved.origin = origin
+    return resolved
+
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        args = parser.parse_args(argv_list)
     except SystemExit as exc:  # --help, --version, or a bad flag (already reported)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     prog = f"statekv {args.command}"
+    if args.command == "serve":
+        try:
+            args = _resolve_serve(parser, argv_list, args)
+        except SettingError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     configure_logging(getattr(args, "log_level", "warning"))
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
@@ -539,8 +701,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvariantViolation:
         raise  # statekv's own bug: the traceback is the report
     except (UserMistake, StateKVError) as exc:
-        flag = FIELD_FLAGS.get(getattr(exc, "field", ""))
-        where = f"argument {flag}: " if flag is not None else ""
+        name = _field_name(args, getattr(exc, "field", ""))
+        where = _argument(name) if name is not None else ""
         print(f"{prog}: error: {where}{exc}", file=sys.stderr)
         return EXIT_USAGE
 

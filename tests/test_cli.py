@@ -354,5 +354,5 @@ def test_a_gpu_pool_smaller_than_the_longest_request_is_refused_at_start(
     # silently cut to 16 tokens of context.
     assert main(["serve", "--port", "0", "--gpu-blocks", "1"]) == EXIT_USAGE
     line = one_line_error(capsys.readouterr().err)
-    assert "argument --gpu-blocks: 1 blocks of 16 tokens hold 16 tokens" in line, line
+    assert "argument --gpu-blocks: 1 blocks of 16 tokens, which hold 16 tokens" in line, line
     assert "--max-model-len 2048" in line, line

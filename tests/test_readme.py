@@ -4,6 +4,7 @@ the server examples against `statekv serve` (on a free port rather than 8000).""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -94,3 +95,43 @@ def test_the_readme_curl_example_runs(readme_server: int) -> None:
     completion, _end = json.JSONDecoder().raw_decode(done.stdout)
     assert completion["usage"]["completion_tokens"] == 8
     assert 'statekv_prompt_tokens_total{model_name="statekv-tiny",tier="disk"}' in done.stdout
+
+
+def test_the_readme_configuration_example_runs(tmp_path: Path) -> None:
+    """The Configuration section's serve.toml and shell lines, as written but for the slot
+    directory and the port: the server reports the blocks its comments say, and the context
+    length the environment gave over the file's."""
+    (config,) = _fenced("toml")
+    (shell,) = [block for block in _fenced("sh") if "--config serve.toml" in block]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    assert 'disk_dir = "/var/cache/statekv"' in config and "port = 8000" in config
+    (tmp_path / "serve.toml").write_text(
+        config.replace("/var/cache/statekv", str(tmp_path / "slots"))
+        .replace("port = 8000", f"port = {port}"))
+    # This source tree's command (an installed `statekv` may be another tree's), run in the
+    # directory of serve.toml as the example is.
+    command = f"exec {sys.executable} -c 'import sys; from serve.cli import main; sys.exit(main())'"
+    script = shell.replace("statekv serve", f"{command} serve")
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("STATEKV_")}
+    env["PYTHONPATH"] = str(README.parent)
+    server = popen_with_ctrl_c(["bash", "-ec", script], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert server.stdout is not None
+    try:
+        first = server.stdout.readline()
+        assert first.startswith(f"statekv serve: statekv-tiny (tiny) on "
+                                f"http://127.0.0.1:{port}/v1"), first + server.communicate()[1]
+        blocks = {int(n) for n in re.findall(r"# (\d+) (?:blocks|slots)", config)}
+        assert blocks == {8192, 1024, 128, 32768}
+        assert "GPU 8192 blocks, host 1024+128, disk 32768 blocks of 16 tokens" in first, first
+        (model,) = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"]
+        assert model["max_model_len"] == 4096  # STATEKV_MAX_MODEL_LEN over the file's 2048
+    finally:
+        server.send_signal(signal.SIGINT)
+        _out, err = server.communicate(timeout=60)
+    assert server.returncode == 130, err
+    # --log-level warning over the file's info: uvicorn's startup lines are not printed.
+    assert "Application startup complete" not in err and "Traceback" not in err, err
