@@ -384,6 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "variable STATEKV_REMOTE_PASSWORD; default: none)")
     serve.add_argument("--remote-tls-ca-file", type=Path, default=None,
                        help="CA certificates for a rediss:// cluster (default: the system's)")
+    serve.add_argument("--publish-on", choices=("release", "eviction"), default="release",
+                       help="when content is offered to the shared tier: as soon as its "
+                            "request is released, so another replica is served what this one "
+                            "has just answered, or only when its GPU copy is evicted "
+                            "(default: release)")
+    serve.add_argument("--retention-write-through", choices=("on", "off"), default="on",
+                       help="write what a request with kv_cache_ttl_seconds keeps to disk at "
+                            "its release, so a crash after the write loses none of it; off: "
+                            "on eviction, or at a clean stop (default: on)")
     _add_log_level(serve, "info")
     serve.set_defaults(handler=_serve)
 
@@ -580,7 +589,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         max_model_len=args.max_model_len, max_running=args.max_running,
         remote_url=args.remote_url, remote_namespace=args.remote_namespace,
         remote_secret=_remote_secret(args), remote_password=_remote_password(args),
-        remote_tls_ca_file=args.remote_tls_ca_file,
+        remote_tls_ca_file=args.remote_tls_ca_file, publish_on=args.publish_on,
+        retention_write_through=args.retention_write_through == "on",
     )
 
 

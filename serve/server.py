@@ -112,6 +112,10 @@ class ServerOptions:
     """Signs every shared value (StateKVConfig.remote_secret); required with remote_url."""
     remote_password: str | None = attrs.field(default=None, repr=False)
     remote_tls_ca_file: Path | None = None
+    publish_on: str = "release"
+    """StateKVConfig.publish_on: when content is offered to the shared tier."""
+    retention_write_through: bool = True
+    """StateKVConfig.retention_write_through: retained content written at its release."""
 
 
 # ---------------------------------------------------------------------- request bodies
@@ -341,7 +345,8 @@ class Server:
             max_ttl_seconds=options.max_ttl_seconds, priority_levels=options.priority_levels,
             remote_url=options.remote_url, remote_namespace=options.remote_namespace,
             remote_secret=options.remote_secret, remote_password=options.remote_password,
-            remote_tls_ca_file=options.remote_tls_ca_file,
+            remote_tls_ca_file=options.remote_tls_ca_file, publish_on=options.publish_on,
+            retention_write_through=options.retention_write_through,
         )
         self.context_length = min(options.max_model_len,
                                   options.gpu_blocks * options.block_size)

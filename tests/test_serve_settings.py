@@ -348,7 +348,7 @@ EVERY_KEY = {
     "served_model_name": '"every-key"', "max_model_len": "1024", "max_running": "8",
     "seed": "7", "remote_url": '"redis://127.0.0.1:1"', "remote_namespace": '"every"',
     "remote_secret_file": None, "remote_password_file": None, "remote_tls_ca_file": None,
-    "log_level": '"warning"',
+    "log_level": '"warning"', "publish_on": '"eviction"', "retention_write_through": '"off"',
 }
 """A value for every setting of `statekv serve` (None: filled in per test)."""
 BLOCK_KEYS = {"gpu_blocks": "64", "host_blocks": "8", "reserved_host_blocks": "2",
@@ -378,7 +378,8 @@ def test_every_setting_of_serve_has_a_key(tmp_path: Path) -> None:
         disk_dir=tmp_path / "slots", served_model_name="every-key", max_model_len=1024,
         max_running=8, remote_url="redis://127.0.0.1:1", remote_namespace="every",
         remote_secret=b"0123456789abcdef0123", remote_password="hunter2-password",
-        remote_tls_ca_file=tmp_path / "ca.pem")
+        remote_tls_ca_file=tmp_path / "ca.pem", publish_on="eviction",
+        retention_write_through=False)
     blocks = dict(EVERY_KEY, **BLOCK_KEYS)
     for key in ("gpu_size", "host_size", "reserved_host_size", "disk_size"):
         del blocks[key]
