@@ -48,6 +48,12 @@ COUNTER: Final = "counter"
 GAUGE: Final = "gauge"
 CACHE_FIELDS: Final[dict[str, tuple[str, str, dict[str, str], str]]] = {
     "requests_added": ("requests_added", COUNTER, {}, "Requests registered with add_request."),
+    "prefix_cache_queries": ("prefix_cache_queries", COUNTER, {},
+                             "Prompt tokens looked up in the cache (vLLM's "
+                             "prefix_cache_queries)."),
+    "prefix_cache_hits": ("prefix_cache_hits", COUNTER, {},
+                          "Of those, tokens taken from the cache on any tier (vLLM's "
+                          "prefix_cache_hits)."),
     "requests_released": ("requests_released", COUNTER, {},
                           "Requests released (finished or cancelled)."),
     "requests_parked": ("requests_parked", COUNTER, {},

@@ -229,7 +229,8 @@ class ReferenceCache:
         self.protected: set[int] = set()
         self.c: dict[str, int] = {
             name: 0 for name in (
-                "requests_added", "requests_released", "requests_parked",
+                "requests_added", "prefix_cache_queries", "requests_released",
+                "requests_parked",
                 "requests_fallen_back", "hit_blocks_gpu", "hit_blocks_host", "hit_blocks_disk",
                 "hit_blocks_disk_retained",
                 "gpu_evictions", "host_offloads", "host_recalls", "offloads_skipped",
@@ -653,6 +654,7 @@ class ReferenceCache:
         req.committed = len(req.blocks)
         self.requests[rid] = req
         self.c["requests_added"] += 1
+        self.c["prefix_cache_queries"] += len(req.tokens)
         self.c["onboards_skipped_as_too_slow"] += skipped
         self.c["fetches_skipped_as_too_slow"] += skipped_remote
         if req.pending:
@@ -1123,6 +1125,9 @@ class ReferenceCache:
         by_state[BlockState.FREE] = total - sum(by_state.values())
         return CacheStatistics(
             requests_added=c["requests_added"],
+            prefix_cache_queries=c["prefix_cache_queries"],
+            prefix_cache_hits=(c["hit_blocks_gpu"] + c["hit_blocks_host"] + c["hit_blocks_disk"]
+                               + c["hit_blocks_remote"]) * bs,
             requests_released=c["requests_released"],
             requests_parked=c["requests_parked"],
             parked_requests=sum(1 for r in self.requests.values() if r.pending),

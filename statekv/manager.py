@@ -259,6 +259,7 @@ class KVCacheManager:
         requests.live[rid] = req
         c = self._counters
         c.requests_added += 1
+        c.prefix_cache_queries += req.num_tokens
         c.onboards_skipped_as_too_slow += skipped
         c.fetches_skipped_as_too_slow += skipped_remote
         if req.pending:

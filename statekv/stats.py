@@ -14,6 +14,7 @@ class Counters:
     """The manager's live counters (mutable; snapshot them with CacheStatistics)."""
 
     requests_added: int = 0
+    prefix_cache_queries: int = 0
     requests_released: int = 0
     requests_parked: int = 0
     requests_fallen_back: int = 0
@@ -69,6 +70,12 @@ class CacheStatistics:
 
     # Requests.
     requests_added: int
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the cache (every add_request's tokens), as vLLM's
+    prefix_cache_queries counts them."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens taken from the cache on any tier (hit_tokens_gpu + host + disk +
+    remote), as vLLM's prefix_cache_hits: hits / queries is the token hit rate."""
     """Requests registered with add_request."""
     requests_released: int
     """Requests released (finished or cancelled)."""
@@ -231,6 +238,9 @@ def snapshot(
     bs = block_size
     return CacheStatistics(
         requests_added=c.requests_added,
+        prefix_cache_queries=c.prefix_cache_queries,
+        prefix_cache_hits=(c.hit_blocks_gpu + c.hit_blocks_host + c.hit_blocks_disk
+                           + c.hit_blocks_remote) * bs,
         requests_released=c.requests_released,
         requests_parked=c.requests_parked,
         parked_requests=parked_requests,

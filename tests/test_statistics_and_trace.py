@@ -295,6 +295,8 @@ def write_through(write_queue_depth: int = 64) -> Setup:
 
 CASES: list[tuple[str, Setup, int]] = [
     ("write_throughs", write_through(), 2),
+    ("prefix_cache_queries", add_request, 3),
+    ("prefix_cache_hits", remote_hit, BS),
     ("write_throughs_skipped", write_through(write_queue_depth=1), 1),
     ("spills_saved_by_disk_copy", evict_a_disk_copy, 1),
     ("disk_copy_blocks", read_lands(True), 1),
