@@ -1,6 +1,7 @@
 """End to end: a multi-round chat whose KV working set is several times GPU + host.
 
     python -m bench.e2e --model 70b-class --layers 8 --users 64 [--load 0.7] [--write]
+    python -m bench.e2e --plot bench/results/e2e-h200-YYYYMMDD.json
 
 Five configurations at the same pool sizes, same workload, same offered load:
 
@@ -24,10 +25,12 @@ layers keep the ratio (FLOPs per KV byte is a property of one layer) and fit one
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.disk_limits import raw_read_rate
 from bench.serving import (
@@ -51,36 +54,81 @@ from models.config import preset
 from models.model import PagedDecoder
 
 
-def plot(summaries: dict[str, dict[str, float]], path: Path) -> bool:
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """Draw `results` (a results file of this benchmark: its "summaries" and metadata) to
+    `path`; False without matplotlib."""
     plt = pyplot()
     if plt is None:
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = draw(results)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def draw(results: dict[str, Any]) -> Any:
+    """TTFT p50/p99 bars (linear axis from 0, labelled with their values) and prompt tokens by
+    tier, one bar per configuration in the file; a tier that served no token in any of them
+    says so in the legend.  The title names the machine, the date and the commit."""
+    plt = pyplot()
+    assert plt is not None
+    summaries: dict[str, dict[str, float]] = results["summaries"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
     keys = [k for k in CONFIGS if k in summaries]
     labels = [f"({k}) {NAMES[k]}" for k in keys]
     p50 = [summaries[k]["ttft_p50_s"] for k in keys]
     p99 = [summaries[k]["ttft_p99_s"] for k in keys]
     x = range(len(keys))
-    ax1.bar([i - 0.2 for i in x], p50, width=0.4, label="TTFT p50")
-    ax1.bar([i + 0.2 for i in x], p99, width=0.4, label="TTFT p99")
+    for offset, values, label in ((-0.2, p50, "TTFT p50"), (0.2, p99, "TTFT p99")):
+        bars = ax1.bar([i + offset for i in x], values, width=0.4, label=label)
+        ax1.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     ax1.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=8)
-    ax1.set_ylabel("seconds")
-    ax1.set_yscale("log")
-    ax1.legend()
+    ax1.set_ylabel("TTFT (s)")
+    ax1.set_ylim(0, 1.2 * max(p50 + p99, default=1.0))
+    ax1.legend(loc="upper right", fontsize=8)
     ax1.set_title("time to first token")
     bottom = [0.0] * len(keys)
     for tier, color in (("tokens_gpu", "#4c72b0"), ("tokens_host", "#55a868"),
                         ("tokens_disk", "#c44e52"), ("tokens_computed", "#8c8c8c")):
         values = [summaries[k][tier] / 1e3 for k in keys]
-        ax2.bar(list(x), values, bottom=bottom, color=color, label=tier.split("_")[1])
+        name = {"tokens_gpu": "from GPU", "tokens_host": "from host",
+                "tokens_disk": "from disk"}.get(tier, "computed")
+        if not any(values):
+            name += " (0 in every configuration)"
+        ax2.bar(list(x), values, bottom=bottom, color=color, label=name)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax2.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=8)
     ax2.set_ylabel("prompt tokens (thousands)")
-    ax2.legend()
+    ax2.set_ylim(0, 1.35 * max(bottom, default=1.0))
+    ax2.legend(loc="upper right", fontsize=8, ncol=2)
     ax2.set_title("where prompt tokens came from")
+    missing = [k for k in CONFIGS if k not in summaries]
+    title = (f"bench.e2e on {results.get('machine', '?')}, {results.get('date', '?')}, "
+             f"commit {str(results.get('commit') or '?')[:7]}")
+    if missing:
+        title += f"; not in this run: {', '.join(f'({k})' for k in missing)}"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    return fig
+
+
+def plot_from_file(p: argparse.ArgumentParser, path: Path) -> int:
+    """`--plot`: the PNG beside a results file, drawn from the file alone."""
+    try:
+        results: object = json.loads(path.read_text())
+    except OSError as exc:
+        p.error(f"argument --plot: cannot read {str(path)!r}: {exc.strerror}")
+    except ValueError:
+        p.error(f"argument --plot: {str(path)!r} is not JSON")
+    if not isinstance(results, dict) or results.get("bench") != "e2e" or not isinstance(
+        results.get("summaries"), dict
+    ):
+        p.error(f"argument --plot: {str(path)!r} is not a results file of bench.e2e")
+    png = path.with_suffix(".png")
+    if not plot(results, png):
+        p.error("argument --plot: matplotlib is not installed (pip install matplotlib)")
+    print(f"wrote {png}")
+    return 0
 
 
 def main() -> int:
@@ -91,7 +139,11 @@ def main() -> int:
                    help="fraction of capacity offered")
     p.add_argument("--write", action="store_true")
     add_run_flags(p, layers=8)
+    p.add_argument("--plot", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="only draw the PNG of a results file, beside it")
     args = p.parse_args()
+    if args.plot is not None:
+        return plot_from_file(p, args.plot)
 
     from io_actors.embed import resolve_device
 
@@ -152,7 +204,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     today = dt.date.today()
     png = args.out / f"e2e-{args.machine}-{today:%Y%m%d}.png"
-    if plot(summaries, png):
+    if plot({"bench": "e2e", "machine": args.machine, "date": today.isoformat(),
+             "commit": git_commit(), "summaries": summaries}, png):
         print(f"wrote {png}")
     if args.write:
         figures: dict[str, dict[str, object]] = {}
@@ -179,7 +232,7 @@ def main() -> int:
             "bench": "e2e", "machine": args.machine, "date": today.isoformat(),
             "commit": commit, "command": "python -m bench.e2e " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("write", "dir", "out")),
+                if k not in ("write", "dir", "out", "plot")),
             "figures": figures, "summaries": summaries,
         }, indent=2) + "\n")
         print(f"wrote {out}")

@@ -615,58 +615,100 @@ def plot(results: dict[str, Any], stem: Path) -> list[Path]:
     plt = pyplot()
     if plt is None:
         return []
-    from matplotlib.ticker import FuncFormatter
-
-    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
-    slo = results["slo_ttft_p99_s"]
     written: list[Path] = []
     for case in results["cases"]:
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        offered = [r["requests_per_s"] for r in case["rates"]]
-        for key in CONFIGS:
-            runs = case["runs"].get(key) or []
-            if not runs:
-                continue
-            x = [r["requests_per_s"] for r in runs]
-            p99 = [math.nan if r["ttft_p99_s"] is None else r["ttft_p99_s"] for r in runs]
-            label = f"({key}) {NAMES[key]}"
-            (line,) = ax1.plot(x, p99, marker="o", label=label)
-            ax2.plot(x, [r["input_tok_per_s"] for r in runs], marker="o", label=label,
-                     color=line.get_color())
-            bounds = [i for i, r in enumerate(runs) if r.get("ttft_p99_lower_bound")]
-            if bounds:  # a request had no first token when the run stopped: p99 at least
-                ax1.plot([x[i] for i in bounds], [p99[i] for i in bounds], linestyle="none",
-                         marker="^", markersize=10, markerfacecolor="none",
-                         color=line.get_color())
-            row = case.get("goodput", {}).get(key)
-            at = row.get("run_index") if row else None
-            if at is not None:
-                ax1.plot([x[at]], [p99[at]], marker="*", markersize=16, color=line.get_color())
-        ax1.axhline(slo, color="black", linestyle=":", label=f"SLO {slo:g} s")
-        ax1.set_yscale("log")
-        ax1.set_ylabel("TTFT p99 (s)")
-        ax1.set_title("time to first token (star: goodput; open triangle: at least)")
-        ax2.plot(offered, [r["input_tok_per_s"] for r in case["rates"]], color="black",
-                 linestyle=":", label="offered")
-        ax2.set_ylabel("input tokens/s sustained")
-        ax2.set_title("throughput")
-        for ax in (ax1, ax2):
-            ax.set_xscale("log")
-            ax.set_xlabel(f"offered requests/s (recompute capacity "
-                          f"{case['capacity_requests_per_s']:.2f}/s)")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.xaxis.set_major_formatter(plain)
-        ax1.yaxis.set_major_formatter(plain)
-        ax1.legend(fontsize=7)
-        fig.suptitle(f"{case['case']}: {results['machine']}, {results['date']}, "
-                     f"disk {case['disk_read_gb_per_s']:.2f} GB/s, prefill "
-                     f"{case['prefill_tok_per_s']:,.0f} tok/s")
-        fig.tight_layout()
+        fig = draw_case(results, case, run=stem.name)
         png = stem.parent / f"{stem.name}-{case['case']}.png"
         fig.savefig(png, dpi=110)
         plt.close(fig)
         written.append(png)
     return written
+
+
+def draw_case(results: dict[str, Any], case: dict[str, Any], *, run: str) -> Any:
+    """The figure of one case: TTFT p99 (log) and sustained input tokens/s (linear, from 0)
+    against offered requests/s (log, ticked at the sweep's rates).  Every line and marker
+    style has a legend entry; the title names the machine, the date, the commit and `run`
+    (the results file's name)."""
+    plt = pyplot()
+    assert plt is not None
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
+    from bench.plots import plain_log_axis, thin_tick_labels
+
+    slo = results["slo_ttft_p99_s"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 6))
+    ran = [r["requests_per_s"] for runs in case["runs"].values() for r in runs or []]
+    top = max(ran, default=max(r["requests_per_s"] for r in case["rates"]))
+    rates = [r for r in case["rates"] if r["requests_per_s"] <= top * (1 + 1e-9)]
+    any_bound = any_star = False
+    for key in CONFIGS:
+        runs = case["runs"].get(key) or []
+        if not runs:
+            continue
+        x = [r["requests_per_s"] for r in runs]
+        p99 = [math.nan if r["ttft_p99_s"] is None else r["ttft_p99_s"] for r in runs]
+        label = f"({key}) {NAMES[key]}"
+        (line,) = ax1.plot(x, p99, marker="o", label=label)
+        ax2.plot(x, [r["input_tok_per_s"] for r in runs], marker="o", label=label,
+                 color=line.get_color())
+        bounds = [i for i, r in enumerate(runs) if r.get("ttft_p99_lower_bound")]
+        if bounds:  # a request had no first token when the run stopped: p99 at least
+            any_bound = True
+            ax1.plot([x[i] for i in bounds], [p99[i] for i in bounds], linestyle="none",
+                     marker="^", markersize=10, markerfacecolor="none",
+                     color=line.get_color(), label="_bound")
+        row = case.get("goodput", {}).get(key)
+        at = row.get("run_index") if row else None
+        if at is not None:
+            any_star = True
+            ax1.plot([x[at]], [p99[at]], marker="*", markersize=16, linestyle="none",
+                     color=line.get_color(), label="_goodput")
+    ax1.axhline(slo, color="black", linestyle=":", label=f"SLO: TTFT p99 {slo:g} s")
+    ax2.plot([r["requests_per_s"] for r in rates], [r["input_tok_per_s"] for r in rates],
+             color="black", linestyle="--", label="offered (sustained = offered)")
+    handles, _ = ax1.get_legend_handles_labels()
+    handles += [h for h in ax2.get_lines() if h.get_linestyle() == "--"]
+    if any_star:
+        handles.append(Line2D([], [], marker="*", markersize=12, linestyle="none",
+                              color="grey", label="goodput (highest rate within the SLO)"))
+    if any_bound:
+        handles.append(Line2D([], [], marker="^", markersize=9, linestyle="none",
+                              markerfacecolor="none", color="grey",
+                              label="TTFT p99 a lower bound (requests unanswered at the stop)"))
+    ax1.set_yscale("log")
+    plain_log_axis(ax1.yaxis)
+    ax1.set_ylabel("TTFT p99 (s, log scale)")
+    ax1.set_title("time to first token, p99")
+    ax2.set_ylim(bottom=0)
+    ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
+    ax2.set_ylabel("input tokens/s sustained (tok/s)")
+    ax2.set_title("throughput")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        plain_log_axis(ax.xaxis, [r["requests_per_s"] for r in rates])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel(f"offered load (requests/s, log scale; recompute capacity "
+                      f"{case['capacity_requests_per_s']:.2f}/s)")
+        ax.grid(True, which="major", alpha=0.3)
+    legend = fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8,
+                        frameon=False)
+    commit = str(results.get("commit") or "?")[:7]
+    title = [f"bench.sweep, case {case['case']}: {results['machine']}, {results['date']}, "
+             f"commit {commit}",
+             f"run {run}: disk read {case['disk_read_gb_per_s']:.2f} GB/s and prefill "
+             f"{case['prefill_tok_per_s']:,.0f} tok/s, measured in the same run"]
+    if results.get("cut_short"):
+        title.append(f"cut short: {results['cut_short']}")
+    fig.suptitle("\n".join(title), fontsize=10)
+    fig.draw_without_rendering()
+    below = legend.get_window_extent().height / fig.bbox.height
+    fig.tight_layout(rect=(0, below + 0.01, 1, 1))
+    for ax in (ax1, ax2):
+        thin_tick_labels(fig, ax.xaxis)
+        thin_tick_labels(fig, ax.yaxis)
+    return fig
 
 
 def _load_results(p: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
