@@ -425,6 +425,11 @@ class ReferenceCache:
         if v.copy:
             self._keep_copy(v)
             return True
+        if self.cfg.disk_blocks and v.key in {key for key, *_ in self.staged.values()}:
+            # Its write-through is in flight: dropped, on disk when that write lands.
+            self.c["host_drops"] += 1
+            self._drop(v)
+            return True
         if self.cfg.disk_blocks:
             # Best-effort content never displaces content whose TTL is running.
             live_ok = not self.cfg.protect_unexpired and is_live(v.expiry, now)
@@ -465,12 +470,9 @@ class ReferenceCache:
         for i in range(req.committed):
             b = req.blocks[i]
             t = b if b.key is not None else self.entries.get(req.key(i, self.bs))
-            if t is None or t.copy or not is_live(t.expiry, now):
+            if t is None or t.copy or not is_live(t.expiry, now) or t.key in staged_keys:
                 continue
-            if t.tier == GPU:
-                if t.key in staged_keys:
-                    continue
-            elif t.tier != HOST:
+            if t.tier not in (GPU, HOST):
                 continue
             if len(self.writes) >= self.cfg.write_queue_depth:
                 self.c["write_throughs_skipped"] += 1

@@ -110,12 +110,11 @@ class Eviction:
             if (target is None or target.disk_slot is not None
                     or not is_live(target.expiry, now)):
                 continue
+            if target.key in disk.staged:
+                continue  # a write-through of it is in flight already
             state = target.state
             on_gpu = state is _S.RELEASED or state is _S.ON_GPU
-            if on_gpu:
-                if target.key in disk.staged:
-                    continue  # a write-through of it is in flight already
-            elif state is not _S.ON_HOST:
+            if not on_gpu and state is not _S.ON_HOST:
                 continue  # on its way to disk already, or not cached here
             if len(disk.writes) >= depth:
                 c.write_throughs_skipped += 1
@@ -359,7 +358,10 @@ class Eviction:
         """Spill `victim` to disk or drop it; return the host page this frees now, if any.
 
         A victim whose disk copy is valid is neither: it is on disk already (no write), and
-        its page is free at once.
+        its page is free at once.  Nor is content whose staged write-through is in flight
+        spilled again: it is dropped from host, and is on disk when that write lands
+        (STAGED_LANDED) -- two writes of one key would leave two slots holding it if the
+        process died before the second one's slot was freed.
         """
         c = self.counters
         page = victim.host_page
@@ -367,6 +369,11 @@ class Eviction:
         if victim.disk_slot is not None:
             victim.host_page = None
             self.disk.keep_copy(victim)
+            return page
+        if self.has_disk and victim.key in self.disk.staged:
+            c.host_drops += 1
+            victim.host_page = None
+            self.records.discard(victim, _E.DROPPED)
             return page
         if self.has_disk:
             refusal = self.disk.spill_refusal(victim, now)
