@@ -60,9 +60,11 @@ def ask_again(cache: BlockingCache, rid: str) -> int:
 
 
 def fast_prefill(cache: BlockingCache) -> None:
-    """What the serving loop reports after each prefill: here 1 ms a token, so recomputing
-    the prompt's 12 tokens (12 ms) beats a 250 ms read, and loses to a fast one."""
-    cache.report_prefill(64, 0.064, context_tokens=len(PROMPT))
+    """What the serving loop reports after each prefill: here 5 ms a token, so recomputing
+    the prompt's 12 tokens (60 ms) beats a 250 ms read, and loses to a fast one -- with a
+    margin for a loaded 2-core machine (at 1 ms a token the fast reads were once gated as
+    too slow there, while a fuzz soak ran beside the tests)."""
+    cache.report_prefill(64, 0.32, context_tokens=len(PROMPT))
 
 
 def test_a_slow_disk_is_recomputed_and_a_fast_one_read_again(tmp_path: Path) -> None:
