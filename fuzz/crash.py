@@ -253,6 +253,7 @@ def check_directory(
     serve: Sequence[Sequence[int]] | None = None,
     ledger: DeadlineLedger | None = None,
     retained: set[BlockHash] | None = None,
+    lying: set[SlotId] | None = None,
 ) -> Check:
     """Reopen the directory of `config` and check everything it serves (module docstring).
 
@@ -263,7 +264,11 @@ def check_directory(
     deadlines issued and committed (every restored deadline is checked against it);
     `retained`: of the landed keys, those written with a retention deadline (content
     released with a TTL: written through at its release while it stayed on GPU or host, or
-    spilled), each counted in ``landed_retained`` and, if not found, in ``lost_retained``.
+    spilled), each counted in ``landed_retained`` and, if not found, in ``lost_retained``;
+    `lying`: slots whose last write an injected fault tore (reporting success: a lying
+    disk; or reporting failure after the injector let its index record land): the journal
+    names what the write claimed and the slot holds something else, so they cannot count as
+    stale -- their reads fail their checks, and are counted as torn.
     """
     directory = config.rank_directory()
     assert directory is not None
@@ -315,6 +320,7 @@ def check_directory(
     # freeing of one slot) are one restore each way, possibly not the same one: the
     # journal's is not stale when its slot read back intact and the scan kept the other.
     stale = sum(1 for s in recovery.slots if (s.slot, s.key) not in scanned
+                and s.slot not in (lying or set())
                 and not ((s.slot, bytes(s.key)) in intact and bytes(s.key) in scanned_keys))
     served = 0
     with BlockingCache(config) as cache:
@@ -451,8 +457,21 @@ class WriteLog:
     ) -> None:
         line = _line(slot, key, meta.expiry if meta is not None else None)
         os.write(self._fd, f"W {line}".encode())
-        self._inner.write(slot, key, src, meta)
-        os.write(self._fd, f"L {line}".encode())
+        try:
+            self._inner.write(slot, key, src, meta)
+        except TransferFailed:
+            os.write(self._fd, f"F {slot}\n".encode())
+            raise
+        os.write(self._fd, f"L {line}{self._torn([slot])}".encode())
+
+    def _torn(self, slots: Sequence[SlotId]) -> str:
+        """T lines for those of `slots` an injected fault tore while the write reported
+        success (a lying disk): what they hold is not what their records say."""
+        torn = getattr(self._inner, "silently_torn", None)
+        if torn is None:
+            return ""
+        found = torn()
+        return "".join(f"T {slot}\n" for slot in slots if slot in found)
 
     def write_many(self, writes: Sequence[SlotIO]) -> BatchOutcome:
         """A batch: every slot logged as started, then each one that landed as returned."""
@@ -463,6 +482,10 @@ class WriteLog:
         out = self._inner.write_many(items)
         landed = "".join(f"L {line}"
                          for line, error in zip(lines, out, strict=True) if error is None)
+        landed += self._torn([item.slot for item, error in zip(items, out, strict=True)
+                              if error is None])
+        landed += "".join(f"F {item.slot}\n" for item, error in zip(items, out, strict=True)
+                          if error is not None)
         if landed:
             os.write(self._fd, landed.encode())
         return out
@@ -500,6 +523,20 @@ def _line(slot: int, key: bytes, expiry: float | None) -> str:
 def landed_slots(log: Path) -> dict[SlotId, BlockHash]:
     """Slot -> key of each slot whose last logged event is a returned write."""
     return {slot: key for slot, (key, _retained) in landed_writes(log).items()}
+
+
+def faulted_slots(log: Path) -> set[SlotId]:
+    """Slots whose last logged event is a write an injected fault tore while it reported
+    success (T), or a write that failed (F: the fault injector lets some failed writes
+    land in part after their index record, which no real store's failed write has)."""
+    last: dict[SlotId, bool] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            parts = line.split()
+            if (len(parts) >= 2 and parts[0] in {"W", "L", "D", "T", "F"}
+                    and parts[1].isdigit()):
+                last[SlotId(int(parts[1]))] = parts[0] in {"T", "F"}
+    return {slot for slot, faulted in last.items() if faulted}
 
 
 def landed_writes(log: Path) -> dict[SlotId, tuple[BlockHash, bool]]:
@@ -718,12 +755,13 @@ def kill_loop(directory: Path, *, kills: int, seed: int = 0, max_delay_s: float 
                 raise RuntimeError(f"child {n} exited by itself: rc={proc.returncode}")
             os.kill(proc.pid, signal.SIGKILL)
         writes = landed_writes(log)
+        lying = faulted_slots(log)
         landed = {slot: key for slot, (key, _retained) in writes.items()}
         retained = {key for key, is_retained in writes.values() if is_retained}
         ledger.read(log)
         log.unlink(missing_ok=True)
         check = check_directory(config, all_prompts, landed, serve=served, ledger=ledger,
-                                retained=retained)
+                                retained=retained, lying=lying)
         ledger.forget_commitments()
         checks.append(check)
         if callable(on_check):

@@ -282,12 +282,19 @@ class FaultyStore:
         self._crashed_at: int | None = None
         self._tearing = False
         """A CRASH write is in the inner store: its post-write index record never lands."""
+        self._silently_torn: set[SlotId] = set()
         if isinstance(inner, _IndexAccess):
             inner.observe_index(self._index_appended)
 
     @property
     def inner(self) -> SlotStore:
         return self._inner
+
+    def silently_torn(self) -> frozenset[SlotId]:
+        """Slots whose last write was torn while reporting success (TORN_WRITE_SILENT): what
+        they hold is not what the index journal names, and only a read-back can tell."""
+        with self._lock:
+            return frozenset(self._silently_torn)
 
     @property
     def device_reads(self) -> bool:
@@ -343,6 +350,8 @@ class FaultyStore:
         if self._crashed_at is not None:
             raise TransferFailed(f"slot {slot}", "the process crashed (injected)")
         if rule is None:
+            with self._lock:
+                self._silently_torn.discard(slot)
             try:
                 self._inner.write(slot, key, src, meta)
             except _Crash:
@@ -394,6 +403,9 @@ class FaultyStore:
                 out[n] = TransferFailed(f"slot {item.slot}", "the process crashed (injected)")
                 continue
             if rule is None:
+                if op is Op.WRITE:
+                    with self._lock:
+                        self._silently_torn.discard(item.slot)
                 run.append(n)
                 continue
             flush()
@@ -484,6 +496,11 @@ class FaultyStore:
         extent = self._extent(slot)
         before = _raw_read(extent)
         self._tearing = fault is Fault.CRASH
+        with self._lock:
+            if fault is Fault.TORN_WRITE_SILENT:
+                self._silently_torn.add(slot)
+            else:
+                self._silently_torn.discard(slot)
         try:
             self._inner.write(slot, key, src, meta)
         except _Crash:
