@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import subprocess
@@ -34,11 +33,11 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 import crc32c
 
 from bench.disk_limits import raw_write_rate
+from bench.results_files import write_new_results
 from io_actors.storage.slot_format import HEADER_SIZE, align_up
 
 Checksum = Callable[[bytes], int]
@@ -144,12 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             "zlib_version": zlib.ZLIB_RUNTIME_VERSION,
             "figures": figures,
         }
-        out = Path(__file__).parent / "results" / f"checksum-{args.machine}-{today:%Y%m%d}.json"
-        run = 2
-        while out.exists():  # an earlier run of the same day is history too: keep it
-            out = out.with_name(f"checksum-{args.machine}-{today:%Y%m%d}-{run}.json")
-            run += 1
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out = write_new_results("checksum", args.machine, today, result)
         print(f"wrote {out}")
     return 0
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.disk_limits import raw_read_rate
+from bench.plots import load_results
 from bench.serving import (
     CONFIGS,
     NAMES,
@@ -114,16 +115,7 @@ def draw(results: dict[str, Any]) -> Any:
 
 def plot_from_file(p: argparse.ArgumentParser, path: Path) -> int:
     """`--plot`: the PNG beside a results file, drawn from the file alone."""
-    try:
-        results: object = json.loads(path.read_text())
-    except OSError as exc:
-        p.error(f"argument --plot: cannot read {str(path)!r}: {exc.strerror}")
-    except ValueError:
-        p.error(f"argument --plot: {str(path)!r} is not JSON")
-    if not isinstance(results, dict) or results.get("bench") != "e2e" or not isinstance(
-        results.get("summaries"), dict
-    ):
-        p.error(f"argument --plot: {str(path)!r} is not a results file of bench.e2e")
+    results = load_results(p, path, "e2e", "summaries", dict)
     png = path.with_suffix(".png")
     if not plot(results, png):
         p.error("argument --plot: matplotlib is not installed (pip install matplotlib)")

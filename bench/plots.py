@@ -7,7 +7,10 @@ numbers that do not overlap one another, and no axis is left with matplotlib's m
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -57,3 +60,20 @@ def thin_tick_labels(fig: Any, axis: Any) -> None:
         axis.set_ticks(locs, [t if i % step == 0 else "" for i, t in enumerate(texts)])
         if not overlapping(tick_label_boxes(fig, axis)):
             return
+
+
+def load_results(p: argparse.ArgumentParser, path: Path, bench: str, key: str,
+                 kind: type) -> dict[str, Any]:
+    """`--plot PATH`: the results file of `bench` (its `key` of type `kind` present), or one
+    line naming the argument (``p.error``) for a file that cannot be read or is not one."""
+    try:
+        results: object = json.loads(path.read_text())
+    except OSError as exc:
+        p.error(f"argument --plot: cannot read {str(path)!r}: {exc.strerror}")
+    except ValueError:
+        p.error(f"argument --plot: {str(path)!r} is not JSON")
+    if not isinstance(results, dict) or results.get("bench") != bench or not isinstance(
+        results.get(key), kind
+    ):
+        p.error(f"argument --plot: {str(path)!r} is not a results file of bench.{bench}")
+    return results

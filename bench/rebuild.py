@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime as dt
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -36,6 +35,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from bench.results_files import write_new_results
 from io_actors.embed import restore_from_disk
 from io_actors.storage.index_journal import INDEX_FILE, RECORD_SIZE
 from io_actors.storage.posix import PosixSlotStore
@@ -198,13 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "page_cache_dropped": dropped,
             "figures": figures,
         }
-        out = Path(__file__).parent / "results" / f"rebuild-{args.machine}-{today:%Y%m%d}.json"
-        out.parent.mkdir(exist_ok=True)
-        run = 2
-        while out.exists():  # an earlier run of the same day is history too: keep it
-            out = out.with_name(f"rebuild-{args.machine}-{today:%Y%m%d}-{run}.json")
-            run += 1
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out = write_new_results("rebuild", args.machine, today, result)
         print(f"wrote {out}")
     return 0
 

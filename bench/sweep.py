@@ -67,6 +67,7 @@ from typing import Any, Final
 import attrs
 from tqdm import tqdm
 
+from bench.plots import load_results
 from bench.serving import (
     CONFIGS,
     NAMES,
@@ -712,17 +713,7 @@ def draw_case(results: dict[str, Any], case: dict[str, Any], *, run: str) -> Any
 
 
 def _load_results(p: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
-    try:
-        results: object = json.loads(path.read_text())
-    except OSError as exc:
-        p.error(f"argument --plot: cannot read {str(path)!r}: {exc.strerror}")
-    except ValueError:
-        p.error(f"argument --plot: {str(path)!r} is not JSON")
-    if not isinstance(results, dict) or results.get("bench") != "sweep" or not isinstance(
-        results.get("cases"), list
-    ):
-        p.error(f"argument --plot: {str(path)!r} is not a results file of bench.sweep")
-    return results
+    return load_results(p, path, "sweep", "cases", list)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -317,12 +317,8 @@ class DiskTier:
         block on GPU or host that keeps a disk copy, re-filed in the retention order as an
         ON_DISK block is.
         """
-        index = self.index.blocks
-        for i in range(req.committed):
-            block = req.blocks[i]
-            target = block if block.key is not None else index.get(req.keys[i])
-            if target is not None:
-                self.extend_retention(target, expiry, now)
+        for target in self.index.committed_content(req):
+            self.extend_retention(target, expiry, now)
 
     def extend_retention(self, target: Block, expiry: float, now: float) -> None:
         """Keep cached `target` until `expiry` (never shortening its stamp); a block with a

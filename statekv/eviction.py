@@ -18,13 +18,14 @@ from statekv.block import Block
 from statekv.config import CacheConfig
 from statekv.disk_tier import DiskTier, Refusal
 from statekv.errors import InvariantViolation
-from statekv.ids import BlockHash, PageId
+from statekv.ids import PageId
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.messages import CopyGpuToHost, PublishBlock
 from statekv.orderings import BlockList
 from statekv.outbox import Outbox
 from statekv.policies import Policies
 from statekv.pools import HostPagePool, PagePool
+from statekv.prefix_index import PrefixIndex
 from statekv.records import BlockRecords
 from statekv.requests import Request
 from statekv.stats import Counters
@@ -91,7 +92,7 @@ class Eviction:
             self.records.move_all(cached, _E.RELEASED)
             self.gpu.evictable.push_all(cached, priority)
 
-    def write_through(self, req: Request, index: dict[BlockHash, Block], now: float) -> None:
+    def write_through(self, req: Request, index: PrefixIndex, now: float) -> None:
         """`req` was released with a TTL: write its retained content that has no disk copy
         to disk now, in prefix order, keeping it where it is (retention_write_through).
 
@@ -104,11 +105,8 @@ class Eviction:
         eviction, or to the flush at close."""
         disk, c = self.disk, self.counters
         depth = self.write_depth
-        for i in range(req.committed):
-            block = req.blocks[i]
-            target = block if block.key is not None else index.get(req.keys[i])
-            if (target is None or target.disk_slot is not None
-                    or not is_live(target.expiry, now)):
+        for target in index.committed_content(req):
+            if target.disk_slot is not None or not is_live(target.expiry, now):
                 continue
             if target.key in disk.staged:
                 continue  # a write-through of it is in flight already
@@ -188,8 +186,7 @@ class Eviction:
             self.records.discard(victim, _E.DROPPED)
         return page
 
-    def publish_released(self, req: Request, index: dict[BlockHash, Block],
-                         now: float) -> None:
+    def publish_released(self, req: Request, index: PrefixIndex, now: float) -> None:
         """publish_on="release": offer `req`'s committed content to the shared tier now,
         in prefix order, each block once while it stays cached.  Content on GPU is copied
         into a host page that is free now and given back at once (a publish copies its
@@ -197,10 +194,8 @@ class Eviction:
         host is offered from its page.  What finds no free page, or is elsewhere (on disk,
         in flight), is offered at its eviction as with publish_on="eviction"."""
         host = self.host
-        for i in range(req.committed):
-            block = req.blocks[i]
-            target = block if block.key is not None else index.get(req.keys[i])
-            if target is None or target.published:
+        for target in index.committed_content(req):
+            if target.published:
                 continue
             state = target.state
             if state is _S.ON_HOST or state is _S.SPILLING:

@@ -489,9 +489,9 @@ class KVCacheManager:
                 self._disk.stamp_retention(req, expiry_after(now, req.ttl), now)
             self._eviction.let_go(req, req.blocks)
             if self._publish_on_release:
-                self._eviction.publish_released(req, self._index.blocks, now)
+                self._eviction.publish_released(req, self._index, now)
             if req.ttl and self._write_through:
-                self._eviction.write_through(req, self._index.blocks, now)
+                self._eviction.write_through(req, self._index, now)
         finally:
             records.cause = None
         self._counters.requests_released += 1

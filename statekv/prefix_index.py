@@ -9,6 +9,8 @@ A key maps to at most one record: content is cached once, wherever it is.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from statekv.arith import matchable_blocks
 from statekv.block import Block
 from statekv.hashing import extend_chain
@@ -58,6 +60,16 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def committed_content(self, req: Request) -> Iterator[Block]:
+        """The cached block of each of `req`'s committed blocks, in prefix order: the block
+        itself, or, for a private duplicate, its cached twin (when there is one)."""
+        blocks, keys, index = req.blocks, req.keys, self.blocks
+        for i in range(req.committed):
+            block = blocks[i]
+            target = block if block.key is not None else index.get(keys[i])
+            if target is not None:
+                yield target
 
     def add(self, block: Block, key: BlockHash, parent: BlockHash) -> None:
         """Index `block` as the content of `key` (the block after `parent`)."""

@@ -1,0 +1,25 @@
+"""Where a benchmark writes its results file (BENCH_FORMAT.md): bench/results/, one file a
+run, named by bench, machine and day; a later run of the same day gets -2, -3... (an earlier
+run is history too: it is kept, never overwritten)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def write_new_results(bench: str, machine: str, day: dt.date, result: dict[str, Any]) -> Path:
+    """Write `result` to a file no earlier run of the day has; returns its path."""
+    RESULTS.mkdir(exist_ok=True)
+    stem = f"{bench}-{machine}-{day:%Y%m%d}"
+    out = RESULTS / f"{stem}.json"
+    run = 2
+    while out.exists():
+        out = RESULTS / f"{stem}-{run}.json"
+        run += 1
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return out
