@@ -417,6 +417,24 @@ def staged_write_of_dropped_content_freed() -> AbstractContextManager[None]:
     return _wrapped(DiskTier, "_adopt", make)
 
 
+def host_copy_of_a_draining_spill() -> AbstractContextManager[None]:
+    """Inclusive host tier: a block recalled while its spill drains keeps the host page as
+    its host copy, though the write still owns the page and gives it back when it lands --
+    so a later eviction onto that "copy" trusts a page another block may be using."""
+
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def recall(self: Onboarding, block: Block) -> None:
+            spilling = block.state is BlockState.SPILLING
+            page = block.host_page
+            original(self, block)
+            if spilling and page is not None:
+                block.host_page = page
+                self.host.copies[block] = None
+        return recall
+
+    return _wrapped(Onboarding, "recall", make)
+
+
 def pools_kept_after_close() -> AbstractContextManager[None]:
     """A leak for the leak check to catch (tests/test_fuzz_leak_check.py): every cache that
     closes leaves its KV pools (the GPU pool) referenced from outside, as a cache of
@@ -482,6 +500,10 @@ PLANTED = {
                 1000),
         Planted("staged-write-of-dropped-content-freed",
                 staged_write_of_dropped_content_freed, CoreVsSpec, 1000),
+        Planted("host-copy-of-a-draining-spill", host_copy_of_a_draining_spill, CoreVsSpec,
+                1000),
+        Planted("host-copy-of-a-draining-spill-system", host_copy_of_a_draining_spill,
+                SystemMachine, 1000),
     )
 }
 

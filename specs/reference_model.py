@@ -30,6 +30,13 @@ What the model pins down (REQUIREMENTS sections 1-5, 10):
   copy (from host, or from GPU with no host page) makes it disk content again with no write
   (spills_saved_by_disk_copy); a spill that displaces a copy takes only the copy (the block
   stays where it is).  A copy is a disk candidate even while its block is matched.
+* Inclusive host tier: a host hit (on host, or prefetched) leaves its host page holding the
+  content as the block's *host copy* while it is on GPU -- unless the spill reserve is short,
+  which the page then refills.  A host copy's page counts as free: a page is taken from the
+  empty ones first, then from the oldest host copy (the copy is forgotten), before anything
+  is evicted.  A GPU victim with a host copy moves to host onto it with no copy
+  (offloads_saved_by_host_copy); a write-through of GPU content with a host copy writes from
+  that page; a publish at release offers it from that page.
 * Prefetch: a queued request's matched disk blocks are read into host pages, in prefix order,
   each page an empty one or the page evicting one host victim yields (a drop's, or a reserved
   one for a spill), never another prefetch's; a block whose page cannot be had goes back to
@@ -127,10 +134,10 @@ def block_keys(tokens: Sequence[int], block_size: int, *,
 
 def observed(
     blocks: Iterable[CachedBlock],
-) -> dict[BlockHash, tuple[str, int, int, float | None, bool]]:
+) -> dict[BlockHash, tuple[str, int, int, float | None, bool, bool]]:
     """The real core's `cached_blocks()` in the form of :meth:`ReferenceCache.cached`."""
     return {b.key: (TIER_OF_STATE[b.state], b.ref_count, b.reuse_count, b.expiry,
-                    b.has_disk_copy)
+                    b.has_disk_copy, b.has_host_copy)
             for b in blocks}
 
 
@@ -160,6 +167,10 @@ class MBlock:
     """Order in the disk best-effort order (on disk, or a copy)."""
     published: bool = False
     """Offered to the shared tier since it was cached."""
+    host_copy: bool = False
+    """On GPU and also in a host page (counted in host_free: taking the page forgets it)."""
+    host_copy_stamp: int = 0
+    """When the host copy was made (the oldest is forgotten first)."""
 
 
 @attrs.define(eq=False)
@@ -234,6 +245,7 @@ class ReferenceCache:
                 "requests_fallen_back", "hit_blocks_gpu", "hit_blocks_host", "hit_blocks_disk",
                 "hit_blocks_disk_retained",
                 "gpu_evictions", "host_offloads", "host_recalls", "offloads_skipped",
+                "host_copies_kept", "offloads_saved_by_host_copy",
                 "host_drops", "spills", "spills_completed", "spill_failures", "bytes_written",
                 "spills_saved_by_disk_copy",
                 "onboards", "onboards_completed", "onboard_failures", "bytes_read",
@@ -283,6 +295,28 @@ class ReferenceCache:
                 if b.tier == tier and id(b) not in self.protected
                 and (tier != GPU or b.holders == 0)]
 
+    def _take_free_host(self) -> bool:
+        """A page free without evicting anything: an empty one, else the oldest host copy's
+        (forgotten).  host_free counts both."""
+        if not self.host_free:
+            return False
+        copies = [b for b in self.entries.values() if b.host_copy]
+        if self.host_free == len(copies):  # no empty page: the oldest copy's
+            min(copies, key=lambda b: b.host_copy_stamp).host_copy = False
+        self.host_free -= 1
+        return True
+
+    def _keep_host_copy(self, b: MBlock) -> None:
+        """`b` was recalled to GPU from a host page: the page refills the reserve if it is
+        short, else it stays `b`'s host copy (free, but remembering the bytes)."""
+        if self.reserved < self.cfg.reserved_host_blocks:
+            self.reserved += 1
+            return
+        self.host_free += 1
+        b.host_copy = True
+        b.host_copy_stamp = self._stamp()
+        self.c["host_copies_kept"] += 1
+
     def _give_back_host(self) -> None:
         if self.reserved < self.cfg.reserved_host_blocks:
             self.reserved += 1
@@ -290,7 +324,7 @@ class ReferenceCache:
             self.host_free += 1
 
     def _drop(self, b: MBlock) -> None:
-        assert b.key is not None and not b.copy
+        assert b.key is not None and not b.copy and not b.host_copy
         del self.entries[b.key]
 
     def gpu_obtainable(self) -> int:
@@ -305,6 +339,16 @@ class ReferenceCache:
             return
         victim = min(self._candidates(GPU), key=lambda b: (b.priority, b.stamp))
         self.c["gpu_evictions"] += 1
+        if victim.host_copy:  # onto its host copy: no copy
+            victim.host_copy = False
+            self.host_free -= 1
+            victim.tier = HOST
+            victim.stamp = self._stamp()
+            self.c["host_offloads"] += 1
+            self.c["offloads_saved_by_host_copy"] += 1
+            if self.cfg.shared_tier and not (victim.published and self._publish_on_release):
+                self._offer_publish(victim)
+            return
         has_host = self.cfg.host_blocks + self.cfg.reserved_host_blocks > 0
         if has_host:
             if self._take_host_page():
@@ -344,8 +388,9 @@ class ReferenceCache:
                 continue
             if t.tier in (HOST, SPILLING):
                 self._offer_publish(t)
-            elif t.tier == GPU and self.host_free:
-                self.host_free -= 1
+            elif t.tier == GPU and t.host_copy:
+                self._offer_publish(t)  # from its host copy
+            elif t.tier == GPU and self._take_free_host():
                 self.commands.append(("CopyGpuToHost", t.key))
                 self._offer_publish(t)
                 self._give_back_host()  # (to the reserve first, as any page given back)
@@ -385,8 +430,7 @@ class ReferenceCache:
         return True
 
     def _take_host_page(self, for_prefetch: bool = False) -> bool:
-        if self.host_free:
-            self.host_free -= 1
+        if self._take_free_host():
             return True
         if for_prefetch:  # one host victim at most, never a prefetched page
             candidates = self._candidates(HOST)
@@ -488,14 +532,24 @@ class ReferenceCache:
                 continue
             # Never the last host page a GPU victim could have.
             if (self.host_free + len(self._candidates(HOST)) + len(self._candidates(PREFETCHED))
-                    < 2 or not self._take_host_page()):
+                    < 2):
                 self.c["write_throughs_skipped"] += 1
                 continue
-            if self._refusal(t) is not None:
-                self._give_back_host()
-                self.c["write_throughs_skipped"] += 1
-                continue
-            self.commands.append(("CopyGpuToHost", t.key))
+            if t.host_copy:  # its host copy is the staging page: no copy to make
+                if self._refusal(t) is not None:
+                    self.c["write_throughs_skipped"] += 1
+                    continue
+                t.host_copy = False
+                self.host_free -= 1
+            else:
+                if not self._take_host_page():
+                    self.c["write_throughs_skipped"] += 1
+                    continue
+                if self._refusal(t) is not None:
+                    self._give_back_host()
+                    self.c["write_throughs_skipped"] += 1
+                    continue
+                self.commands.append(("CopyGpuToHost", t.key))
             self._take_slot(live_ok)
             self.next_transfer += 1
             self.writes[self.next_transfer] = None
@@ -608,13 +662,13 @@ class ReferenceCache:
                 self._take_gpu_page()
                 self.commands.append(("CopyHostToGpu", b.key))
                 if b.tier == PREFETCHED:
-                    self._give_back_host()
+                    self._keep_host_copy(b)
                     self._file(b)  # the slot is kept: a disk copy
                     b.copy = True
                     b.prefetchers.clear()
                     self.c["prefetch_hits"] += 1
                 elif b.tier == HOST:
-                    self._give_back_host()
+                    self._keep_host_copy(b)
                 else:
                     for tid, w in self.writes.items():
                         if w is b:
@@ -1102,9 +1156,10 @@ class ReferenceCache:
 
     # ------------------------------------------------------------------ observation
 
-    def cached(self) -> dict[BlockHash, tuple[str, int, int, float | None, bool]]:
-        """key -> (tier, holders, reuse count, expiry, disk copy) for every cached block."""
-        return {k: (b.tier, b.holders, b.reuse, b.expiry, b.copy)
+    def cached(self) -> dict[BlockHash, tuple[str, int, int, float | None, bool, bool]]:
+        """key -> (tier, holders, reuse count, expiry, disk copy, host copy) for every cached
+        block."""
+        return {k: (b.tier, b.holders, b.reuse, b.expiry, b.copy, b.host_copy)
                 for k, b in self.entries.items()}
 
     def statistics(self) -> CacheStatistics:
@@ -1146,6 +1201,8 @@ class ReferenceCache:
             host_offloads=c["host_offloads"],
             host_recalls=c["host_recalls"],
             offloads_skipped=c["offloads_skipped"],
+            host_copies_kept=c["host_copies_kept"],
+            offloads_saved_by_host_copy=c["offloads_saved_by_host_copy"],
             host_drops=c["host_drops"],
             spills=c["spills"],
             spills_completed=c["spills_completed"],
@@ -1184,6 +1241,7 @@ class ReferenceCache:
             gpu_evictable_blocks=sum(1 for b in self.entries.values()
                                      if b.tier == GPU and b.holders == 0),
             host_free_pages=self.host_free,
+            host_copy_pages=sum(1 for b in self.entries.values() if b.host_copy),
             host_reserved_pages=self.reserved,
             host_cached_blocks=tiers.count(HOST),
             disk_empty_slots=self.disk_empty,

@@ -525,7 +525,7 @@ class EngineTiers:
             disk_empty_slots=len(disk.slots.empty),
             disk_cached_blocks=counts[_S.ON_DISK] + counts[_S.LOADING],
             disk_retained_blocks=len(disk.slots.retained),
-            disk_copy_blocks=0,
+            disk_copy_blocks=0, host_copy_pages=0,
             blocks_by_state=tuple((s.name, counts[s]) for s in BlockState),
         )
 

@@ -130,8 +130,16 @@ class Eviction:
             # staging holds until its write lands would otherwise cost the next GPU victim
             # -- retained content among them -- its place on host.
             host = self.host
-            if len(host.empty) + host.evictable.size + self.prefetched.size < 2:
+            if host.free_count() + host.evictable.size + self.prefetched.size < 2:
                 c.write_throughs_skipped += 1
+                continue
+            if target.host_page is not None:
+                # Its host copy is the staging page: no GPU -> host copy to make.
+                if disk.spill_refusal(target, now) is not None:
+                    c.write_throughs_skipped += 1
+                    continue
+                disk.write_through_staged(target, host.forget_copy(target), now)
+                c.write_throughs += 1
                 continue
             page = self.take_host_page(now, for_prefetch=False)
             if page is None:
@@ -164,6 +172,17 @@ class Eviction:
         victim.gpu_page = None
         c = self.counters
         c.gpu_evictions += 1
+        host_page = victim.host_page
+        if host_page is not None:
+            # Its host copy holds the same bytes: it moves to host onto that page, no copy.
+            del self.host.copies[victim]
+            self.records.move(victim, _E.OFFLOADED)
+            self.host.evictable.push(victim)
+            c.host_offloads += 1
+            c.offloads_saved_by_host_copy += 1
+            if self.shared and not (victim.published and self.publish_on_release):
+                self.offer_publish(victim, host_page, now)
+            return page
         if self.has_host:
             host_page = self.take_host_page(now, for_prefetch=False)
             if host_page is not None:
@@ -202,8 +221,11 @@ class Eviction:
                 page = target.host_page
                 assert page is not None
                 self.offer_publish(target, page, now)
-            elif (state is _S.RELEASED or state is _S.ON_GPU) and host.empty:
-                page = host.empty.pop()
+            elif (state is _S.RELEASED or state is _S.ON_GPU) and target.host_page is not None:
+                self.offer_publish(target, target.host_page, now)  # from its host copy
+            elif (state is _S.RELEASED or state is _S.ON_GPU) and host.free_count():
+                page = host.take_free()
+                assert page is not None
                 gpu_page = target.gpu_page
                 assert gpu_page is not None
                 self.outbox.commands.append(
@@ -246,8 +268,9 @@ class Eviction:
         None when no page can be had now.
         """
         host = self.host
-        if host.empty:
-            return host.empty.pop()
+        page = host.take_free()
+        if page is not None:
+            return page
         if for_prefetch:
             evictable = host.evictable
             return self.evict_host_victim(evictable.pop(), now) if evictable.size else None
@@ -310,7 +333,9 @@ class Eviction:
                 else:
                     left += 1
         for block in [b for b in self.gpu.evictable if retained(b)]:
-            page = self._free_host_page_for_flush(now)
+            copied = block.host_page is not None  # its host copy: nothing to copy
+            page: PageId | None = (host.forget_copy(block) if copied
+                                   else self._free_host_page_for_flush(now))
             left += 1
             if page is None:
                 continue
@@ -319,8 +344,9 @@ class Eviction:
             assert gpu_page is not None
             block.gpu_page = None
             self.gpu.empty.append(gpu_page)
-            self.outbox.commands.append(
-                CopyGpuToHost(block=block.id, gpu_page=gpu_page, host_page=page))
+            if not copied:
+                self.outbox.commands.append(
+                    CopyGpuToHost(block=block.id, gpu_page=gpu_page, host_page=page))
             block.host_page = page
             self.records.move(block, _E.OFFLOADED)
             host.evictable.push(block)   # the next call spills it
@@ -329,8 +355,9 @@ class Eviction:
 
     def _free_host_page_for_flush(self, now: float) -> PageId | None:
         host = self.host
-        if host.empty:
-            return host.empty.pop()
+        page = host.take_free()
+        if page is not None:
+            return page
         for victim in list(host.evictable):
             if victim.disk_slot is not None:
                 host.evictable.remove(victim)

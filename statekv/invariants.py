@@ -140,9 +140,13 @@ def check_invariants(
         expect_gpu = st in (_S.ON_GPU, _S.RELEASED, _S.ONBOARDING, _S.ERROR, _S.FETCHING)
         # An ONBOARDING block may own a host page: a prefetch taken over (the page lands
         # the read; the pool accounting below checks that it is not owned twice).
+        # A block on GPU may own a host page: its host copy (HostPagePool.copies).
+        host_copy = block in host.copies
         expect_host = st in (_S.ON_HOST, _S.SPILLING, _S.PREFETCHING, _S.PREFETCHED) or (
             st is _S.ONBOARDING and block.host_page is not None
-        )
+        ) or host_copy
+        if host_copy and (st not in (_S.ON_GPU, _S.RELEASED) or block.key is None):
+            raise InvariantViolation(f"{block!r}: a host copy in state {st.name}")
         # A copy state may own a slot: the block's valid disk copy (lifecycle).
         has_copy = st in COPY_STATES and block.disk_slot is not None
         expect_slot = has_copy or st in (_S.SPILLING, _S.ON_DISK, _S.ONBOARDING,
@@ -216,7 +220,7 @@ def check_invariants(
             )
     if len(host.reserved) > host.reserve_target:
         raise InvariantViolation("host reserve above its target")
-    if host.empty and len(host.reserved) < host.reserve_target:
+    if host.free_count() and len(host.reserved) < host.reserve_target:
         raise InvariantViolation("a free host page sits outside an unfilled reserve")
     children: dict[BlockHash, int] = {}
     for key, block in index.blocks.items():

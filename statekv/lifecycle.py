@@ -22,8 +22,8 @@ States, and what storage a block in each state owns:
 state       meaning                                                storage owned
 ==========  =====================================================  ===========================
 FREE        the record is unused                                   none
-ON_GPU      held by at least one request                           GPU page
-RELEASED    on GPU, no holder; cached content, evictable           GPU page
+ON_GPU      held by at least one request                           GPU page (+ host copy)
+RELEASED    on GPU, no holder; cached content, evictable           GPU page (+ host copy)
 ON_HOST     evicted from GPU into pinned host memory               host page
 SPILLING    host -> disk write in flight                           host page + disk slot
 ON_DISK     on disk only                                           disk slot
@@ -69,6 +69,17 @@ on host is written through as a beneath-an-engine block is (COPY_WRITTEN, below)
 
 So a restart finds the content: the slot is never freed (no FreeSlot, so the index journal
 keeps its record) while a copy is kept.
+
+Inclusive host tier.  The same holds one tier up: a block recalled to GPU from host (RECALLED
+from ON_HOST or PREFETCHED) keeps the host page it came from as its *host copy*
+(``host_page`` set in ON_GPU or RELEASED; ``HostPagePool.copies``), unless the page is owed to
+the spill reserve, which it then refills.  A host copy's page is as free as an empty one: it
+is handed out after the empty pages and before any cached content is evicted (oldest copy
+first), and taking it only forgets the copy -- no transition, the block stays on GPU.  So the
+host tier holds exactly what it held without copies.  While it lasts: OFFLOADED moves the
+block onto that page with no GPU -> host copy; a write-through stages from it (no copy), and
+a publish at release offers it from it.  Not after a recall from SPILLING: the write owns
+the page until it lands (planted bug ``host-copy-of-a-draining-spill``).
 
 The shared tier (specs/remote_tier.md) adds one state.  Its content is not the cache's: a
 request's prefix is matched past the local tiers only against keys the remote fetcher found
@@ -209,13 +220,15 @@ EVENT_MEANINGS: Final[Mapping[BlockEvent, str]] = {
         "The last holder let go of content that is not reusable (private or failed)."
     ),
     BlockEvent.OFFLOADED: (
-        "Evicted from GPU: its bytes were copied into a host page."
+        "Evicted from GPU: its bytes were copied into a host page, or are in its host copy "
+        "already (no copy)."
     ),
     BlockEvent.DROPPED: (
         "Evicted from its lowest tier (or displaced from disk): the content leaves the cache."
     ),
     BlockEvent.RECALLED: (
-        "A prefix hit on a block whose bytes are in a host page: copied host -> GPU."
+        "A prefix hit on a block whose bytes are in a host page: copied host -> GPU; the "
+        "page stays its host copy (not while a spill drains, nor when the reserve is short)."
     ),
     BlockEvent.SPILL_STARTED: (
         "Evicted from host: a host -> disk write was issued."

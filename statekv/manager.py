@@ -164,6 +164,8 @@ class CachedBlock:
     priority: int
     has_disk_copy: bool = False
     """On GPU or host and also in a disk slot (a valid copy: evicting it writes nothing)."""
+    has_host_copy: bool = False
+    """On GPU and also in a host page (a host copy: evicting it to host copies nothing)."""
 
 
 class KVCacheManager:
@@ -558,6 +560,8 @@ class KVCacheManager:
                 reuse_count=block.reuse_count, expiry=block.expiry, depth=block.depth,
                 priority=block.priority,
                 has_disk_copy=block.disk_slot is not None and block.state in COPY_STATES,
+                has_host_copy=block.host_page is not None and block.gpu_page is not None
+                and block.state in COPY_STATES,
             )
             for block in self._index.blocks.values()
             if block.key is not None
@@ -637,7 +641,7 @@ class KVCacheManager:
             cached_blocks=len(self._index.blocks),
             gpu_free_pages=len(self._gpu.empty),
             gpu_evictable_blocks=self._gpu.evictable.size,
-            host_free_pages=len(self._host.empty),
+            host_free_pages=self._host.free_count(),
             host_reserved_pages=len(self._host.reserved),
             host_cached_blocks=self._host.evictable.size,
             disk_empty_slots=len(disk.slots.empty),
@@ -645,6 +649,7 @@ class KVCacheManager:
             disk_retained_blocks=len(disk.slots.retained),
             disk_copy_blocks=(len(disk.slots.retained) + len(disk.slots.unmarked)
                               - counts[_S.ON_DISK]),
+            host_copy_pages=len(self._host.copies),
             blocks_by_state=tuple((s.name, counts[s]) for s in BlockState),
         )
 

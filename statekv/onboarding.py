@@ -212,7 +212,12 @@ class Onboarding:
         return n
 
     def recall(self, block: Block) -> None:
-        """Copy a host-resident block back to a GPU page (also while its spill drains)."""
+        """Copy a host-resident block back to a GPU page (also while its spill drains).
+
+        The host page stays the block's host copy where the host tier would only have put it
+        on its empty list (HostPagePool.keep_copy): the bytes are immutable, so evicting the
+        block again later needs no copy.  Not while a spill drains: the write owns the page
+        until it lands."""
         page = self.eviction.take_gpu_page(self.records.now)
         host_page = block.host_page
         assert host_page is not None
@@ -229,7 +234,8 @@ class Onboarding:
             block.disk_slot = None
             block.transfer = None
         else:
-            self.host.give_back(host_page)
+            if self.host.keep_copy(block, host_page):
+                self.counters.host_copies_kept += 1
             if block.state is _S.PREFETCHED:
                 # The slot is kept, as an onboard keeps it: a disk copy, filed for
                 # displacement once the block is on GPU.

@@ -37,15 +37,26 @@ class HostPagePool(PagePool):
 
     A spill keeps its victim's page until the write lands and hands out a reserved page at
     once instead; when a page comes back it refills the reserve first (one out, one in).
+
+    Host copies (the inclusive host tier, statekv.lifecycle): a block recalled to the GPU
+    keeps the host page it came from, holding the same immutable bytes, when the page would
+    otherwise have gone to the empty list -- never when it would have refilled the reserve.
+    Such a page is as free as an empty one: it is handed out after the empty pages and
+    before any cached content is evicted (oldest copy first), and taking it only forgets
+    the copy (the block stays on GPU).  So the host tier holds exactly what it held before
+    copies existed, and a GPU victim with a copy moves to host with no copy at all.
     """
 
-    __slots__ = ("reserve_target", "reserved")
+    __slots__ = ("copies", "reserve_target", "reserved")
 
     def __init__(self, capacity: int, reserved: int, priority_levels: int) -> None:
         super().__init__(capacity, priority_levels)
         self.reserve_target = reserved
         self.reserved: list[PageId] = [PageId(p) for p in reversed(range(capacity,
                                                                         capacity + reserved))]
+        self.copies: dict[Block, None] = {}
+        """Blocks on GPU (ON_GPU or RELEASED) whose host_page is a host copy, oldest first
+        (an insertion-ordered dict used as an ordered set: O(1) add, remove and oldest)."""
 
     def give_back(self, page: PageId) -> None:
         """A page is free again: refill the reserve first."""
@@ -53,6 +64,40 @@ class HostPagePool(PagePool):
             self.reserved.append(page)
         else:
             self.empty.append(page)
+
+    def free_count(self) -> int:
+        """Pages that can be had without evicting anything: empty ones and host copies."""
+        return len(self.empty) + len(self.copies)
+
+    def take_free(self) -> PageId | None:
+        """An empty page, else the oldest host copy's page (the copy is forgotten); None
+        when neither is left."""
+        if self.empty:
+            return self.empty.pop()
+        copies = self.copies
+        if copies:
+            block = next(iter(copies))
+            return self.forget_copy(block)
+        return None
+
+    def keep_copy(self, block: Block, page: PageId) -> bool:
+        """`block` is now on GPU and `page` still holds its bytes: keep the page as its host
+        copy, unless the page is owed to the reserve (then it refills it).  True if kept."""
+        if len(self.reserved) < self.reserve_target:
+            self.reserved.append(page)
+            return False
+        block.host_page = page
+        self.copies[block] = None
+        return True
+
+    def forget_copy(self, block: Block) -> PageId:
+        """`block` (on GPU) no longer has a host copy: returns the page, for the caller to
+        use or give back."""
+        del self.copies[block]
+        page = block.host_page
+        assert page is not None
+        block.host_page = None
+        return page
 
 
 class DiskSlots:

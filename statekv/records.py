@@ -76,7 +76,8 @@ class BlockRecords:
                 trace.record(self.now, block.id, self.cause, old, new, event)
 
     def discard(self, block: Block, event: BlockEvent) -> None:
-        """The content leaves the cache: unindex it, free the GPU or host page it still owns.
+        """The content leaves the cache: unindex it, free the GPU or host page it still owns
+        (a GPU block's host copy included).
 
         Never a disk slot: whoever takes a block off disk (displacement, a landed or failed
         read) frees or passes on its slot first, since only it knows whether a transfer still
@@ -89,7 +90,10 @@ class BlockRecords:
         if block.gpu_page is not None:
             self.gpu.empty.append(block.gpu_page)
         if block.host_page is not None:
-            self.host.give_back(block.host_page)
+            host = self.host
+            if block in host.copies:  # a GPU block's host copy (HostPagePool)
+                del host.copies[block]
+            host.give_back(block.host_page)
         # Back to a FREE record's defaults.  Holders, waiters and the heap position are
         # already cleared whenever a block is discarded (check_invariants verifies it).
         block.gpu_page = block.host_page = None

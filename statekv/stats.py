@@ -26,6 +26,8 @@ class Counters:
     host_offloads: int = 0
     host_recalls: int = 0
     offloads_skipped: int = 0
+    host_copies_kept: int = 0
+    offloads_saved_by_host_copy: int = 0
     host_drops: int = 0
     spills: int = 0
     spills_completed: int = 0
@@ -107,6 +109,12 @@ class CacheStatistics:
     """Host-resident prefix hits copied back to GPU."""
     offloads_skipped: int
     """GPU victims dropped because no host page could be had (all busy spilling)."""
+    host_copies_kept: int = 0
+    """Host recalls whose host page stayed as the block's host copy (the inclusive host
+    tier: not when the page refilled the spill reserve)."""
+    offloads_saved_by_host_copy: int = 0
+    """Of host_offloads, GPU victims that moved to host onto their host copy: no
+    GPU -> host copy was made."""
     host_drops: int
     """Host victims dropped instead of spilled (no disk tier, gate, pressure, admission)."""
 
@@ -192,6 +200,7 @@ class CacheStatistics:
     gpu_free_pages: int
     gpu_evictable_blocks: int
     host_free_pages: int
+    """Host pages that can be had without evicting anything: empty ones and host copies."""
     host_reserved_pages: int
     host_cached_blocks: int
     disk_empty_slots: int
@@ -202,6 +211,9 @@ class CacheStatistics:
     disk_copy_blocks: int = 0
     """Blocks on GPU or host that keep a valid disk copy (their slot is not empty, and not
     in disk_cached_blocks)."""
+    host_copy_pages: int = 0
+    """Of host_free_pages, those holding the host copy of a block on GPU (forgotten when
+    the page is taken)."""
     blocks_by_state: tuple[tuple[str, int], ...]
     """(state name, count) for every lifecycle state."""
 
@@ -231,7 +243,7 @@ def snapshot(
     gpu_free_pages: int, gpu_evictable_blocks: int, host_free_pages: int,
     host_reserved_pages: int, host_cached_blocks: int, disk_empty_slots: int,
     disk_cached_blocks: int, disk_retained_blocks: int, disk_copy_blocks: int,
-    blocks_by_state: tuple[tuple[str, int], ...],
+    host_copy_pages: int, blocks_by_state: tuple[tuple[str, int], ...],
 ) -> CacheStatistics:
     """The statistics of one cache: its counters, with the gauges each concern reads off its
     own data (the manager collects them)."""
@@ -257,6 +269,8 @@ def snapshot(
         host_offloads=c.host_offloads,
         host_recalls=c.host_recalls,
         offloads_skipped=c.offloads_skipped,
+        host_copies_kept=c.host_copies_kept,
+        offloads_saved_by_host_copy=c.offloads_saved_by_host_copy,
         host_drops=c.host_drops,
         spills=c.spills,
         spills_completed=c.spills_completed,
@@ -311,5 +325,6 @@ def snapshot(
         disk_cached_blocks=disk_cached_blocks,
         disk_retained_blocks=disk_retained_blocks,
         disk_copy_blocks=disk_copy_blocks,
+        host_copy_pages=host_copy_pages,
         blocks_by_state=blocks_by_state,
     )

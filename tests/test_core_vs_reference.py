@@ -439,7 +439,8 @@ class CoreMatchesReference(RuleBasedStateMachine):
                          "prefetches_cancelled", "prefetches_reclaimed", "prefetch_failures",
                          "onboards_skipped_as_too_slow", "fetches", "fetch_failures",
                          "fetches_skipped_as_too_slow", "publishes_offered",
-                         "hit_blocks_remote"):
+                         "hit_blocks_remote", "host_copies_kept",
+                         "offloads_saved_by_host_copy"):
                 if getattr(stats, name):
                     event(f"reached {name}")
 

@@ -754,3 +754,44 @@ def test_content_that_expired_while_down_is_restored_as_best_effort() -> None:
     with planted.expired_restored_as_retained(), pytest.raises(Exception) as info:
         restart_run(RESTART)
     assert "retain" in str(info.value).lower() or "expired" in str(info.value).lower(), info
+
+
+def test_a_block_recalled_while_its_spill_drains_keeps_no_host_copy() -> None:
+    """Inclusive host tier (issue 22): a recalled block keeps its host page as a host copy,
+    except while its spill drains -- the write owns the page until it lands and gives it
+    back then.  Reached: recalled from SPILLING, evicted again, the write landed, the page
+    reused, and the content recalled and read back (the machine checks the bytes)."""
+
+    def scenario() -> None:
+        with system(host=2, disk=4) as run:
+            run("serve_whole_request", spec=RequestSpec(PROMPT))
+            run("churn", spec=ChurnSpec(None))          # PROMPT -> host
+            run("churn", spec=ChurnSpec(None))          # its blocks spill (held in flight)
+            assert run.tiers() == ["SPILLING", "SPILLING"]
+            run("serve_whole_request", spec=RequestSpec(PROMPT))  # recalled from SPILLING
+            stats = run("drain")
+            assert stats.host_copies_kept == 0 and stats.host_recalls == 2
+            run("churn", spec=FILL)                     # PROMPT -> host again (copied)
+            run("churn", spec=FILL)
+            run("serve_whole_request", spec=RequestSpec(PROMPT))  # bytes checked
+            run("drain")
+
+    scenario()
+    fails_when_planted(planted.host_copy_of_a_draining_spill, scenario)
+
+
+def test_a_block_evicted_onto_its_host_copy_serves_its_own_bytes() -> None:
+    """Inclusive host tier (issue 22): recalled from host, the page stays a host copy; the
+    next eviction moves the block onto it with no copy, and a later recall serves the bytes
+    the block was computed with (the machine checks them)."""
+    with system(host=8, disk=4) as run:
+        run("serve_whole_request", spec=RequestSpec(PROMPT))
+        run("churn", spec=FILL)                         # PROMPT -> host
+        run("serve_whole_request", spec=RequestSpec(PROMPT))  # recalled: copies kept
+        stats = run.stats()
+        assert stats.host_copies_kept == 2 and stats.host_copy_pages == 2
+        run("churn", spec=FILL)                         # evicted onto its copies
+        stats = run.stats()
+        assert stats.offloads_saved_by_host_copy == 2 and run.tiers() == ["ON_HOST"] * 2
+        run("serve_whole_request", spec=RequestSpec(PROMPT))
+        run("drain")

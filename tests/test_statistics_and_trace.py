@@ -80,6 +80,18 @@ def host_hit() -> tuple[Executor, Trigger]:
     return ex, lambda: ex.add("b", [*doc, 1])
 
 
+def evict_a_host_copy() -> tuple[Executor, Trigger]:
+    """A block recalled from host (its host page kept as a host copy) and released; the
+    trigger evicts it from GPU again."""
+    ex = _cache()
+    doc = _doc()
+    ex.serve("a", doc)
+    ex.churn("c1")
+    ex.serve("b", doc)
+    assert ex.tiers(doc) == ["RELEASED"]
+    return ex, lambda: ex.churn("c2")
+
+
 def disk_hit(ttl: float | None = None) -> tuple[Executor, Trigger]:
     ex = _cache()
     doc = _doc()
@@ -315,6 +327,10 @@ CASES: list[tuple[str, Setup, int]] = [
     ("gpu_evictions", evict_one_to_host, 1),
     ("host_offloads", evict_one_to_host, 1),
     ("host_recalls", host_hit, 1),
+    ("host_copies_kept", host_hit, 1),
+    ("host_copy_pages", host_hit, 1),
+    ("offloads_saved_by_host_copy", evict_a_host_copy, 1),
+    ("host_copy_pages", evict_a_host_copy, -1),
     ("offloads_skipped", evict_host_victim, 1),
     ("host_drops", lambda: evict_host_victim(disk_blocks=0), 1),
     ("spills", evict_host_victim, 1),
