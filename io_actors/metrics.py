@@ -93,6 +93,8 @@ CACHE_FIELDS: Final[dict[str, tuple[str, str, dict[str, str], str]]] = {
                        "Retained content written to disk at its release, kept where it is."),
     "write_throughs_skipped": ("write_throughs_skipped", COUNTER, {},
                                "Retained blocks a release could not write through then."),
+    "write_throughs_retried": ("write_throughs_retried", COUNTER, {},
+                               "Held-back write-throughs issued as earlier writes completed."),
     "bytes_written": ("disk_written_bytes", COUNTER, {}, "Bytes written to disk slots."),
     "writes_in_flight": ("disk_writes_in_flight", GAUGE, {}, "Spill writes in flight."),
     "onboards": ("onboards", COUNTER, {}, "Onboard reads (disk to GPU) issued."),

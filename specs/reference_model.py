@@ -222,6 +222,7 @@ class ReferenceCache:
         # and staged writes of GPU content (no block; the key and the deadline written).
         self.keep_host: set[int] = set()
         self.staged: dict[int, tuple[BlockHash, float | None, int, int]] = {}
+        self.wt_backlog: dict[BlockHash, None] = {}
         self.reads: dict[int, MBlock] = {}
         self.prefetch_reads: dict[int, MBlock] = {}
         self.fetches: dict[int, MBlock] = {}
@@ -257,6 +258,7 @@ class ReferenceCache:
                 "hit_blocks_remote", "fetches", "fetches_completed", "fetch_failures",
                 "bytes_fetched", "fetches_skipped_as_too_slow", "publishes_offered",
                 "publishes_not_admitted", "write_throughs", "write_throughs_skipped",
+                "write_throughs_retried",
             )
         }
 
@@ -507,58 +509,71 @@ class ReferenceCache:
     def _write_through(self, req: MRequest) -> None:
         """Released with a TTL: its retained content with no disk copy is written now, in
         prefix order, and stays where it is -- from host keeping the page, from GPU through
-        a staging host page (taken as for a GPU victim); each only if the disk admits it
-        and fewer than write_queue_depth writes are in flight."""
-        now = self.now
-        staged_keys = {key for key, *_ in self.staged.values()}
+        a staging host page (its host copy's, else one taken as for a GPU victim); each only
+        if the disk admits it and fewer than write_queue_depth writes are in flight.  What
+        is skipped joins the backlog, retried oldest first after every write completes."""
         for i in range(req.committed):
             b = req.blocks[i]
             t = b if b.key is not None else self.entries.get(req.key(i, self.bs))
-            if t is None or t.copy or not is_live(t.expiry, now) or t.key in staged_keys:
-                continue
-            if t.tier not in (GPU, HOST):
-                continue
-            if len(self.writes) >= self.cfg.write_queue_depth:
+            if t is not None and self._write_through_one(t) == "skipped":
                 self.c["write_throughs_skipped"] += 1
+                assert t.key is not None
+                self.wt_backlog[t.key] = None
+
+    def _retry_write_throughs(self) -> None:
+        for key in list(self.wt_backlog):
+            t = self.entries.get(key)
+            outcome = "ignored" if t is None else self._write_through_one(t)
+            if outcome == "skipped":
+                if len(self.writes) >= self.cfg.write_queue_depth:
+                    return
                 continue
-            live_ok = not self.cfg.protect_unexpired and is_live(t.expiry, now)
-            if t.tier == HOST:
-                if self._refusal(t) is not None:
-                    self.c["write_throughs_skipped"] += 1
-                    continue
-                self._spill(t, live_ok)
-                self.keep_host.add(self.next_transfer)
-                self.c["write_throughs"] += 1
-                continue
-            # Never the last host page a GPU victim could have.
-            if (self.host_free + len(self._candidates(HOST)) + len(self._candidates(PREFETCHED))
-                    < 2):
-                self.c["write_throughs_skipped"] += 1
-                continue
-            if t.host_copy:  # its host copy is the staging page: no copy to make
-                if self._refusal(t) is not None:
-                    self.c["write_throughs_skipped"] += 1
-                    continue
-                t.host_copy = False
-                self.host_free -= 1
-            else:
-                if not self._take_host_page():
-                    self.c["write_throughs_skipped"] += 1
-                    continue
-                if self._refusal(t) is not None:
-                    self._give_back_host()
-                    self.c["write_throughs_skipped"] += 1
-                    continue
-                self.commands.append(("CopyGpuToHost", t.key))
-            self._take_slot(live_ok)
-            self.next_transfer += 1
-            self.writes[self.next_transfer] = None
-            assert t.key is not None
-            self.staged[self.next_transfer] = (t.key, t.expiry, t.depth, t.reuse)
-            staged_keys.add(t.key)
-            self.commands.append(("WriteSlot", t.key))
-            self.c["spills"] += 1
+            del self.wt_backlog[key]
+            if outcome == "written":
+                self.c["write_throughs_retried"] += 1
+
+    def _write_through_one(self, t: MBlock) -> str:
+        now = self.now
+        staged_keys = {key for key, *_ in self.staged.values()}
+        if t.copy or not is_live(t.expiry, now) or t.key in staged_keys:
+            return "ignored"
+        if t.tier not in (GPU, HOST):
+            return "ignored"
+        if len(self.writes) >= self.cfg.write_queue_depth:
+            return "skipped"
+        live_ok = not self.cfg.protect_unexpired and is_live(t.expiry, now)
+        if t.tier == HOST:
+            if self._refusal(t) is not None:
+                return "skipped"
+            self._spill(t, live_ok)
+            self.keep_host.add(self.next_transfer)
             self.c["write_throughs"] += 1
+            return "written"
+        # Never the last host page a GPU victim could have.
+        if (self.host_free + len(self._candidates(HOST)) + len(self._candidates(PREFETCHED))
+                < 2):
+            return "skipped"
+        if t.host_copy:  # its host copy is the staging page: no copy to make
+            if self._refusal(t) is not None:
+                return "skipped"
+            t.host_copy = False
+            self.host_free -= 1
+        else:
+            if not self._take_host_page():
+                return "skipped"
+            if self._refusal(t) is not None:
+                self._give_back_host()
+                return "skipped"
+            self.commands.append(("CopyGpuToHost", t.key))
+        self._take_slot(live_ok)
+        self.next_transfer += 1
+        self.writes[self.next_transfer] = None
+        assert t.key is not None
+        self.staged[self.next_transfer] = (t.key, t.expiry, t.depth, t.reuse)
+        self.commands.append(("WriteSlot", t.key))
+        self.c["spills"] += 1
+        self.c["write_throughs"] += 1
+        return "written"
 
     def _take_slot(self, live_ok: bool) -> None:
         if self.disk_empty:
@@ -1010,6 +1025,11 @@ class ReferenceCache:
         if tid not in self.writes:
             raise UsageError("transfer", "unknown")
         self._advance(now)
+        self._write_done(tid, ok, now)
+        if self.cfg.retention_write_through and self.cfg.disk_blocks:
+            self._retry_write_throughs()
+
+    def _write_done(self, tid: int, ok: bool, now: float) -> None:
         v = self.writes.pop(tid)
         staged = self.staged.pop(tid, None)
         keep = tid in self.keep_host
@@ -1262,4 +1282,5 @@ class ReferenceCache:
             publishes_not_admitted=c["publishes_not_admitted"],
             write_throughs=c["write_throughs"],
             write_throughs_skipped=c["write_throughs_skipped"],
+            write_throughs_retried=c["write_throughs_retried"],
         )

@@ -203,8 +203,9 @@ class CacheConfig:
     where it is (a GPU block is copied through a host page; a host block keeps its page):
     the disk copy is inclusive, so a later eviction writes nothing, and a crash loses only
     the writes in flight.  As far as slots, host pages and ``write_queue_depth`` allow at
-    that moment (what cannot be written then is counted in ``write_throughs_skipped`` and
-    spilled on eviction as before, or at a clean close)."""
+    that moment; what cannot be written then is counted in ``write_throughs_skipped`` and
+    written as earlier writes complete (``write_throughs_retried``), else spilled on
+    eviction as before, or at a clean close."""
     shared_tier: bool = attrs.field(default=False, validator=_check_bool)
     """A shared tier (specs/remote_tier.md) is attached: blocks offloaded to host are offered
     for publishing (PublishBlock) when the spill mode admits them, and add_request may match

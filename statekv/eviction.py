@@ -18,7 +18,7 @@ from statekv.block import Block
 from statekv.config import CacheConfig
 from statekv.disk_tier import DiskTier, Refusal
 from statekv.errors import InvariantViolation
-from statekv.ids import PageId
+from statekv.ids import BlockHash, PageId
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.messages import CopyGpuToHost, PublishBlock
 from statekv.orderings import BlockList
@@ -33,13 +33,16 @@ from statekv.stats import Counters
 _S = BlockState
 _E = BlockEvent
 
+# What one write-through attempt did (Eviction._write_through_one).
+_WRITTEN, _SKIPPED, _IGNORED = object(), object(), object()
+
 
 class Eviction:
     """The GPU and host tiers' pages, their eviction orders and the cascade between them."""
 
     __slots__ = ("counters", "disk", "gpu", "has_disk", "has_host", "host", "outbox",
                  "policies", "prefetched", "publish_on_release", "reclaim_first", "records",
-                 "shared", "write_depth")
+                 "shared", "write_backlog", "write_depth")
 
     def __init__(self, config: CacheConfig, policies: Policies, records: BlockRecords,
                  gpu: PagePool, host: HostPagePool, disk: DiskTier, outbox: Outbox,
@@ -60,6 +63,9 @@ class Eviction:
         # The PREFETCHED blocks in landing order (the newest is reclaimed first: its request
         # is the furthest from admission).
         self.prefetched = BlockList()
+        # Retained content a release could not write through then, by key, oldest first
+        # (an insertion-ordered dict as an ordered set; retry_write_throughs drains it).
+        self.write_backlog: dict[BlockHash, None] = {}
 
     # ------------------------------------------------------------------ giving blocks back
 
@@ -97,64 +103,89 @@ class Eviction:
         to disk now, in prefix order, keeping it where it is (retention_write_through).
 
         A block on host is spilled keeping its page (COPY_WRITTEN when it lands).  A block
-        on GPU is copied into a staging host page, had as for a GPU victim, and written from
-        there (the block does not change; COPY_ADOPTED when it lands), never through the
-        last host page a GPU victim could have.  Each write must be
-        one the disk admits (spill_refusal), and at most ``write_queue_depth`` writes are in
-        flight; what cannot be written now is counted and left to the usual spill on
-        eviction, or to the flush at close."""
-        disk, c = self.disk, self.counters
-        depth = self.write_depth
+        on GPU is copied into a staging host page, had as for a GPU victim (its host copy's
+        page, if it has one: no copy then), and written from there (the block does not
+        change; COPY_ADOPTED when it lands), never through the last host page a GPU victim
+        could have.  Each write must be one the disk admits (spill_refusal), and at most
+        ``write_queue_depth`` writes are in flight.  What cannot be written now is counted
+        (write_throughs_skipped) and joins the write-through backlog, retried in order as
+        writes complete (retry_write_throughs); eviction or the flush at close write
+        whatever the backlog has not reached by then."""
+        backlog = self.write_backlog
         for target in index.committed_content(req):
-            if target.disk_slot is not None or not is_live(target.expiry, now):
-                continue
-            if target.key in disk.staged:
-                continue  # a write-through of it is in flight already
-            state = target.state
-            on_gpu = state is _S.RELEASED or state is _S.ON_GPU
-            if not on_gpu and state is not _S.ON_HOST:
-                continue  # on its way to disk already, or not cached here
-            if len(disk.writes) >= depth:
-                c.write_throughs_skipped += 1
-                continue
-            if not on_gpu:
-                if disk.spill_refusal(target, now) is not None:
-                    c.write_throughs_skipped += 1
-                    continue
-                self.host.evictable.remove(target)
-                disk.spill(target, now, keep_host=True)
-                c.write_throughs += 1
-                continue
-            # Staging never takes the last host page a GPU victim could have (an empty one,
-            # or one evicting host content yields): on a small host tier, the page the
-            # staging holds until its write lands would otherwise cost the next GPU victim
-            # -- retained content among them -- its place on host.
-            host = self.host
-            if host.free_count() + host.evictable.size + self.prefetched.size < 2:
-                c.write_throughs_skipped += 1
-                continue
-            if target.host_page is not None:
-                # Its host copy is the staging page: no GPU -> host copy to make.
-                if disk.spill_refusal(target, now) is not None:
-                    c.write_throughs_skipped += 1
-                    continue
-                disk.write_through_staged(target, host.forget_copy(target), now)
-                c.write_throughs += 1
-                continue
-            page = self.take_host_page(now, for_prefetch=False)
-            if page is None:
-                c.write_throughs_skipped += 1
-                continue
+            if self._write_through_one(target, now) is _SKIPPED:
+                self.counters.write_throughs_skipped += 1
+                assert target.key is not None
+                backlog[target.key] = None
+
+    def retry_write_throughs(self, index: PrefixIndex, now: float) -> None:
+        """A write completed (a place in the queue, maybe a host page, came free): write the
+        backlog's retained content, oldest first, until the queue is full again.  Entries
+        whose content left, expired, reached disk or is on its way there are dropped."""
+        backlog = self.write_backlog
+        if not backlog:
+            return
+        depth, disk = self.write_depth, self.disk
+        for key in list(backlog):
+            target = index.blocks.get(key)
+            outcome = _IGNORED if target is None else self._write_through_one(target, now)
+            if outcome is _SKIPPED:
+                if len(disk.writes) >= depth:
+                    return  # no room: the next completion retries
+                continue  # refused now (a slot, a host page): kept for later
+            del backlog[key]
+            if outcome is _WRITTEN:
+                self.counters.write_throughs_retried += 1
+
+    def _write_through_one(self, target: Block, now: float) -> object:
+        """Write `target` through if it is retained content with no disk copy on GPU or
+        host; returns _WRITTEN, _SKIPPED (it should be, but cannot be now) or _IGNORED."""
+        disk = self.disk
+        if target.disk_slot is not None or not is_live(target.expiry, now):
+            return _IGNORED
+        if target.key in disk.staged:
+            return _IGNORED  # a write-through of it is in flight already
+        state = target.state
+        on_gpu = state is _S.RELEASED or state is _S.ON_GPU
+        if not on_gpu and state is not _S.ON_HOST:
+            return _IGNORED  # on its way to disk already, or not cached here
+        if len(disk.writes) >= self.write_depth:
+            return _SKIPPED
+        c = self.counters
+        if not on_gpu:
             if disk.spill_refusal(target, now) is not None:
-                self.host.give_back(page)
-                c.write_throughs_skipped += 1
-                continue
-            gpu_page = target.gpu_page
-            assert gpu_page is not None
-            self.outbox.commands.append(
-                CopyGpuToHost(block=target.id, gpu_page=gpu_page, host_page=page))
-            disk.write_through_staged(target, page, now)
+                return _SKIPPED
+            self.host.evictable.remove(target)
+            disk.spill(target, now, keep_host=True)
             c.write_throughs += 1
+            return _WRITTEN
+        # Staging never takes the last host page a GPU victim could have (an empty one,
+        # or one evicting host content yields): on a small host tier, the page the
+        # staging holds until its write lands would otherwise cost the next GPU victim
+        # -- retained content among them -- its place on host.
+        host = self.host
+        if host.free_count() + host.evictable.size + self.prefetched.size < 2:
+            return _SKIPPED
+        if target.host_page is not None:
+            # Its host copy is the staging page: no GPU -> host copy to make.
+            if disk.spill_refusal(target, now) is not None:
+                return _SKIPPED
+            disk.write_through_staged(target, host.forget_copy(target), now)
+            c.write_throughs += 1
+            return _WRITTEN
+        page = self.take_host_page(now, for_prefetch=False)
+        if page is None:
+            return _SKIPPED
+        if disk.spill_refusal(target, now) is not None:
+            host.give_back(page)
+            return _SKIPPED
+        gpu_page = target.gpu_page
+        assert gpu_page is not None
+        self.outbox.commands.append(
+            CopyGpuToHost(block=target.id, gpu_page=gpu_page, host_page=page))
+        disk.write_through_staged(target, page, now)
+        c.write_throughs += 1
+        return _WRITTEN
 
     # ------------------------------------------------------------------ finding pages
 

@@ -614,6 +614,8 @@ class KVCacheManager:
                 disk.write_landed(write, now)
             else:
                 disk.write_failed(write)
+            if self._write_through:
+                self._eviction.retry_write_throughs(self._index, now)
         else:
             self._onboarding.complete(event, now)
 

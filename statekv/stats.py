@@ -35,6 +35,7 @@ class Counters:
     spills_saved_by_disk_copy: int = 0
     write_throughs: int = 0
     write_throughs_skipped: int = 0
+    write_throughs_retried: int = 0
     bytes_written: int = 0
     onboards: int = 0
     onboards_completed: int = 0
@@ -135,8 +136,11 @@ class CacheStatistics:
     write lands."""
     write_throughs_skipped: int = 0
     """Retained blocks a release could not write through then (no slot the disk admits, no
-    host page to stage a GPU block through, or write_queue_depth writes in flight); they are
-    spilled on eviction as before, or at a clean close."""
+    host page to stage a GPU block through, or write_queue_depth writes in flight); they join
+    the write-through backlog, retried as writes complete (write_throughs_retried), and are
+    otherwise spilled on eviction as before, or at a clean close."""
+    write_throughs_retried: int = 0
+    """Of write_throughs, writes of backlog content issued when an earlier write completed."""
 
     # Disk -> GPU.
     onboards: int
@@ -278,6 +282,7 @@ def snapshot(
         spills_saved_by_disk_copy=c.spills_saved_by_disk_copy,
         write_throughs=c.write_throughs,
         write_throughs_skipped=c.write_throughs_skipped,
+        write_throughs_retried=c.write_throughs_retried,
         bytes_written=c.bytes_written,
         writes_in_flight=writes_in_flight,
         onboards=c.onboards,

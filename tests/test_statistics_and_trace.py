@@ -305,7 +305,16 @@ def write_through(write_queue_depth: int = 64) -> Setup:
     return setup
 
 
+def write_through_backlog() -> tuple[Executor, Trigger]:
+    """Two retained blocks released with room for one write: the trigger lands it, and the
+    backlog's block is written then."""
+    ex, release = write_through(write_queue_depth=1)()
+    release()
+    return ex, lambda: ex.land_write()
+
+
 CASES: list[tuple[str, Setup, int]] = [
+    ("write_throughs_retried", write_through_backlog, 1),
     ("write_throughs", write_through(), 2),
     ("prefix_cache_queries", add_request, 3),
     ("prefix_cache_hits", remote_hit, BS),

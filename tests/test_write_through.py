@@ -160,6 +160,39 @@ def test_write_throughs_stop_at_the_write_queue_depth_and_say_so() -> None:
     assert (s.write_throughs, s.write_throughs_skipped, s.writes_in_flight) == (2, 2, 2)
 
 
+def test_what_the_queue_depth_held_back_is_written_as_earlier_writes_land() -> None:
+    """A crash loses at most the writes in flight: retained content a full queue held back
+    at its release reaches disk as the queue drains, not at its eviction."""
+    ex = make(write_queue_depth=2)
+    tokens = fresh_tokens(4 * ex.bs + 1)
+    ex.serve("a", tokens, ttl=600.0)
+    keys = block_keys(tokens, ex.bs)
+    first = sorted(w.key for w in ex.writes.values())
+    assert first == sorted(keys[:2])     # prefix order
+    ex.land_write()                      # a place in the queue: the third block goes
+    assert sorted(w.key for w in ex.writes.values()) == sorted(keys[1:3])
+    ex.drain()
+    s = ex.stats()
+    assert (s.write_throughs, s.write_throughs_skipped, s.write_throughs_retried) == (4, 2, 2)
+    assert all(ex.cached()[k].has_disk_copy for k in keys)
+    assert all(ex.cached()[k].state.name == "RELEASED" for k in keys)  # still GPU hits
+    ex.cache.check_invariants()
+
+
+def test_the_backlog_forgets_content_that_left_or_reached_disk_otherwise() -> None:
+    ex = make(write_queue_depth=1, gpu_blocks=8)
+    tokens = fresh_tokens(3 * ex.bs + 1)
+    ex.serve("a", tokens, ttl=600.0)     # one written, two in the backlog
+    keys = block_keys(tokens, ex.bs)
+    ex.tick(1000.0)                      # their TTL ran out: best-effort now
+    ex.drain()
+    s = ex.stats()
+    assert (s.write_throughs, s.write_throughs_retried) == (1, 0)
+    assert [ex.cached()[k].has_disk_copy for k in keys] == [True, False, False]
+    assert not ex.cache._eviction.write_backlog
+    ex.cache.check_invariants()
+
+
 def test_no_persist_command_for_an_unchanged_deadline_and_free_slots_only_for_leavers() -> None:
     ex = make()
     tokens = fresh_tokens(2 * ex.bs + 1)
