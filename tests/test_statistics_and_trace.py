@@ -310,7 +310,7 @@ def write_through_backlog() -> tuple[Executor, Trigger]:
     backlog's block is written then."""
     ex, release = write_through(write_queue_depth=1)()
     release()
-    return ex, lambda: ex.land_write()
+    return ex, ex.land_write
 
 
 CASES: list[tuple[str, Setup, int]] = [
