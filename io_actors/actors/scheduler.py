@@ -508,10 +508,20 @@ class Scheduler:
     # ------------------------------------------------------------------ commands
 
     def _dispatch_locked(self) -> None:
-        """Execute copies now (enqueue on the copy stream); hand disk work to the trio side."""
+        """Execute copies now (enqueue on the copy stream); hand disk work to the trio side.
+
+        With inline I/O, the completions applied may issue more work (a write-through retried
+        as a write completes), executed here too: in a loop, not by recursion, since with a
+        disk that fails every write each completion issues the next write."""
+        while self._dispatch_once_locked():
+            pass
+
+    def _dispatch_once_locked(self) -> bool:
+        """One round of _dispatch_locked; True if inline completions were applied (their
+        reactions may be new commands)."""
         commands = self._core.take_commands()
         if not commands:
-            return
+            return False
         if self._recorder is not None:
             self._recorder.commands(self._clock(), commands)
         copies = self._copies
@@ -591,14 +601,13 @@ class Scheduler:
                 self._core.handle(completion, now=self._clock())
                 if self._recorder is not None:
                     self._trace_parks_locked(None)
-            # The completions applied may have issued more work (handled, and woken for,
-            # by this call), but what this call queued for the trio thread -- a shared-tier
-            # fetch issued with the synchronous spill -- still needs the wake-up below.
-            self._dispatch_locked()
+        # What this round queued for the trio thread -- a shared-tier fetch issued with the
+        # synchronous spill -- needs the wake-up whether or not another round follows.
         if ((self._handover or self._retention or self._fetch_handover)
                 and not self._wake_pending and self._token is not None):
             self._wake_pending = True
             self._token.run_sync_soon(self._pump)
+        return bool(inline)
 
     def _offer_publish_locked(self, cmd: PublishBlock, fence: Fence) -> None:
         remote = self._remote
