@@ -22,6 +22,8 @@ from typing import Final
 import attrs
 import torch
 
+from io_actors.memory import page_copy_kernel
+from io_actors.memory.copy_order import PageCopyLedger
 from io_actors.storage.buffers import page_aligned_buffer
 from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
 from io_actors.storage.interfaces import Fence
@@ -224,6 +226,10 @@ class _DoneFence:
         return None
 
 
+def _event_done(event: torch.cuda.Event) -> bool:
+    return bool(event.query())  # type: ignore[no-untyped-call]
+
+
 class _EventFence:
     def __init__(self, event: torch.cuda.Event) -> None:
         self._event = event
@@ -247,6 +253,20 @@ class CopyEngineStatistics:
     """Fences handed out."""
     asynchronous: bool
     """Whether copies run on a CUDA copy stream (False: synchronous CPU copies)."""
+    copy_path: str
+    """How a batch of scattered pages is copied: "scattered-page kernel" (one launch per
+    batch), "one copy per run" (one cudaMemcpyAsync per run of consecutive pages) or
+    "synchronous" (CPU device)."""
+    kernel_refused: str | None
+    """Why a CUDA engine does not use the scattered-page kernel (None: it does, or CPU)."""
+    kernel_batches: int
+    """Batches copied by the scattered-page kernel."""
+    batches: int
+    """Copy batches enqueued on the copy stream (each records one event)."""
+    compute_waits: int
+    """Compute-stream waits for a copy batch that a step's pages needed."""
+    compute_waits_skipped: int
+    """Steps whose pages had no copy batch in flight (no wait issued)."""
 
 
 class TorchCopyEngine:
@@ -264,12 +284,22 @@ class TorchCopyEngine:
       otherwise.  Capturing it once matters because torch's "current stream" is per thread,
       and the engine is driven from actor and worker threads, not the serving thread.
     - *Among copies.*  One stream executes them in enqueue order.
-    - *Forward pass after copies.*  :meth:`order_before_compute` makes the compute stream
-      wait for every copy enqueued so far (the serving loop calls it before each step).
+    - *Forward pass after copies.*  Each batch records an event; a
+      :class:`~io_actors.memory.copy_order.PageCopyLedger` remembers, per GPU page, the
+      last batch that touched it (into or out of it: the module says why both).
+      :meth:`order_pages_before_compute` makes the compute stream wait only for the newest
+      such batch among the pages a step touches (the scheduler calls it when it hands out
+      a request's block table), so that spills and other requests' copies never delay a
+      step.  :meth:`order_before_compute` makes it wait for every copy enqueued so far.
     - *Host threads after copies.*  :meth:`fence` records an event after every copy enqueued
       so far, and after the compute work the copy stream has been made to wait for; a
       worker thread blocks on ``Fence.wait()`` before it reads a host page just filled by a
       copy, or before it writes a GPU page from outside the streams (kvikio, GDS).
+
+    A batch of several runs of pages is copied by one kernel launch where CUDA, cupy and a
+    pinned host pool allow it and the kernel passed its self-check at construction
+    (:mod:`io_actors.memory.page_copy_kernel`); otherwise, or with ``use_kernel=False``, by
+    one ``cudaMemcpyAsync`` per run.  ``statistics().copy_path`` says which.
 
     On a CPU device every copy completes before its call returns and fences are no-ops.
     Methods may be called from several threads: a lock keeps enqueue order equal to call
@@ -277,7 +307,8 @@ class TorchCopyEngine:
     """
 
     def __init__(
-        self, pools: KVPools, *, compute_stream: torch.cuda.Stream | None = None
+        self, pools: KVPools, *, compute_stream: torch.cuda.Stream | None = None,
+        use_kernel: bool = True,
     ) -> None:
         if not isinstance(pools, KVPools):
             raise ConfigError("pools", f"must be KVPools, got {pools!r}")
@@ -303,6 +334,31 @@ class TorchCopyEngine:
             self._compute = None
             self._stream = None
         self._non_blocking = self._async and pools.host_pinned
+        self._batches = 0
+        self._kernel_batches = 0
+        self._ledger: PageCopyLedger[torch.cuda.Event] | None = (
+            PageCopyLedger(pools.gpu_pages, _event_done) if self._async else None
+        )
+        self._kernel = False
+        self.kernel_refused: str | None = None
+        if self._async:
+            self.kernel_refused = self._kernel_refusal(use_kernel)
+            self._kernel = self.kernel_refused is None
+            if self.kernel_refused is not None and use_kernel:
+                _log.warning("copy engine: scattered pages are copied with one copy per run, "
+                             "not the batch kernel: %s", self.kernel_refused)
+
+    def _kernel_refusal(self, use_kernel: bool) -> str | None:
+        """Why this engine must not use the scattered-page kernel (None: it may)."""
+        pools = self._pools
+        if not use_kernel:
+            return "turned off (use_kernel=False)"
+        if pools.host_pages == 0 or pools.gpu_pages == 0:
+            return "an empty pool"
+        why = page_copy_kernel.usable(pools.host, pools.gpu, pools.block_nbytes)
+        if why is None:
+            why = page_copy_kernel.self_check(pools.device, pools.block_nbytes)
+        return why
 
     def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
         if self._pools.host_crcs is not None:
@@ -312,14 +368,14 @@ class TorchCopyEngine:
         src = self._pools.gpu_page(gpu_page)
         dst = self._pools.host_page(host_page)
         with self._lock:
-            self._enqueue(dst, src)
+            self._enqueue(dst, src, gpu_page)
             self._copies_to_host += 1
 
     def copy_host_to_gpu(self, host_page: PageId, gpu_page: PageId) -> None:
         src = self._pools.host_page(host_page)
         dst = self._pools.gpu_page(gpu_page)
         with self._lock:
-            self._enqueue(dst, src)
+            self._enqueue(dst, src, gpu_page)
             self._copies_to_gpu += 1
 
     def copy_buffer_to_gpu(self, src: torch.Tensor, gpu_page: PageId) -> None:
@@ -337,7 +393,7 @@ class TorchCopyEngine:
             )
         dst = self._pools.gpu_page(gpu_page)
         with self._lock:
-            self._enqueue(dst, src)
+            self._enqueue(dst, src, gpu_page)
             self._copies_to_gpu += 1
 
     def copy_pages(
@@ -346,8 +402,9 @@ class TorchCopyEngine:
         """Enqueue many page copies, in order, as one call: (source page, destination page)
         pairs, host -> GPU when `to_gpu`, else GPU -> host.
 
-        One lock, one wait on the compute stream and one stream switch for the whole list,
-        and one copy per run of pages consecutive on both sides (a run of blocks is one DMA):
+        One lock, one wait on the compute stream, one stream switch and one event for the
+        whole list; one copy per run of pages consecutive on both sides (a run of blocks is
+        one DMA), or, for a batch of several runs, one launch of the scattered-page kernel:
         the serving thread pays per batch what it paid per block.
         """
         if not pairs:
@@ -373,27 +430,42 @@ class TorchCopyEngine:
             else:
                 self._stream.wait_stream(self._compute)
                 with torch.cuda.stream(self._stream):
-                    for s0, d0, n in runs:
-                        dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
-                                                    non_blocking=self._non_blocking)
+                    if self._kernel and len(runs) > 1:
+                        page_copy_kernel.launch(src_pool, dst_pool, pools.block_nbytes,
+                                                pairs, self._stream)
+                        self._kernel_batches += 1
+                    else:
+                        for s0, d0, n in runs:
+                            dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
+                                                        non_blocking=self._non_blocking)
                     if not to_gpu and pools.host_crcs is not None:
                         # The host pages' checksums, from the GPU pages they were copied
                         # from, behind the copies on the same stream (fences cover it).
                         checksums_into([pools.gpu_page(src) for src, _dst in pairs],
                                        pools.host_crcs, [dst for _src, dst in pairs])
-                self._pending_for_compute = True
+                self._record_batch([dst for _src, dst in pairs] if to_gpu
+                                   else [src for src, _dst in pairs])
             if to_gpu:
                 self._copies_to_gpu += len(pairs)
             else:
                 self._copies_to_host += len(pairs)
 
-    def _enqueue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, gpu_page: PageId) -> None:
         if self._stream is None or self._compute is None:
             dst.copy_(src)
             return
         self._stream.wait_stream(self._compute)
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=self._non_blocking)
+        self._record_batch([gpu_page])
+
+    def _record_batch(self, gpu_pages: Sequence[int]) -> None:
+        """After a batch on the copy stream: its event, in the ledger under its GPU pages."""
+        assert self._stream is not None and self._ledger is not None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        self._ledger.record(gpu_pages, event)
+        self._batches += 1
         self._pending_for_compute = True
 
     def fence(self) -> Fence:
@@ -408,16 +480,47 @@ class TorchCopyEngine:
             event.record(self._stream)
             return _EventFence(event)
 
+    def order_pages_before_compute(self, gpu_pages: Sequence[PageId]) -> None:
+        """Make later work on the compute stream wait for the copies that touched
+        `gpu_pages` (into or out of them) -- the pages a step reads and writes -- and for
+        nothing newer: at most one stream wait, none when no such copy is in flight.
+
+        Must be called after the copies that fill the pages were enqueued and before the
+        step that touches them is; the scheduler calls it when it hands out a block table.
+
+        raises: UsageError("pages") for a page outside the GPU pool.
+        """
+        with self._lock:
+            if self._ledger is None or self._compute is None:
+                return
+            event = self._ledger.wait_for(gpu_pages)
+            if event is not None:
+                self._compute.wait_event(event)
+
     def order_before_compute(self) -> None:
         with self._lock:
             if self._stream is None or self._compute is None or not self._pending_for_compute:
                 return
             self._compute.wait_stream(self._stream)
             self._pending_for_compute = False
+            if self._ledger is not None:
+                self._ledger.settle_all()
+
+    @property
+    def copy_path(self) -> str:
+        if not self._async:
+            return "synchronous"
+        return "scattered-page kernel" if self._kernel else "one copy per run"
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            if self._ledger is not None:
+                self._ledger.check_invariants()
 
     def statistics(self) -> CopyEngineStatistics:
         with self._lock:
             nbytes = self._pools.block_nbytes
+            ledger = self._ledger.statistics() if self._ledger is not None else None
             return CopyEngineStatistics(
                 copies_to_host=self._copies_to_host,
                 copies_to_gpu=self._copies_to_gpu,
@@ -425,4 +528,10 @@ class TorchCopyEngine:
                 bytes_to_gpu=self._copies_to_gpu * nbytes,
                 fences=self._fences,
                 asynchronous=self._async,
+                copy_path=self.copy_path,
+                kernel_refused=self.kernel_refused,
+                kernel_batches=self._kernel_batches,
+                batches=self._batches,
+                compute_waits=ledger.waits if ledger is not None else 0,
+                compute_waits_skipped=ledger.waits_skipped if ledger is not None else 0,
             )
