@@ -29,13 +29,15 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from bench.disk_limits import pinned_h2d_rate, raw_read_rate, raw_write_rate
+from bench.disk_limits import pinned_d2h_rate, pinned_h2d_rate, raw_read_rate, raw_write_rate
+from bench.phase_profile import PhaseProfile, print_breakdown
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
 from io_actors.memory.pools import KVPools, TorchCopyEngine
@@ -76,11 +78,11 @@ def _fill(cache: BlockingCache, rid: str, first_token: int, blocks: int,
     return tokens
 
 
-def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, float]:
-    """Spill and onboard rates through the cache, in GB/s."""
+def transfer_config(args: argparse.Namespace, directory: Path) -> StateKVConfig:
+    """The cache of the spill and onboard phases."""
     n = args.blocks
     layout = layout_for(args.block_mib, args.block_size)
-    config = StateKVConfig(
+    return StateKVConfig(
         layout=layout, block_size=args.block_size, gpu=2 * n + 1, host=n, reserved_host=n,
         disk=2 * n, disk_dir=directory, writers=args.threads, readers=args.threads,
         write_queue_depth=max(64, n), device=args.device, spill_mode="retained_only",
@@ -90,6 +92,40 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         # be written through at their release, before the timed phase.
         retention_write_through=False,
     )
+
+
+def spill(cache: BlockingCache, n: int, *, on_start: Callable[[], None] | None = None) -> float:
+    """The spill phase: seconds from the eviction that pushes `n` retained blocks from host
+    to disk until their writes landed.  GPU: req1 (retained) then req2 push req1 to host;
+    req3 pushes req1 to disk (req1's tokens are those of its _fill)."""
+    _fill(cache, "req1", 0, n, ttl=3600.0)
+    _fill(cache, "req2", 10_000_000, 2 * n)
+    if on_start is not None:
+        on_start()
+    start = time.perf_counter()
+    _fill(cache, "req3", 20_000_000, n, write_bytes=False)
+    _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
+    seconds = time.perf_counter() - start
+    stats = cache.statistics().cache
+    assert stats.spills_completed >= n, stats
+    return seconds
+
+
+def profile_spill(args: argparse.Namespace, directory: Path) -> PhaseProfile:
+    """The spill phase again, in a fresh cache whose threads are profiled (bench.phase_profile):
+    where the writer pool's, the trio thread's and the calling thread's time goes, from the
+    eviction that starts the spill until its writes landed (the cache's close is left out)."""
+    profile = PhaseProfile()
+    with profile.threads_started_inside(), BlockingCache(transfer_config(args, directory)) as c:
+        spill(c, args.blocks, on_start=profile.restart)
+        profile.stop()
+    return profile
+
+
+def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, float]:
+    """Spill and onboard rates through the cache, in GB/s."""
+    n = args.blocks
+    config = transfer_config(args, directory)
     block_bytes = config.block_bytes
     out: dict[str, float] = {}
     # The write-through (the default): a retained request's blocks written to disk from the
@@ -116,17 +152,10 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         assert stats.spills_completed - before == n and stats.write_throughs_skipped == 0, stats
         out["write_through_gb_per_s"] = n * block_bytes / through_s / 1e9
     with BlockingCache(config) as cache:
-        # GPU: req1 (retained) then req2 push req1 to host; req3 pushes req1 to disk.
-        first = _fill(cache, "req1", 0, n, ttl=3600.0)
-        _fill(cache, "req2", 10_000_000, 2 * n)
-        start = time.perf_counter()
-        _fill(cache, "req3", 20_000_000, n, write_bytes=False)
-        _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
-        spill_s = time.perf_counter() - start
-        stats = cache.statistics().cache
-        assert stats.spills_completed >= n, stats
+        spill_s = spill(cache, n)
         out["spill_gb_per_s"] = n * block_bytes / spill_s / 1e9
 
+        first = list(range(n * args.block_size + 1))  # req1's tokens (see _fill)
         start = time.perf_counter()
         match = cache.add_request("again", first)
         _wait(lambda: cache.is_ready("again"))
@@ -170,40 +199,65 @@ def kvikio_own_rate(config: StateKVConfig, blocks: int) -> float:
     return blocks * payload / seconds / 1e9
 
 
-def recall_rate(args: argparse.Namespace) -> float:
-    """Host -> GPU page copies through the copy engine, GB/s (best of 5).
+@attrs.frozen(kw_only=True)
+class CopyRates:
+    """Page copies through one copy engine, GB/s, and how the engine copied them."""
 
-    As the scheduler issues them: batches of `--batch-blocks` pages (one request's host hits),
-    to GPU pages in a shuffled order, so that no two pages of a batch merge into one copy --
-    the figure does not profit from runs of consecutive pages that real evictions rarely
-    make."""
+    recall_gb_per_s: float
+    """Host -> GPU."""
+    evict_gb_per_s: float
+    """GPU -> host (with the GPU checksums of the host pages, where the pools record them)."""
+    copy_path: str
+    kernel_refused: str | None
+    checksums: bool
+
+
+def copy_rates(args: argparse.Namespace, *, use_kernel: bool) -> CopyRates:
+    """Page copies through the copy engine, both directions, GB/s (best of 5 each).
+
+    As the scheduler issues them: batches of `--batch-blocks` pages (one request's host hits,
+    one eviction's spill), to pages in a shuffled order, so that no two pages of a batch
+    merge into one copy -- the figure does not profit from runs of consecutive pages that
+    real evictions rarely make.  `use_kernel` False: one copy per run, as before the
+    scattered-page kernel (the same-run comparison)."""
     from statekv.config import CacheConfig
 
     n = args.blocks
     layout = layout_for(args.block_mib, args.block_size)
     pools = KVPools(CacheConfig(block_size=args.block_size, gpu_blocks=n, host_blocks=n,
                                 layout=layout), resolve_device(args.device))
-    engine = TorchCopyEngine(pools)
+    engine = TorchCopyEngine(pools, use_kernel=use_kernel)
     targets = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
-    pairs = [(PageId(page), PageId(target)) for page, target in enumerate(targets)]
     size = args.batch_blocks
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for first in range(0, n, size):
-            engine.copy_pages(pairs[first : first + size], to_gpu=True)
-        engine.fence().wait()
-        best = min(best, time.perf_counter() - start)
-    return float(n * pools.block_nbytes / best / 1e9)
+
+    def best_rate(to_gpu: bool) -> float:
+        pairs = [(PageId(page), PageId(target)) for page, target in enumerate(targets)]
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for first in range(0, n, size):
+                engine.copy_pages(pairs[first : first + size], to_gpu=to_gpu)
+            engine.fence().wait()
+            best = min(best, time.perf_counter() - start)
+        return float(n * pools.block_nbytes / best / 1e9)
+
+    recall = best_rate(True)
+    evict = best_rate(False)
+    stats = engine.statistics()
+    return CopyRates(recall_gb_per_s=recall, evict_gb_per_s=evict, copy_path=stats.copy_path,
+                     kernel_refused=stats.kernel_refused,
+                     checksums=pools.host_crcs is not None)
 
 
-def host_to_device_limit(nbytes: int, device: torch.device) -> float:
-    """The same-run limit for recall: one large pinned (CUDA) or plain (CPU) copy, GB/s."""
-    rate = pinned_h2d_rate(nbytes)
+def host_to_device_limit(nbytes: int, device: torch.device, *, to_gpu: bool = True) -> float:
+    """The same-run limit for page copies: one large pinned (CUDA) or plain (CPU) copy of
+    `nbytes`, host -> device when `to_gpu`, else back, GB/s."""
+    rate = pinned_h2d_rate(nbytes) if to_gpu else pinned_d2h_rate(nbytes)
     if rate is not None:
         return rate
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    other = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src, dst = (host, other) if to_gpu else (other, host)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
@@ -357,6 +411,9 @@ def main() -> int:
                         help="max_batch_blocks: blocks per disk batch (1: one at a time)")
     parser.add_argument("--machine", default="cpu", help="cpu, h200 or h200x2 (file name)")
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the spill phase once more with its threads profiled and "
+                             "print (and, with --write, store) the time per phase")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--tag", default="",
                         help="suffix of the results file name (several runs a day)")
@@ -373,9 +430,14 @@ def main() -> int:
         raw_read = raw_read_rate(directory, block_bytes=block_bytes, threads=args.threads,
                                  total_bytes=total)
         phases = transfer_phases(args, directory / "cache")
-        recall = recall_rate(args)
+        copies = copy_rates(args, use_kernel=True)
+        # The same-run comparison: what the engine did before the scattered-page kernel.
+        per_run = (copy_rates(args, use_kernel=False)
+                   if copies.copy_path == "scattered-page kernel" else None)
         h2d = host_to_device_limit(total, resolve_device(args.device))
+        d2h = host_to_device_limit(total, resolve_device(args.device), to_gpu=False)
         latency = {} if args.skip_latency else step_latency(args, directory / "loop")
+        profile = profile_spill(args, directory / "profile") if args.profile else None
 
     print(f"machine: {args.machine} ({platform.node()}), device {resolve_device(args.device)}")
     print(f"block {block_bytes / 2**20:.2f} MiB, {args.threads} threads, {args.blocks} blocks, "
@@ -387,15 +449,27 @@ def main() -> int:
          "raw O_DIRECT write"),
         ("onboard disk->GPU", phases["onboard_gb_per_s"], raw_read.gb_per_s,
          "raw O_DIRECT read"),
-        ("recall host->GPU", recall, h2d, "pinned H2D copy" if torch.cuda.is_available()
-         else "host memcpy"),
+        ("recall host->GPU", copies.recall_gb_per_s, h2d,
+         "pinned H2D copy" if torch.cuda.is_available() else "host memcpy"),
     ]
+    copy_rows = [
+        ("evict GPU->host" + (" +crc" if copies.checksums else ""), copies.evict_gb_per_s, d2h,
+         "pinned D2H copy" if torch.cuda.is_available() else "host memcpy"),
+    ]
+    if per_run is not None:
+        copy_rows += [
+            ("recall, per-run copy", per_run.recall_gb_per_s, h2d, "pinned H2D copy"),
+            ("evict, per-run copy", per_run.evict_gb_per_s, d2h, "pinned D2H copy"),
+        ]
     if "kvikio_gb_per_s" in phases:
         rows.append(("onboard vs kvikio", phases["onboard_gb_per_s"], phases["kvikio_gb_per_s"],
                      "kvikio's own read"))
-    for name, value, limit, limit_name in rows:
+    for name, value, limit, limit_name in rows + copy_rows:
         print(f"{name:<20}{value:8.2f} GB/s  vs {limit:8.2f} GB/s {limit_name:<20} "
               f"= {value / limit:5.2f}x")
+    print(f"page copies: {copies.copy_path}"
+          + (f" (the kernel is not used: {copies.kernel_refused})"
+             if copies.kernel_refused else ""))
     if latency:
         print(f"step p50 idle {latency['idle_p50_ms']:.2f} ms, saturated "
               f"{latency['saturated_p50_ms']:.2f} ms; p99 idle {latency['idle_p99_ms']:.2f} ms, "
@@ -403,6 +477,9 @@ def main() -> int:
               f"(disk traffic while saturated: {latency['saturated_disk_gb_per_s']:.2f} GB/s)")
         print(f"step + the tenant's cache calls: p50 {latency['saturated_with_tenant_p50_ms']:.2f}"
               f" ms, p99 {latency['saturated_with_tenant_p99_ms']:.2f} ms")
+
+    if profile is not None:
+        print_breakdown(f"spill of {args.blocks} blocks, profiled", profile)
 
     if args.write:
         figures: dict[str, dict[str, object]] = {}
@@ -414,6 +491,18 @@ def main() -> int:
             figures[key] = {"value": round(value, 3), "unit": "GB/s", "limit": round(limit, 3),
                             "limit_name": f"{limit_name}, same run", "ratio":
                             round(value / limit, 3)}
+        figures["recall_host_to_gpu"]["copy_path"] = copies.copy_path
+        for key, (name, value, limit, limit_name) in zip(
+            ("evict_gpu_to_host", "recall_host_to_gpu_one_copy_per_run",
+             "evict_gpu_to_host_one_copy_per_run")[: len(copy_rows)], copy_rows, strict=True,
+        ):
+            del name
+            figures[key] = {"value": round(value, 3), "unit": "GB/s", "limit": round(limit, 3),
+                            "limit_name": f"{limit_name}, same run",
+                            "ratio": round(value / limit, 3),
+                            "copy_path": "one copy per run" if "per_run" in key
+                            else copies.copy_path,
+                            "gpu_checksums": copies.checksums}
         if latency:
             for pct in ("p50", "p99"):
                 ratio = latency[f"saturated_{pct}_ms"] / latency[f"idle_{pct}_ms"]
@@ -438,8 +527,11 @@ def main() -> int:
             "bench": "io", "machine": args.machine, "date": today.isoformat(),
             "commit": commit, "command": "python -m bench.io " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("write", "dir", "skip_latency", "tag") and v is not None),
+                if k not in ("write", "dir", "skip_latency", "tag", "profile") and v is not None),
             "figures": figures,
+            **({"spill_profile": {"wall_s": round(profile.wall_s, 3),
+                                  "thread_seconds_per_phase": profile.breakdown()}}
+               if profile is not None else {}),
         }, indent=2) + "\n")
         print(f"wrote {out}")
     return 0

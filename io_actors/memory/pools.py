@@ -430,11 +430,11 @@ class TorchCopyEngine:
             else:
                 self._stream.wait_stream(self._compute)
                 with torch.cuda.stream(self._stream):
-                    if self._kernel and len(runs) > 1:
-                        page_copy_kernel.launch(src_pool, dst_pool, pools.block_nbytes,
-                                                pairs, self._stream)
-                        self._kernel_batches += 1
-                    else:
+                    # The kernel copies a batch's pages in no order: a destination named
+                    # twice (never by the core) keeps the per-run copies' last-wins order.
+                    if not (self._kernel and len(runs) > 1
+                            and len({dst for _src, dst in pairs}) == len(pairs)
+                            and self._launch(src_pool, dst_pool, pairs)):
                         for s0, d0, n in runs:
                             dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
                                                         non_blocking=self._non_blocking)
@@ -449,6 +449,25 @@ class TorchCopyEngine:
                 self._copies_to_gpu += len(pairs)
             else:
                 self._copies_to_host += len(pairs)
+
+    def _launch(self, src_pool: torch.Tensor, dst_pool: torch.Tensor,
+                pairs: Sequence[tuple[PageId, PageId]]) -> bool:
+        """One kernel launch for the batch; False (and the kernel off from now on, with the
+        reason logged and in statistics) where the launch raised: the caller copies the
+        batch per run instead, so that a kernel that passed its self-check but fails later
+        costs speed, never a cache call."""
+        assert self._stream is not None
+        try:
+            page_copy_kernel.launch(src_pool, dst_pool, self._pools.block_nbytes, pairs,
+                                    self._stream)
+        except Exception as exc:  # cupy's errors have no common base we could name
+            self._kernel = False
+            self.kernel_refused = f"a launch failed: {type(exc).__name__}: {exc}"
+            _log.error("copy engine: the scattered-page kernel failed, falling back to one "
+                       "copy per run: %s", self.kernel_refused)
+            return False
+        self._kernel_batches += 1
+        return True
 
     def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, gpu_page: PageId) -> None:
         if self._stream is None or self._compute is None:
