@@ -305,7 +305,8 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                                          max_new_tokens=args.decode_steps))
             while loop.statistics().decode_tokens == 0:  # prefill is not what we time
                 loop.step()
-            before = cache.statistics().cache
+            before_all = cache.statistics()
+            before, before_copies = before_all.cache, before_all.copies
             iterations: list[float] = []
             steps: list[float] = []
             clock = time.perf_counter
@@ -318,9 +319,16 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                 end = clock()
                 iterations.append(end - start)
                 steps.append(end - middle)
-            after = cache.statistics().cache
+            after_all = cache.statistics()
+            after = after_all.cache
             moved = (after.bytes_read + after.bytes_written
                      - before.bytes_read - before.bytes_written)
+            copies_before, copies_after = before_copies, after_all.copies
+            if copies_before is not None and copies_after is not None:
+                # How often a step's pages had a copy in flight that its forward pass had to
+                # wait for (a page just evicted and handed over, a recall just enqueued).
+                result[f"{phase}_compute_waits_per_step"] = (
+                    (copies_after.compute_waits - copies_before.compute_waits) / len(steps))
             # The step alone: what the loop's own requests wait for.  With the tenant's
             # calls: what a loop pays when those requests are its own.
             result[f"{phase}_p50_ms"] = statistics.median(steps) * 1e3
@@ -477,6 +485,10 @@ def main() -> int:
               f"(disk traffic while saturated: {latency['saturated_disk_gb_per_s']:.2f} GB/s)")
         print(f"step + the tenant's cache calls: p50 {latency['saturated_with_tenant_p50_ms']:.2f}"
               f" ms, p99 {latency['saturated_with_tenant_p99_ms']:.2f} ms")
+        if "saturated_compute_waits_per_step" in latency:
+            print(f"compute-stream waits for a copy per step: idle "
+                  f"{latency['idle_compute_waits_per_step']:.3f}, saturated "
+                  f"{latency['saturated_compute_waits_per_step']:.3f}")
 
     if profile is not None:
         print_breakdown(f"spill of {args.blocks} blocks, profiled", profile)
@@ -519,6 +531,11 @@ def main() -> int:
                     "disk_gb_per_s_while_saturated": round(
                         latency["saturated_disk_gb_per_s"], 3),
                 }
+                if "saturated_compute_waits_per_step" in latency:
+                    figures[f"step_latency_{pct}_saturated_vs_idle"][
+                        "compute_waits_per_step_idle_saturated"] = [
+                        round(latency["idle_compute_waits_per_step"], 3),
+                        round(latency["saturated_compute_waits_per_step"], 3)]
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 check=False).stdout.strip()
         today = dt.date.today()

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from io_actors.embed import BlockingCache
 from io_actors.memory.copy_order import PageCopyLedger
 from io_actors.memory.pools import KVPools, TorchCopyEngine
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import UsageError
 from statekv.ids import PageId
+from tests.io_helpers import check_pages, compute, small_config
 
 DEVICE = os.environ.get("STATEKV_TEST_DEVICE", "cpu")
 """The GPU machine runs these on CUDA (STATEKV_TEST_DEVICE=cuda)."""
@@ -256,3 +259,37 @@ def test_compute_reads_and_writes_of_copied_pages_wait_for_their_copies_only() -
     stats = engine.statistics()
     assert stats.compute_waits >= 1 and stats.kernel_batches >= 40
     engine.check_invariants()
+
+
+def test_each_block_table_orders_the_compute_stream_once_and_recalled_pages_hold_their_kv(
+    tmp_path: Path,
+) -> None:
+    """Through the cache: r1's blocks go to host when r2 takes their GPU pages (a spill out
+    of pages r2 then writes), and come back when r1's prompt returns (a recall into pages
+    the next step reads); every block table taken asks the copy engine once."""
+    with BlockingCache(small_config(tmp_path, disk=0, host=4, reserved_host=0)) as cache:
+        bs = cache.config.block_size
+        first = list(range(2 * bs + 1))
+        cache.add_request("r1", first)
+        compute(cache, "r1", first)
+        cache.release("r1")
+        second = list(range(1000, 1000 + 7 * bs + 1))  # every GPU page
+        cache.add_request("r2", second)
+
+        def asked() -> int:
+            copies = cache.statistics().copies
+            assert copies is not None
+            return copies.compute_waits + copies.compute_waits_skipped
+
+        before = asked()
+        compute(cache, "r2", second)  # takes r2's block table once
+        assert asked() == before + 1
+        cache.release("r2")
+        assert cache.statistics().cache.hit_tokens_host == 0
+        match = cache.add_request("r1b", first)
+        assert match.host_tokens == 2 * bs, match
+        check_pages(cache, "r1b", first, blocks=2)
+        copies = cache.statistics().copies
+        assert copies is not None and copies.batches >= 2
+        if DEVICE == "cuda":
+            assert copies.copy_path == "scattered-page kernel", copies.kernel_refused

@@ -42,7 +42,7 @@ import trio
 from io_actors.actors.reader_pool import ReaderPool, ReadJob, SlotReader
 from io_actors.actors.worker_threads import PoolStatistics
 from io_actors.actors.writer_pool import SlotWriter, WriteJob, WriterPool
-from io_actors.memory.pools import KVPools
+from io_actors.memory.pools import CopyEngineStatistics, KVPools
 from io_actors.storage.interfaces import CopyEngine, Fence, RetentionStore, SlotStore
 from io_actors.storage.posix import SlotStoreStatistics
 from io_actors.storage.posix_open import Recovery
@@ -124,6 +124,9 @@ class SystemStatistics:
     without a shared tier)."""
     fetcher: dict[str, int] | None = None
     """The shared tier's fetcher: lookups, blocks found, fetched, failed by status."""
+    copies: CopyEngineStatistics | None = None
+    """The copy engine's counters (its copy path, batches, the compute-stream waits steps
+    needed), when the engine keeps them."""
 
 
 @attrs.frozen(kw_only=True)
@@ -381,7 +384,13 @@ class Scheduler:
             retention_backlog=self._retention_backlog(),
             publisher=self._remote.publisher.statistics() if self._remote else None,
             fetcher=self._remote.fetcher.statistics() if self._remote else None,
+            copies=self._copy_statistics(),
         )
+
+    def _copy_statistics(self) -> CopyEngineStatistics | None:
+        read = getattr(self._copies, "statistics", None)
+        found = read() if read is not None else None
+        return found if isinstance(found, CopyEngineStatistics) else None
 
     def _retention_backlog(self) -> int:
         with self._lock:

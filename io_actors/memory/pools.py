@@ -226,8 +226,8 @@ class _DoneFence:
         return None
 
 
-def _event_done(event: torch.cuda.Event) -> bool:
-    return bool(event.query())  # type: ignore[no-untyped-call]
+def _event_done(event: torch.cuda.Event | None) -> bool:
+    return event is None or bool(event.query())  # type: ignore[no-untyped-call]
 
 
 class _EventFence:
@@ -262,7 +262,7 @@ class CopyEngineStatistics:
     kernel_batches: int
     """Batches copied by the scattered-page kernel."""
     batches: int
-    """Copy batches enqueued on the copy stream (each records one event)."""
+    """Copy batches enqueued (on CUDA each records one event on the copy stream)."""
     compute_waits: int
     """Compute-stream waits for a copy batch that a step's pages needed."""
     compute_waits_skipped: int
@@ -334,11 +334,11 @@ class TorchCopyEngine:
             self._compute = None
             self._stream = None
         self._non_blocking = self._async and pools.host_pinned
-        self._batches = 0
         self._kernel_batches = 0
-        self._ledger: PageCopyLedger[torch.cuda.Event] | None = (
-            PageCopyLedger(pools.gpu_pages, _event_done) if self._async else None
-        )
+        # On a CPU device every batch is complete when recorded (its event is None): the
+        # ledger still counts batches and steps, and checks the pages a step names.
+        self._ledger: PageCopyLedger[torch.cuda.Event | None] = PageCopyLedger(
+            pools.gpu_pages, _event_done)
         self._kernel = False
         self.kernel_refused: str | None = None
         if self._async:
@@ -427,6 +427,8 @@ class TorchCopyEngine:
             if self._stream is None or self._compute is None:
                 for s0, d0, n in runs:
                     dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n])
+                self._record_batch([dst for _src, dst in pairs] if to_gpu
+                                   else [src for src, _dst in pairs])
             else:
                 self._stream.wait_stream(self._compute)
                 with torch.cuda.stream(self._stream):
@@ -472,6 +474,7 @@ class TorchCopyEngine:
     def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, gpu_page: PageId) -> None:
         if self._stream is None or self._compute is None:
             dst.copy_(src)
+            self._record_batch([gpu_page])
             return
         self._stream.wait_stream(self._compute)
         with torch.cuda.stream(self._stream):
@@ -479,12 +482,13 @@ class TorchCopyEngine:
         self._record_batch([gpu_page])
 
     def _record_batch(self, gpu_pages: Sequence[int]) -> None:
-        """After a batch on the copy stream: its event, in the ledger under its GPU pages."""
-        assert self._stream is not None and self._ledger is not None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self._stream)
+        """After a batch on the copy stream: its event, in the ledger under its GPU pages
+        (on a CPU device the batch is done already: no event)."""
+        event: torch.cuda.Event | None = None
+        if self._stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._stream)
         self._ledger.record(gpu_pages, event)
-        self._batches += 1
         self._pending_for_compute = True
 
     def fence(self) -> Fence:
@@ -510,10 +514,8 @@ class TorchCopyEngine:
         raises: UsageError("pages") for a page outside the GPU pool.
         """
         with self._lock:
-            if self._ledger is None or self._compute is None:
-                return
             event = self._ledger.wait_for(gpu_pages)
-            if event is not None:
+            if event is not None and self._compute is not None:
                 self._compute.wait_event(event)
 
     def order_before_compute(self) -> None:
@@ -522,8 +524,7 @@ class TorchCopyEngine:
                 return
             self._compute.wait_stream(self._stream)
             self._pending_for_compute = False
-            if self._ledger is not None:
-                self._ledger.settle_all()
+            self._ledger.settle_all()
 
     @property
     def copy_path(self) -> str:
@@ -533,13 +534,12 @@ class TorchCopyEngine:
 
     def check_invariants(self) -> None:
         with self._lock:
-            if self._ledger is not None:
-                self._ledger.check_invariants()
+            self._ledger.check_invariants()
 
     def statistics(self) -> CopyEngineStatistics:
         with self._lock:
             nbytes = self._pools.block_nbytes
-            ledger = self._ledger.statistics() if self._ledger is not None else None
+            ledger = self._ledger.statistics()
             return CopyEngineStatistics(
                 copies_to_host=self._copies_to_host,
                 copies_to_gpu=self._copies_to_gpu,
@@ -550,7 +550,7 @@ class TorchCopyEngine:
                 copy_path=self.copy_path,
                 kernel_refused=self.kernel_refused,
                 kernel_batches=self._kernel_batches,
-                batches=self._batches,
-                compute_waits=ledger.waits if ledger is not None else 0,
-                compute_waits_skipped=ledger.waits_skipped if ledger is not None else 0,
+                batches=ledger.batches,
+                compute_waits=ledger.waits,
+                compute_waits_skipped=ledger.waits_skipped,
             )
