@@ -138,8 +138,14 @@ def launch(src_pool: torch.Tensor, dst_pool: torch.Tensor, page_bytes: int,
 def self_check(device: torch.device, page_bytes: int) -> str | None:
     """Copy scattered pages host -> GPU and back through scratch pools with the kernel and
     compare the bytes.  None when they match; else what went wrong (the caller falls back to
-    per-run copies and says so)."""
+    per-run copies and says so).
+
+    Pages above 1 MiB are checked at 1 MiB plus the real pages' last, partial chunk: the
+    same code paths (whole chunks, a tail), without pinning five large pages for good (torch
+    keeps pinned blocks cached)."""
     pages = 5
+    if page_bytes > 1 << 20:
+        page_bytes = (1 << 20) + (page_bytes % CHUNK_BYTES or CHUNK_BYTES // 2)
     try:
         pattern = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8,
                                 generator=torch.Generator().manual_seed(page_bytes))
