@@ -22,6 +22,7 @@ onboard drop content instead of writing it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import platform
@@ -266,7 +267,8 @@ def host_to_device_limit(nbytes: int, device: torch.device, *, to_gpu: bool = Tr
     return nbytes / best / 1e9
 
 
-def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
+def step_latency(args: argparse.Namespace, directory: Path,
+                 profile: PhaseProfile | None = None) -> dict[str, float]:
     """Decode-step latency of a serving loop, with no disk traffic vs with the disk kept
     busy by the same cache.
 
@@ -275,6 +277,10 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
     prefixes in flight and releases content whose eviction spills.  Its requests never
     enter the forward pass, so both runs do the same model work; each timed iteration
     covers the tenant's calls and the step.
+
+    With `profile`, a last saturated run (not reported in the figures: the profiler slows
+    every thread) records where the serving thread and the cache's threads spend its timed
+    steps.
     """
     from models.config import preset
     from models.model import PagedDecoder
@@ -286,7 +292,9 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
     bs = args.block_size
     result: dict[str, float] = {}
     # A first run warms up kernels, allocators and page caches; it is not reported.
-    for phase in ("warmup", "idle", "saturated"):
+    phases = ("warmup", "idle", "saturated") + (("profiled",) if profile is not None else ())
+    for phase in phases:
+        profiling = phase == "profiled" and profile is not None
         config = StateKVConfig(
             layout=model_config.kv_layout(), block_size=bs, gpu=args.loop_gpu_blocks,
             host=args.loop_gpu_blocks // 4, reserved_host=64, disk=8 * args.loop_gpu_blocks,
@@ -294,8 +302,13 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             device=args.device, model_fingerprint=model_config.fingerprint(),
             backend=args.backend, max_batch_blocks=args.batch_blocks,
         )
-        with BlockingCache(config) as cache:
-            tenant = _DiskTenant(cache, blocks=8, in_flight=4) if phase == "saturated" else None
+        with contextlib.ExitStack() as stack:
+            if profiling:
+                assert profile is not None
+                stack.enter_context(profile.threads_started_inside())
+            cache = stack.enter_context(BlockingCache(config))
+            tenant = (_DiskTenant(cache, blocks=8, in_flight=4)
+                      if phase in ("saturated", "profiled") else None)
             if tenant is not None:
                 tenant.prepare(rounds=3 * args.loop_gpu_blocks // 8)
             loop = ServingLoop(model, cache, max_step_tokens=4096, prefill_chunk=512,
@@ -310,6 +323,9 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             iterations: list[float] = []
             steps: list[float] = []
             clock = time.perf_counter
+            if profiling:
+                assert profile is not None
+                profile.restart()
             while not loop.idle:
                 start = clock()
                 if tenant is not None:
@@ -319,6 +335,10 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                 end = clock()
                 iterations.append(end - start)
                 steps.append(end - middle)
+            if profiling:
+                assert profile is not None
+                profile.stop()
+                continue
             after_all = cache.statistics()
             after = after_all.cache
             moved = (after.bytes_read + after.bytes_written
@@ -422,6 +442,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="run the spill phase once more with its threads profiled and "
                              "print (and, with --write, store) the time per phase")
+    parser.add_argument("--profile-steps", action="store_true",
+                        help="run the saturated decode loop once more, profiled (the "
+                             "serving thread's and the cache threads' time per phase)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--tag", default="",
                         help="suffix of the results file name (several runs a day)")
@@ -444,7 +467,9 @@ def main() -> int:
                    if copies.copy_path == "scattered-page kernel" else None)
         h2d = host_to_device_limit(total, resolve_device(args.device))
         d2h = host_to_device_limit(total, resolve_device(args.device), to_gpu=False)
-        latency = {} if args.skip_latency else step_latency(args, directory / "loop")
+        step_profile = PhaseProfile() if args.profile_steps else None
+        latency = ({} if args.skip_latency
+                   else step_latency(args, directory / "loop", step_profile))
         profile = profile_spill(args, directory / "profile") if args.profile else None
 
     print(f"machine: {args.machine} ({platform.node()}), device {resolve_device(args.device)}")
@@ -492,6 +517,8 @@ def main() -> int:
 
     if profile is not None:
         print_breakdown(f"spill of {args.blocks} blocks, profiled", profile)
+    if step_profile is not None and latency:
+        print_breakdown("saturated decode steps, profiled", step_profile)
 
     if args.write:
         figures: dict[str, dict[str, object]] = {}
@@ -546,11 +573,15 @@ def main() -> int:
             "bench": "io", "machine": args.machine, "date": today.isoformat(),
             "commit": commit, "command": "python -m bench.io " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("write", "dir", "skip_latency", "tag", "profile") and v is not None),
+                if k not in ("write", "dir", "skip_latency", "tag", "profile", "profile_steps")
+                and v is not None),
             "figures": figures,
             **({"spill_profile": {"wall_s": round(profile.wall_s, 3),
                                   "thread_seconds_per_phase": profile.breakdown()}}
                if profile is not None else {}),
+            **({"step_profile": {"wall_s": round(step_profile.wall_s, 3),
+                                 "thread_seconds_per_phase": step_profile.breakdown()}}
+               if step_profile is not None and latency else {}),
         }, indent=2) + "\n")
         print(f"wrote {out}")
     return 0

@@ -40,7 +40,8 @@ for step in "$@"; do
     # copies: the copy engine's scattered-page kernel and per-page compute waits: which copy
     # path the engine takes here (and why not the kernel, if not), the GPU tests of both,
     # then the io figures at 256 KiB (with the spill profile) and at 2 MiB (with the
-    # serving step's latency), each written as a results file tagged copies-*.
+    # serving step's latency, then a profiled saturated run: COPIES_PROFILE_STEPS= leaves
+    # it out), each written as a results file tagged copies-*.
     copies) run copies-path 60 python3 -c 'import torch
 from io_actors.memory.pools import KVPools, TorchCopyEngine
 from statekv.config import CacheConfig, KVLayout
@@ -56,10 +57,10 @@ print("COPY PATH:", stats.copy_path, "" if stats.kernel_refused is None
         run copies-io-small ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 0.25 \
             --threads 4 --blocks 2048 --dir "$DISK" --skip-latency --profile --write \
             --tag copies-256k ${IO_ARGS:-}
-        run copies-io ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 \
+        run copies-io ${IO_S:-240} python3 -m bench.io --machine h200 --block-mib 2 \
             --threads 4 --blocks 512 --dir "$DISK" --model 8b-class --model-layers 4 \
             --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --write --tag copies-2m \
-            ${IO_ARGS:-} ;;
+            ${COPIES_PROFILE_STEPS---profile-steps} ${IO_ARGS:-} ;;
     io) run io ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 --write ${IO_ARGS:-} ;;

@@ -34,6 +34,8 @@ from io_actors.storage import slot_format
 from io_actors.storage.index_journal import IndexJournal
 from io_actors.storage.posix import PosixSlotStore
 from io_actors.storage.retention_journal import RetentionJournal
+from models.model import PagedDecoder, greedy
+from models.serving_loop import ServingLoop
 from statekv.manager import KVCacheManager
 
 
@@ -82,6 +84,14 @@ PHASES: dict[CodeType | str, str] = {
     _code(pools.TorchCopyEngine.copy_pages): "copy engine: enqueue page copies",
     _code(pools.TorchCopyEngine.fence): "copy engine: fence",
     "sleep": "idle: sleeping (polling)",
+    _code(Scheduler.block_table): "block table (orders the compute stream)",
+    # a serving loop on the calling thread
+    _code(PagedDecoder.forward): "model forward (kernel launches)",
+    _code(ServingLoop._schedule): "loop: schedule (allocate pages)",
+    _code(ServingLoop._advance): "loop: commit, append, release",
+    _code(ServingLoop._admit): "loop: admit",
+    _code(ServingLoop._unpark): "loop: un-park",
+    _code(greedy): "loop: greedy sampling (waits for the GPU)",
 }
 """The functions that open a phase: Python functions by code object (a renamed one fails at
 import), C functions by their qualified name."""
