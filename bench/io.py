@@ -41,7 +41,7 @@ from bench.disk_limits import pinned_d2h_rate, pinned_h2d_rate, raw_read_rate, r
 from bench.phase_profile import PhaseProfile, print_breakdown
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
-from io_actors.memory.pools import KVPools, TorchCopyEngine
+from io_actors.memory.pools import COPY_LANES, KVPools, TorchCopyEngine
 from statekv.config import KVLayout
 from statekv.errors import OutOfBlocks
 from statekv.ids import PageId
@@ -211,23 +211,26 @@ class CopyRates:
     copy_path: str
     kernel_refused: str | None
     checksums: bool
+    lanes: int
 
 
-def copy_rates(args: argparse.Namespace, *, use_kernel: bool) -> CopyRates:
+def copy_rates(args: argparse.Namespace, *, use_kernel: bool,
+               lanes: int = COPY_LANES) -> CopyRates:
     """Page copies through the copy engine, both directions, GB/s (best of 5 each).
 
     As the scheduler issues them: batches of `--batch-blocks` pages (one request's host hits,
     one eviction's spill), to pages in a shuffled order, so that no two pages of a batch
     merge into one copy -- the figure does not profit from runs of consecutive pages that
-    real evictions rarely make.  `use_kernel` False: one copy per run, as before the
-    scattered-page kernel (the same-run comparison)."""
+    real evictions rarely make.  `use_kernel` False with one lane: one copy per run on one
+    copy stream, the engine before the scattered-page kernel and the lanes (the same-run
+    comparison)."""
     from statekv.config import CacheConfig
 
     n = args.blocks
     layout = layout_for(args.block_mib, args.block_size)
     pools = KVPools(CacheConfig(block_size=args.block_size, gpu_blocks=n, host_blocks=n,
                                 layout=layout), resolve_device(args.device))
-    engine = TorchCopyEngine(pools, use_kernel=use_kernel)
+    engine = TorchCopyEngine(pools, use_kernel=use_kernel, lanes=lanes)
     targets = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     size = args.batch_blocks
 
@@ -247,7 +250,7 @@ def copy_rates(args: argparse.Namespace, *, use_kernel: bool) -> CopyRates:
     stats = engine.statistics()
     return CopyRates(recall_gb_per_s=recall, evict_gb_per_s=evict, copy_path=stats.copy_path,
                      kernel_refused=stats.kernel_refused,
-                     checksums=pools.host_crcs is not None)
+                     checksums=pools.host_crcs is not None, lanes=stats.lanes)
 
 
 def host_to_device_limit(nbytes: int, device: torch.device, *, to_gpu: bool = True) -> float:
@@ -463,7 +466,7 @@ def main() -> int:
         phases = transfer_phases(args, directory / "cache")
         copies = copy_rates(args, use_kernel=True)
         # The same-run comparison: what the engine did before the scattered-page kernel.
-        per_run = (copy_rates(args, use_kernel=False)
+        per_run = (copy_rates(args, use_kernel=False, lanes=1)
                    if copies.copy_path == "scattered-page kernel" else None)
         h2d = host_to_device_limit(total, resolve_device(args.device))
         d2h = host_to_device_limit(total, resolve_device(args.device), to_gpu=False)
@@ -491,8 +494,8 @@ def main() -> int:
     ]
     if per_run is not None:
         copy_rows += [
-            ("recall, per-run copy", per_run.recall_gb_per_s, h2d, "pinned H2D copy"),
-            ("evict, per-run copy", per_run.evict_gb_per_s, d2h, "pinned D2H copy"),
+            ("recall, as before", per_run.recall_gb_per_s, h2d, "pinned H2D copy"),
+            ("evict, as before", per_run.evict_gb_per_s, d2h, "pinned D2H copy"),
         ]
     if "kvikio_gb_per_s" in phases:
         rows.append(("onboard vs kvikio", phases["onboard_gb_per_s"], phases["kvikio_gb_per_s"],
@@ -500,7 +503,8 @@ def main() -> int:
     for name, value, limit, limit_name in rows + copy_rows:
         print(f"{name:<20}{value:8.2f} GB/s  vs {limit:8.2f} GB/s {limit_name:<20} "
               f"= {value / limit:5.2f}x")
-    print(f"page copies: {copies.copy_path}"
+    print(f"page copies: {copies.copy_path} on {copies.lanes} copy stream(s)"
+          + (" ('as before': one copy per run, one stream)" if per_run is not None else "")
           + (f" (the kernel is not used: {copies.kernel_refused})"
              if copies.kernel_refused else ""))
     if latency:
@@ -531,16 +535,18 @@ def main() -> int:
                             "limit_name": f"{limit_name}, same run", "ratio":
                             round(value / limit, 3)}
         figures["recall_host_to_gpu"]["copy_path"] = copies.copy_path
+        figures["recall_host_to_gpu"]["copy_streams"] = copies.lanes
         for key, (name, value, limit, limit_name) in zip(
             ("evict_gpu_to_host", "recall_host_to_gpu_one_copy_per_run",
              "evict_gpu_to_host_one_copy_per_run")[: len(copy_rows)], copy_rows, strict=True,
         ):
             del name
+            before = "per_run" in key
             figures[key] = {"value": round(value, 3), "unit": "GB/s", "limit": round(limit, 3),
                             "limit_name": f"{limit_name}, same run",
                             "ratio": round(value / limit, 3),
-                            "copy_path": "one copy per run" if "per_run" in key
-                            else copies.copy_path}
+                            "copy_path": "one copy per run" if before else copies.copy_path,
+                            "copy_streams": 1 if before else copies.lanes}
             if key.startswith("evict"):
                 # The host pages' checksums are computed by a kernel behind the copies.
                 figures[key]["gpu_checksums"] = copies.checksums
