@@ -325,7 +325,9 @@ def test_compute_reads_and_writes_of_copied_pages_wait_for_their_copies_only(
         engine.statistics().kernel_refused)
     compute = torch.cuda.current_stream()
     rng = random.Random(3)
-    x = torch.randn(1024, 1024, device="cuda")
+    # Long enough (milliseconds) that every lane is still waiting for it when the round's
+    # last batch is enqueued: the batches' cross-lane waits are then certain to be needed.
+    x = torch.randn(4096, 4096, device="cuda")
     for round_ in range(20):
         engine.fence().wait()
         host = fill_pages(pools.host, 300 + round_)
