@@ -327,7 +327,8 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
     Throughputs count what the server did inside the window: requests finished, prompt
     tokens of requests whose first token came, output tokens of requests finished.
     ``sustained_vs_offered`` is requests finished in the window over requests that arrived
-    in it: about 1.0 when the server keeps up, below when it falls behind.
+    in it: about 1.0 when the server keeps up, below when it falls behind.  The TTFT
+    breakdown (breakdown_summary) is over the measured requests that got a first token.
     """
     if not 0 <= warmup < len(arrival_times) - 1:
         raise ValueError(f"warmup {warmup} leaves no window in {len(arrival_times)} arrivals")
@@ -370,6 +371,7 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
         "no_first_token": censored,
         "seconds": run.seconds,
         "io_errors": run.cache.cache.io_errors,
+        **breakdown_summary(measured),
     }
 
 

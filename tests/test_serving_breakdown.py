@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.serving import breakdown_summary
+from bench.serving import breakdown_line, breakdown_summary
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
 from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
@@ -231,6 +231,9 @@ def test_breakdown_summary_shows_disk_time_only_where_there_are_disk_hits(
     assert without["breakdown_parked_s_mean"] == without["breakdown_prefetch_s_mean"] == 0
     assert without["breakdown_parked_requests"] == without["breakdown_prefetched_requests"] == 0
     for summary in (with_disk, without):
+        line = breakdown_line(summary)
+        assert all(word in line for word in ("queue", "prefetch", "parked", "prefill",
+                                             "ready-wait", "2 requests")), line
         assert summary["breakdown_requests"] == 2
         assert abs(summary["breakdown_parts_sum_s_mean"]
                    - summary["breakdown_ttft_s_mean"]) <= ROUNDING
