@@ -239,6 +239,12 @@ def test_a_small_sweep_end_to_end(tmp_path: Path) -> None:
             assert set(run) >= RUN_KEYS, RUN_KEYS - set(run)
             assert run["io_errors"] == 0 and run["warmup_requests"] == 4
             assert run["ttft_p99_s"] >= run["ttft_p50_s"] > 0
+            # The TTFT breakdown of the measured requests that got a first token.
+            assert 0 < run["breakdown_requests"] <= run["measured_requests"]
+            assert run["breakdown_parts_sum_s_mean"] == pytest.approx(
+                run["breakdown_ttft_s_mean"], abs=1e-9)
+            if key == "c":  # no disk tier: nothing to park on or prefetch
+                assert run["breakdown_parked_s_mean"] == run["breakdown_prefetch_s_mean"] == 0
         # Light load: every request served, and the window sustains what was offered.
         assert light["requests"] == 16  # --min-requests: 2/s x 4 s is fewer
         assert light["unfinished"] == 0 and light["busy_skips"] == 0
