@@ -37,6 +37,7 @@ from bench.plots import load_results
 from bench.serving import (
     CONFIGS,
     NAMES,
+    SYNCHRONOUS_IO,
     OneLineParser,
     add_run_flags,
     breakdown_line,
@@ -196,7 +197,7 @@ def main() -> int:
               flush=True)
         print(f"    {breakdown_line(s)}", flush=True)
         # (e) reads inside the cache calls: no read is ever in flight between its steps.
-        if key != "e" and s["queued_on_disk_s"] > 0:
+        if key not in SYNCHRONOUS_IO and s["queued_on_disk_s"] > 0:
             print(f"    queued on disk {s['queued_on_disk_s']:.2f} s, disk reading "
                   f"{s['queued_on_disk_reading_s'] / s['queued_on_disk_s']:.0%} of it",
                   flush=True)
@@ -230,7 +231,7 @@ def main() -> int:
                     "limit": round(s["breakdown_ttft_s_mean"], 4),
                     "limit_name": "mean TTFT, same run",
                     "ratio": round(s[f"breakdown_{part}_share"], 3)}
-            if key != "e" and s["queued_on_disk_s"] > 0:
+            if key not in SYNCHRONOUS_IO and s["queued_on_disk_s"] > 0:
                 figures[f"{key}_disk_reading_while_queued_on_disk"] = {
                     "value": round(s["queued_on_disk_reading_s"], 3), "unit": "s",
                     "limit": round(s["queued_on_disk_s"], 3),

@@ -36,6 +36,8 @@ NAMES = {
     "d": "GPU + host + disk (statekv)",
     "e": "GPU + host + disk, sync I/O",
 }
+SYNCHRONOUS_IO = "e"
+"""The configurations whose disk reads and writes run inside the cache calls."""
 RESERVED_HOST_BLOCKS = 64
 """Host pages kept free for disk reads in (d) and (e)."""
 
@@ -224,7 +226,8 @@ def run_config(model: PagedDecoder, key: str,
     chat = ChatWorkload(workload) if isinstance(workload, ChatWorkloadConfig) else workload
     return run_workload(
         model, chat, budgets, device=device, disk_dir=disk_dir / key,
-        batch_invariant=False, salt_every_request=key == "a", synchronous_io=key == "e",
+        batch_invariant=False, salt_every_request=key == "a",
+        synchronous_io=key in SYNCHRONOUS_IO,
         max_step_tokens=8192, prefill_chunk=2048, max_running=128,
         prefetch_ahead=args.prefetch_ahead if key in "de" else 0,
         cost_aware_onboarding=not args.no_cost_aware,
