@@ -15,7 +15,7 @@ import re
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
@@ -25,6 +25,7 @@ import torch
 from models.chat_run import Budgets, RunResult, percentile, run_workload, ttft_summary
 from models.config import PRESETS, ModelConfig
 from models.model import Chunk, PagedDecoder
+from models.serving_loop import RequestResult, TTFTBreakdown
 from models.workloads import ChatWorkload, ChatWorkloadConfig, OpenChatWorkload
 
 CONFIGS = ("a", "b", "c", "d", "e")
@@ -35,6 +36,8 @@ NAMES = {
     "d": "GPU + host + disk (statekv)",
     "e": "GPU + host + disk, sync I/O",
 }
+SYNCHRONOUS_IO = "e"
+"""The configurations whose disk reads and writes run inside the cache calls."""
 RESERVED_HOST_BLOCKS = 64
 """Host pages kept free for disk reads in (d) and (e)."""
 
@@ -223,7 +226,8 @@ def run_config(model: PagedDecoder, key: str,
     chat = ChatWorkload(workload) if isinstance(workload, ChatWorkloadConfig) else workload
     return run_workload(
         model, chat, budgets, device=device, disk_dir=disk_dir / key,
-        batch_invariant=False, salt_every_request=key == "a", synchronous_io=key == "e",
+        batch_invariant=False, salt_every_request=key == "a",
+        synchronous_io=key in SYNCHRONOUS_IO,
         max_step_tokens=8192, prefill_chunk=2048, max_running=128,
         prefetch_ahead=args.prefetch_ahead if key in "de" else 0,
         cost_aware_onboarding=not args.no_cost_aware,
@@ -241,6 +245,54 @@ def itl_p50(run: RunResult) -> float:
     gaps = [(r.finished - r.first_token) / (len(r.output) - 1) for r in run.results
             if r.finished is not None and r.first_token is not None and len(r.output) > 1]
     return statistics.median(gaps) if gaps else float("nan")
+
+
+def breakdown_summary(results: Iterable[RequestResult]) -> dict[str, float]:
+    """Where the requests' time to first token went (RequestResult.breakdown), aggregated.
+
+    For each part ``P`` of :class:`~models.serving_loop.TTFTBreakdown` (queue, prefetch,
+    parked, prefill, ready_wait) and for the TTFT itself: ``breakdown_P_mean``, ``_p50``
+    and ``_p99`` in seconds, over the requests that got a first token (others have no
+    breakdown).  Means add up: the parts' means sum to the mean TTFT
+    (``breakdown_parts_sum_s_mean``, equal to ``breakdown_ttft_s_mean`` up to rounding);
+    percentiles do not, each is its own part's.  ``breakdown_P_share`` is the part's mean
+    over the mean TTFT.  ``breakdown_requests``: how many requests were broken down;
+    ``breakdown_parked_requests`` / ``breakdown_prefetched_requests``: how many of them spent
+    any time parked / prefetching.  An empty selection gives NaN figures and 0 requests.
+    """
+    rows = [b for b in (r.breakdown() for r in results) if b is not None]
+    nan = float("nan")
+    out: dict[str, float] = {"breakdown_requests": len(rows)}
+    for name in ("ttft_s", *TTFTBreakdown.PARTS):
+        values = [getattr(b, name) for b in rows]
+        out[f"breakdown_{name}_mean"] = statistics.fmean(values) if values else nan
+        out[f"breakdown_{name}_p50"] = statistics.median(values) if values else nan
+        out[f"breakdown_{name}_p99"] = percentile(values, 99)
+    mean_ttft = out["breakdown_ttft_s_mean"]
+    out["breakdown_parts_sum_s_mean"] = (
+        sum(out[f"breakdown_{name}_mean"] for name in TTFTBreakdown.PARTS) if rows else nan)
+    for name in TTFTBreakdown.PARTS:
+        out[f"breakdown_{name}_share"] = (out[f"breakdown_{name}_mean"] / mean_ttft
+                                          if rows and mean_ttft > 0 else nan)
+    out["breakdown_parked_requests"] = sum(1 for b in rows if b.parked_s > 0)
+    out["breakdown_prefetched_requests"] = sum(1 for b in rows if b.prefetch_s > 0)
+    return out
+
+
+def breakdown_line(summary: dict[str, float]) -> str:
+    """One line of a breakdown_summary for the printed table: the parts' means against the
+    mean TTFT, then each part's p99."""
+    short = {"queue_s": "queue", "prefetch_s": "prefetch", "parked_s": "parked",
+             "prefill_s": "prefill", "ready_wait_s": "ready-wait"}
+    means = " + ".join(f"{short[name]} {summary[f'breakdown_{name}_mean']:.3f}"
+                       for name in TTFTBreakdown.PARTS)
+    p99s = ", ".join(f"{short[name]} {summary[f'breakdown_{name}_p99']:.3f}"
+                     for name in TTFTBreakdown.PARTS)
+    return (f"TTFT mean {summary['breakdown_ttft_s_mean']:.3f} s = {means} "
+            f"(sum {summary['breakdown_parts_sum_s_mean']:.3f}); p99 {p99s} "
+            f"[{summary['breakdown_requests']:.0f} requests, "
+            f"{summary['breakdown_parked_requests']:.0f} parked, "
+            f"{summary['breakdown_prefetched_requests']:.0f} prefetched]")
 
 
 def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
@@ -261,8 +313,10 @@ def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
         "requests": len(results),
         "seconds": run.seconds,
         "io_errors": run.cache.cache.io_errors,
+        "queued_on_disk_s": run.loop.queued_on_disk_seconds,
+        "queued_on_disk_reading_s": run.loop.queued_on_disk_reading_seconds,
+        **breakdown_summary(results),
     }
-
 
 
 def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
@@ -276,7 +330,8 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
     Throughputs count what the server did inside the window: requests finished, prompt
     tokens of requests whose first token came, output tokens of requests finished.
     ``sustained_vs_offered`` is requests finished in the window over requests that arrived
-    in it: about 1.0 when the server keeps up, below when it falls behind.
+    in it: about 1.0 when the server keeps up, below when it falls behind.  The TTFT
+    breakdown (breakdown_summary) is over the measured requests that got a first token.
     """
     if not 0 <= warmup < len(arrival_times) - 1:
         raise ValueError(f"warmup {warmup} leaves no window in {len(arrival_times)} arrivals")
@@ -319,6 +374,7 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
         "no_first_token": censored,
         "seconds": run.seconds,
         "io_errors": run.cache.cache.io_errors,
+        **breakdown_summary(measured),
     }
 
 

@@ -238,6 +238,14 @@ class CacheAPI:
     def request_status(self, request_id: str) -> RequestStatus:
         return self._scheduler.request_status(request_id)
 
+    def prefetch_reads_pending(self, request_id: str) -> int:
+        """Reads of a queued request's prefetch still in flight (0: all landed, or none)."""
+        return self._scheduler.prefetch_reads_pending(request_id)
+
+    def disk_reads_in_flight(self) -> int:
+        """Disk reads (onboards and prefetches) the cache waits for: the readers' work."""
+        return self._scheduler.disk_reads_in_flight()
+
     def statistics(self) -> SystemStatistics:
         return self._scheduler.statistics()
 

@@ -131,7 +131,10 @@ def run_workload(
                     upcoming = workload.next_arrival()
                     if upcoming is not None:
                         time.sleep(max(0.0, min(0.01, upcoming - loop.now())))
-                elif not finished and not loop.statistics().running_now:
+                elif not finished and not loop.any_runnable():
+                    # Everything admitted is parked on reads (or nothing could be admitted):
+                    # yield the processor to the readers and the cache's thread instead of
+                    # spinning on the scheduler's lock.
                     time.sleep(0.0005)
             seconds = time.perf_counter() - started
             cache_stats = cache.statistics()

@@ -19,6 +19,12 @@ Each step:
 Parked requests are never in the forward pass, and the loop never waits on disk: with the
 blocking facade every cache call returns in microseconds.
 
+Where a request's time to first token went (:meth:`RequestResult.breakdown`): queued, queued
+with its prefetch reads in flight, parked on reads after admission, in the forward passes
+that prefilled it, and the rest (ready, but outside a forward pass).  The loop samples its
+queue's state once a step: the queued-and-prefetching time and the time the disk was reading
+while queued requests waited on it (:class:`LoopStatistics`) are exact to within one step.
+
 With ``prefetch_ahead`` > 0 the first arrived requests of the waiting queue ask the cache to
 read their disk blocks into host pages while they wait (``prefetch``), so that admitting them
 is a host -> GPU copy instead of a parked disk read; a request cancelled while it waits gives
@@ -32,7 +38,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Final, Protocol
+from typing import ClassVar, Final, Protocol
 
 import attrs
 import torch
@@ -74,6 +80,10 @@ class Cache(Protocol):
     def request_status(self, request_id: str) -> RequestStatus: ...
 
     def obtainable_gpu_blocks(self) -> int: ...
+
+    def prefetch_reads_pending(self, request_id: str) -> int: ...
+
+    def disk_reads_in_flight(self) -> int: ...
 
     def prefetch(self, request_id: str, token_ids: Sequence[int], *,
                  cache_salt: str | None = ..., lora_id: int | None = ...
@@ -120,6 +130,12 @@ class RequestResult:
     recomputed_tokens: int = 0
     """Prompt tokens computed by the model (not taken from the cache)."""
     parked_seconds: float = 0.0
+    """Admitted with reads still in flight (disk or shared tier), until they all landed."""
+    prefetch_seconds: float = 0.0
+    """Queued (arrived, not admitted) with reads of its prefetch in flight."""
+    prefill_seconds: float = 0.0
+    """Forward passes that carried its prompt chunks, up to the logits its first token was
+    sampled from (a pass is shared with the rest of its batch)."""
     fell_back: bool = False
     """A disk read failed and the request recomputed the tokens it lost."""
     stop_tokens: int = 0
@@ -142,6 +158,51 @@ class RequestResult:
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
 
+    def breakdown(self) -> TTFTBreakdown | None:
+        """Where its time to first token went; None before its first token."""
+        if self.first_token is None or self.admitted is None:
+            return None
+        queued = self.admitted - self.arrival
+        ttft = self.first_token - self.arrival
+        return TTFTBreakdown(
+            ttft_s=ttft, queue_s=queued - self.prefetch_seconds,
+            prefetch_s=self.prefetch_seconds, parked_s=self.parked_seconds,
+            prefill_s=self.prefill_seconds,
+            ready_wait_s=(ttft - queued - self.parked_seconds - self.prefill_seconds),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class TTFTBreakdown:
+    """One request's time to first token, cut into parts that follow one another.
+
+    queue_s + prefetch_s is arrival -> admission; parked_s follows admission; prefill_s and
+    ready_wait_s interleave from then to the first token (its prompt chunks' forward passes,
+    and the time between them).  The parts add up to ttft_s.  The first token is sampled from
+    the logits of the last prompt chunk, so no decode step comes before it.
+    """
+
+    ttft_s: float
+    queue_s: float
+    """Queued with no read of its own in flight (waiting for pages, a running slot, its
+    turn, or prefetching nothing)."""
+    prefetch_s: float
+    """Queued while reads of its prefetch were in flight (disk -> host)."""
+    parked_s: float
+    """Admitted, parked on the reads its prefix still needed (disk or shared tier)."""
+    prefill_s: float
+    """In the forward passes that computed its prompt, the last one giving its first token."""
+    ready_wait_s: float
+    """Ready to run but in no forward pass: steps that had no room for it, and the loop's
+    work between passes (admission, un-parking, committing)."""
+
+    PARTS: ClassVar[tuple[str, ...]] = ("queue_s", "prefetch_s", "parked_s", "prefill_s",
+                                        "ready_wait_s")
+    """The parts, in the order a request meets them."""
+
+    def parts(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.PARTS}
+
 
 @attrs.define(eq=False)
 class _Running:
@@ -153,6 +214,27 @@ class _Running:
     matched: int = 0
     generator: torch.Generator | None = None
     """The request's own, made at its first draw (on the logits' device)."""
+
+
+@attrs.define(eq=False)
+class _Prefetch:
+    """A waiting request that prefetches."""
+
+    asked_all: bool = False
+    """Every disk block of its prefix is asked for (the loop stops asking again each step)."""
+    reading_since: float | None = None
+    """When its reads were first seen in flight; None while none is."""
+    seconds: float = 0.0
+    """Time queued with its reads in flight, closed intervals."""
+
+    def stop_reading(self, now: float) -> None:
+        if self.reading_since is not None:
+            self.seconds += now - self.reading_since
+            self.reading_since = None
+
+    @property
+    def waits_on_disk(self) -> bool:
+        return self.reading_since is not None or not self.asked_all
 
 
 STEP_SECONDS_KEPT: Final = 100_000
@@ -170,6 +252,13 @@ class LoopStatistics:
     waiting_now: int
     step_seconds: tuple[float, ...]
     """Wall time of every step that ran a forward pass (the last STEP_SECONDS_KEPT)."""
+    queued_on_disk_seconds: float
+    """Time during which an arrived request of the prefetch window (the first
+    `prefetch_ahead` waiting) still had disk blocks to read: reads in flight, or blocks no
+    host page could be had for yet.  Sampled once a step; 0 without prefetch."""
+    queued_on_disk_reading_seconds: float
+    """Of queued_on_disk_seconds, the time the cache had disk reads in flight (the reader
+    pool had work).  Their ratio is how busy prefetch kept the disk while requests waited."""
 
 
 class ServingLoop:
@@ -218,9 +307,15 @@ class ServingLoop:
         self._start = clock()
         self._waiting: deque[ServeRequest] = deque()
         self._running: dict[str, _Running] = {}
-        self._prefetching: dict[str, bool] = {}
-        """Waiting requests that prefetch: whether every disk block of theirs is asked for
-        (then the loop stops asking again each step)."""
+        self._prefetching: dict[str, _Prefetch] = {}
+        """Waiting requests that prefetch."""
+        self._sampled_at: float | None = None
+        self._queued_on_disk = False
+        self._disk_reading = False
+        """The state the last step left (prefetch window waiting on disk; reads in flight),
+        charged for the time until the next step samples it again."""
+        self._queued_on_disk_seconds = 0.0
+        self._queued_on_disk_reading_seconds = 0.0
         self._steps = 0
         self._forward_tokens = 0
         self._prompt_computed = 0
@@ -280,6 +375,8 @@ class ServingLoop:
             parked_now=sum(1 for r in self._running.values() if r.parked_since is not None),
             running_now=len(self._running), waiting_now=len(self._waiting),
             step_seconds=tuple(self._step_seconds),
+            queued_on_disk_seconds=self._queued_on_disk_seconds,
+            queued_on_disk_reading_seconds=self._queued_on_disk_reading_seconds,
         )
 
     # ------------------------------------------------------------------ one step
@@ -288,6 +385,7 @@ class ServingLoop:
         """Admit, un-park, run one batch; returns the requests that finished."""
         self._steps += 1
         now = self.now()
+        self._charge_queue_sample(now)
         self._admit(now)
         self._prefetch_queue(now)
         self._unpark(now)
@@ -297,7 +395,7 @@ class ServingLoop:
         contexts = [run.computed + n for run, n in plan if run.computed < len(run.req.prompt)]
         started = self._clock()
         logits = self._forward(plan)
-        finished = self._advance(plan, logits)
+        finished = self._advance(plan, logits, started - self._start)
         seconds = self._clock() - started
         self._step_seconds.append(seconds)
         if contexts and seconds > 0:
@@ -307,18 +405,43 @@ class ServingLoop:
 
     def _prefetch_queue(self, now: float) -> None:
         """The first `prefetch_ahead` arrived waiting requests ask for their disk blocks;
-        one whose blocks could not all get a host page asks again next step."""
+        one whose blocks could not all get a host page asks again next step.  Then the
+        queue's disk state is sampled: which prefetches have reads in flight, whether the
+        window still waits on disk, and whether the disk is reading."""
         if not self.prefetch_ahead:
             return
-        capacity = self.cache.config.gpu_blocks * self.block_size
+        cache = self.cache
+        capacity = cache.config.gpu_blocks * self.block_size
+        waits_on_disk = False
         for req in itertools.islice(self._waiting, self.prefetch_ahead):
             if req.arrival > now:
                 break
             rid = req.request_id
-            if self._prefetching.get(rid) or len(req.prompt) > capacity:
-                continue  # everything asked for, or too long to ever be admitted
-            got = self.cache.prefetch(rid, req.prompt, cache_salt=req.cache_salt)
-            self._prefetching[rid] = got.unfetched_tokens == 0
+            prefetch = self._prefetching.get(rid)
+            if (prefetch is None or not prefetch.asked_all) and len(req.prompt) <= capacity:
+                got = cache.prefetch(rid, req.prompt, cache_salt=req.cache_salt)
+                if prefetch is None:
+                    prefetch = self._prefetching[rid] = _Prefetch()
+                prefetch.asked_all = got.unfetched_tokens == 0
+            if prefetch is None:
+                continue  # too long to ever be admitted: it asks for nothing
+            if cache.prefetch_reads_pending(rid):
+                if prefetch.reading_since is None:
+                    prefetch.reading_since = now
+            else:
+                prefetch.stop_reading(now)
+            waits_on_disk = waits_on_disk or prefetch.waits_on_disk
+        self._queued_on_disk = waits_on_disk
+        self._disk_reading = waits_on_disk and cache.disk_reads_in_flight() > 0
+
+    def _charge_queue_sample(self, now: float) -> None:
+        """Charge the time since the last step to the queue's disk state that step left."""
+        if self._sampled_at is not None and self._queued_on_disk:
+            elapsed = now - self._sampled_at
+            self._queued_on_disk_seconds += elapsed
+            if self._disk_reading:
+                self._queued_on_disk_reading_seconds += elapsed
+        self._sampled_at = now
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -367,11 +490,15 @@ class ServingLoop:
             except OutOfBlocks:
                 break
             self._waiting.popleft()
-            self._prefetching.pop(req.request_id, None)  # add_request took the prefetch over
+            # add_request took the prefetch over: reads still in flight park the request.
+            prefetch = self._prefetching.pop(req.request_id, None)
+            if prefetch is not None:
+                prefetch.stop_reading(now)
             result = RequestResult(
                 request_id=req.request_id, prompt_tokens=len(req.prompt), arrival=req.arrival,
                 admitted=now, gpu_tokens=match.gpu_tokens, host_tokens=match.host_tokens,
                 disk_tokens=match.disk_tokens, remote_tokens=match.remote_tokens,
+                prefetch_seconds=prefetch.seconds if prefetch is not None else 0.0,
                 logprobs=([] if req.sampling is not None and req.sampling.logprobs is not None
                           else None),
             )
@@ -438,9 +565,9 @@ class ServingLoop:
             return torch.cat(rows, dim=0)
         return self.model.forward(pool, chunks).last_logits
 
-    def _advance(self, plan: list[tuple[_Running, int]], logits: torch.Tensor
-                 ) -> list[RequestResult]:
-        tokens = greedy(logits)
+    def _advance(self, plan: list[tuple[_Running, int]], logits: torch.Tensor,
+                 forward_started: float) -> list[RequestResult]:
+        tokens = greedy(logits)  # waits for the logits: the pass is over
         finished: list[RequestResult] = []
         cache = self.cache
         now = self.now()
@@ -452,6 +579,7 @@ class ServingLoop:
             if was_prefill:
                 self._prompt_computed += n
                 run.result.recomputed_tokens += n
+                run.result.prefill_seconds += now - forward_started
                 if run.computed < len(run.req.prompt):
                     continue  # more prompt chunks to go; the logits are not a sample
                 run.result.first_token = now

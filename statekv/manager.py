@@ -545,6 +545,21 @@ class KVCacheManager:
             num_blocks=len(req.blocks), pending_reads=req.pending, ready=req.pending == 0,
         )
 
+    def prefetch_reads_pending(self, request_id: RequestId | str) -> int:
+        """Reads of the queued request's prefetch still in flight: 0 once they all landed,
+        and for a request that never prefetched or left the queue.  O(its blocks)."""
+        blocks = self._onboarding.queued.get(RequestId(str(request_id)))
+        if not blocks:
+            return 0
+        return sum(1 for block in blocks
+                   if block.state is _S.PREFETCHING and request_id in block.prefetchers)
+
+    def disk_reads_in_flight(self) -> int:
+        """Disk reads (onboards and prefetches) the cache waits for: the reader pool's work,
+        dispatched or about to be.  O(1)."""
+        onboarding = self._onboarding
+        return len(onboarding.reads) + len(onboarding.prefetch_reads)
+
     def obtainable_gpu_blocks(self) -> int:
         """GPU pages that allocation could have now: empty ones plus evictable cached ones."""
         return self._gpu.obtainable()

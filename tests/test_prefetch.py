@@ -182,6 +182,32 @@ def test_two_queued_requests_share_a_prefetch() -> None:
     assert ex.stats().host_free_pages == 2
 
 
+def test_a_queued_request_counts_its_prefetch_reads_until_they_land() -> None:
+    ex, doc = on_disk()
+    cache = ex.cache
+    assert cache.prefetch_reads_pending("q") == 0 and cache.disk_reads_in_flight() == 0
+    ex.prefetch("q", doc)
+    ex.prefetch("q2", doc[:4])  # shares the first block's read
+    assert cache.prefetch_reads_pending("q") == 2 and cache.prefetch_reads_pending("q2") == 1
+    assert cache.disk_reads_in_flight() == 2  # one read per block, however many want it
+    ex.land_prefetch(ok=False)  # the first block's read fails: nobody waits for it any more
+    assert cache.prefetch_reads_pending("q") == 1 and cache.prefetch_reads_pending("q2") == 0
+    ex.land_prefetch()
+    assert cache.prefetch_reads_pending("q") == 0 and cache.disk_reads_in_flight() == 0
+    ex.release("q2")
+    ex.release("q")
+
+
+def test_onboard_reads_are_disk_reads_in_flight_but_no_prefetch() -> None:
+    ex, doc = on_disk()
+    cache = ex.cache
+    assert ex.add("r", doc).disk_tokens == 4
+    assert cache.disk_reads_in_flight() == 2 and cache.prefetch_reads_pending("r") == 0
+    ex.land_read()
+    ex.land_read()
+    assert cache.disk_reads_in_flight() == 0 and cache.is_ready("r")
+
+
 def test_prefetch_rejects_bad_calls_and_changes_nothing() -> None:
     ex, doc = on_disk()
     ex.prefetch("q", doc)

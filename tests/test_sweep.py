@@ -239,10 +239,19 @@ def test_a_small_sweep_end_to_end(tmp_path: Path) -> None:
             assert set(run) >= RUN_KEYS, RUN_KEYS - set(run)
             assert run["io_errors"] == 0 and run["warmup_requests"] == 4
             assert run["ttft_p99_s"] >= run["ttft_p50_s"] > 0
+            # The TTFT breakdown of the measured requests that got a first token.
+            assert run["breakdown_requests"] == run["measured_requests"] - run[
+                "no_first_token"]
+            if run["breakdown_requests"]:
+                assert run["breakdown_parts_sum_s_mean"] == pytest.approx(
+                    run["breakdown_ttft_s_mean"], abs=1e-9)
+            if key == "c" and run["breakdown_requests"]:  # no disk: nothing to park on
+                assert run["breakdown_parked_s_mean"] == run["breakdown_prefetch_s_mean"] == 0
         # Light load: every request served, and the window sustains what was offered.
         assert light["requests"] == 16  # --min-requests: 2/s x 4 s is fewer
         assert light["unfinished"] == 0 and light["busy_skips"] == 0
         assert light["measured_requests"] == light["requests"] - 4
+        assert light["breakdown_requests"] == light["measured_requests"]
         assert 0.8 <= light["sustained_vs_offered"] <= 1.2, light
         assert light["ttft_p99_s"] <= 0.5
         # Overload: it fell behind; requests cut off by the drain make p99 a lower bound.

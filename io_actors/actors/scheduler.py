@@ -343,6 +343,14 @@ class Scheduler:
         with self._lock:
             return self._core.obtainable_gpu_blocks()
 
+    def prefetch_reads_pending(self, request_id: str) -> int:
+        with self._lock:
+            return self._core.prefetch_reads_pending(request_id)
+
+    def disk_reads_in_flight(self) -> int:
+        with self._lock:
+            return self._core.disk_reads_in_flight()
+
     def has_request(self, request_id: str) -> bool:
         with self._lock:
             return self._core.has_request(request_id)

@@ -1,0 +1,247 @@
+"""Where a request's time to first token goes, and reads overlapping with compute.
+
+A real disk tier (POSIX slot files) under fault injection: every read sleeps in a SLOW fault
+whose sleep waits for the test to let it go, so a read is in flight for as long as a test
+needs it to be, whatever the machine's speed.  No timed assertion: the checks are about
+which steps ran while a read was held, and about the order of what the loop recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.serving import breakdown_line, breakdown_summary
+from io_actors.config import StateKVConfig
+from io_actors.embed import BlockingCache
+from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
+from io_actors.storage.posix import PosixSlotStore
+from models.config import preset
+from models.model import PagedDecoder
+from models.serving_loop import RequestResult, ServeRequest, ServingLoop
+from tests.io_helpers import wait_quiet
+
+PROMPT = tuple(range(13))  # three full blocks of 4
+DISK_TOKENS = 12
+ROUNDING = 1e-9
+"""Parts are differences of one clock's readings: they add up to the TTFT up to float
+rounding, never more."""
+
+
+class HeldReads:
+    """The sleep of a SLOW read fault: while held, every read waits in it until released."""
+
+    def __init__(self) -> None:
+        self._free = threading.Event()
+        self._free.set()
+        self._lock = threading.Lock()
+        self.waiting = 0
+        """Reads inside the sleep now."""
+
+    def hold(self) -> None:
+        self._free.clear()
+
+    def release(self) -> None:
+        self._free.set()
+
+    def __call__(self, _seconds: float) -> None:
+        with self._lock:
+            self.waiting += 1
+        try:
+            assert self._free.wait(60), "a held read was never released"
+        finally:
+            with self._lock:
+                self.waiting -= 1
+
+
+def _until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def _config(tmp_path: Path, model: PagedDecoder, *, disk: bool) -> StateKVConfig:
+    return StateKVConfig(
+        layout=model.config.kv_layout(), block_size=4, gpu=24,
+        host=6 if disk else 0, reserved_host=2 if disk else 0, disk=64 if disk else 0,
+        disk_dir=tmp_path, device="cpu", model_fingerprint=model.config.fingerprint(),
+        # Every disk hit is read back (whatever the measured rates), and GPU evictions spill
+        # host content before they take a waiting request's prefetched pages.
+        cost_aware_onboarding=False, reclaim_prefetched_first=False,
+    )
+
+
+@contextmanager
+def _disk_cache(tmp_path: Path, model: PagedDecoder, held: HeldReads
+                ) -> Iterator[BlockingCache]:
+    config = _config(tmp_path, model, disk=True)
+    rank_dir = config.rank_directory()
+    assert rank_dir is not None
+    plan = FaultPlan(rules=(FaultRule(op=Op.READ, fault=Fault.SLOW, nth=1, onward=True),))
+    store = FaultyStore(PosixSlotStore(rank_dir, config.core_config()), plan, sleep=held)
+    try:
+        with BlockingCache(config, store=store) as cache:
+            try:
+                yield cache
+            finally:
+                held.release()  # before the close, which waits for reads in flight
+    finally:
+        store.close()
+
+
+def _push_prompt_to_disk(loop: ServingLoop, cache: BlockingCache) -> None:
+    loop.submit(ServeRequest(request_id="first", prompt=PROMPT, max_new_tokens=2))
+    loop.drain()
+    for i in range(8):
+        fresh = (100 + i, *((13 * t + 7 * i) % 300 + 150 for t in range(59)))
+        loop.submit(ServeRequest(request_id=f"churn{i}", prompt=fresh, max_new_tokens=1))
+        loop.drain()
+        wait_quiet(cache)
+    on_disk = sum(1 for b in cache.cached_blocks() if b.state.name == "ON_DISK")
+    assert on_disk >= DISK_TOKENS // 4
+
+
+def _requests(salted: bool) -> list[ServeRequest]:
+    """A request whose prefix is on disk (when cached), and one with a fresh prompt that
+    decodes for a while; `salted`: nothing is reused, as in the recompute-only baseline."""
+    return [
+        ServeRequest(request_id="disk-hit", prompt=(*PROMPT, 7, 7), max_new_tokens=2,
+                     cache_salt="disk-hit" if salted else None),
+        ServeRequest(request_id="fresh", prompt=tuple(range(460, 480)), max_new_tokens=6,
+                     cache_salt="fresh" if salted else None),
+    ]
+
+
+def _check_parts(results: list[RequestResult]) -> None:
+    for result in results:
+        parts = result.breakdown()
+        assert parts is not None and result.ttft is not None, result
+        assert parts.ttft_s == result.ttft
+        for name, value in parts.parts().items():
+            assert value >= -ROUNDING, (result.request_id, name, parts)
+        measured = parts.queue_s + parts.prefetch_s + parts.parked_s + parts.prefill_s
+        assert measured <= result.ttft + ROUNDING, parts
+        assert abs(sum(parts.parts().values()) - result.ttft) <= ROUNDING, parts
+        assert parts.prefill_s > 0  # every request computed at least its last token
+
+
+def test_a_request_parked_on_a_slow_read_holds_back_no_other_request(tmp_path: Path) -> None:
+    model = PagedDecoder(preset("tiny"), device="cpu")
+    held = HeldReads()
+    with _disk_cache(tmp_path, model, held) as cache:
+        loop = ServingLoop(model, cache, max_running=4)
+        _push_prompt_to_disk(loop, cache)
+        held.hold()
+        for req in _requests(salted=False):
+            loop.submit(req)
+        finished: dict[str, RequestResult] = {}
+        steps = 0
+        while "fresh" not in finished:
+            steps += 1
+            assert steps < 50, "the fresh request never finished"
+            finished.update((r.request_id, r) for r in loop.step())
+            # The disk-hit request stays parked: its read cannot land while held.
+            assert loop.statistics().parked_now == 1
+        _until(lambda: held.waiting > 0, "the parked request's read never reached the disk")
+        fresh = finished["fresh"]
+        # Its prefill and all six decode steps ran while the other's read was held: one step
+        # each, none skipped for the parked request.
+        assert len(fresh.output) == 6 and steps == 6, (steps, fresh)
+        assert "disk-hit" not in finished and held.waiting > 0
+        held.release()
+        done = {r.request_id: r for r in loop.drain(timeout=60)}
+        hit = done["disk-hit"]
+        assert hit.disk_tokens == DISK_TOKENS and not hit.fell_back, hit
+        assert hit.recomputed_tokens == len(PROMPT) + 2 - DISK_TOKENS, hit
+        hit_parts, fresh_parts = hit.breakdown(), fresh.breakdown()
+        assert hit_parts is not None and fresh_parts is not None
+        assert hit_parts.parked_s > 0 and fresh_parts.parked_s == 0
+        _check_parts([fresh, hit])
+        cache.check_invariants()
+
+
+def test_a_queued_request_prefetches_at_once_and_the_disk_reads_while_it_waits(
+        tmp_path: Path) -> None:
+    model = PagedDecoder(preset("tiny"), device="cpu")
+    held = HeldReads()
+    with _disk_cache(tmp_path, model, held) as cache:
+        loop = ServingLoop(model, cache, max_running=1, prefetch_ahead=2)
+        _push_prompt_to_disk(loop, cache)
+        before = loop.statistics()
+        held.hold()
+        loop.submit(ServeRequest(request_id="long", prompt=tuple(range(460, 500)),
+                                 max_new_tokens=12))
+        loop.submit(ServeRequest(request_id="again", prompt=(*PROMPT, 7, 7),
+                                 max_new_tokens=2))
+        finished = loop.step()
+        # The step that first saw it waiting asked for its disk blocks.
+        assert cache.prefetch_reads_pending("again") == DISK_TOKENS // 4
+        _until(lambda: held.waiting > 0, "the prefetch's reads never reached the disk")
+        for _ in range(3):
+            finished += loop.step()
+        stats = loop.statistics()
+        waited = stats.queued_on_disk_seconds - before.queued_on_disk_seconds
+        reading = stats.queued_on_disk_reading_seconds - before.queued_on_disk_reading_seconds
+        # While "again" waited on the disk, the disk was reading for it all the time.
+        assert waited > 0 and reading == waited, stats
+        assert stats.waiting_now == 1 and stats.running_now == 1
+        held.release()
+        _until(lambda: cache.prefetch_reads_pending("again") == 0, "the prefetch never landed")
+        finished += loop.drain(timeout=60)
+        done = {r.request_id: r for r in finished}
+        again = done["again"]
+        # Admitted after its prefetch landed: host hits, never parked.
+        assert again.host_tokens == DISK_TOKENS and again.disk_tokens == 0, again
+        parts = again.breakdown()
+        assert parts is not None and parts.prefetch_s > 0 and parts.parked_s == 0, parts
+        assert done["long"].prefetch_seconds == 0
+        _check_parts(list(done.values()))
+        summary = breakdown_summary(done.values())
+        assert summary["breakdown_prefetched_requests"] == 1
+        assert summary["breakdown_prefetch_s_mean"] > 0
+
+
+def test_breakdown_summary_shows_disk_time_only_where_there_are_disk_hits(
+        tmp_path: Path) -> None:
+    model = PagedDecoder(preset("tiny"), device="cpu")
+    held = HeldReads()
+    with _disk_cache(tmp_path / "disk", model, held) as cache:
+        loop = ServingLoop(model, cache, max_running=4, prefetch_ahead=2)
+        _push_prompt_to_disk(loop, cache)
+        for req in _requests(salted=False):
+            loop.submit(req)
+        disk_tier = loop.drain(timeout=60)
+    with BlockingCache(_config(tmp_path / "none", model, disk=False)) as cache:
+        loop = ServingLoop(model, cache, max_running=4, prefetch_ahead=2)
+        for req in _requests(salted=True):
+            loop.submit(req)
+        recompute = loop.drain(timeout=60)
+    assert {r.request_id for r in disk_tier} == {r.request_id for r in recompute}
+    _check_parts(disk_tier)
+    _check_parts(recompute)
+    with_disk, without = breakdown_summary(disk_tier), breakdown_summary(recompute)
+    assert sum(r.disk_tokens for r in disk_tier) == DISK_TOKENS
+    assert with_disk["breakdown_parked_s_mean"] + with_disk["breakdown_prefetch_s_mean"] > 0
+    assert with_disk["breakdown_parked_requests"] + with_disk[
+        "breakdown_prefetched_requests"] >= 1
+    assert without["breakdown_parked_s_mean"] == without["breakdown_prefetch_s_mean"] == 0
+    assert without["breakdown_parked_requests"] == without["breakdown_prefetched_requests"] == 0
+    for summary in (with_disk, without):
+        line = breakdown_line(summary)
+        assert all(word in line for word in ("queue", "prefetch", "parked", "prefill",
+                                             "ready-wait", "2 requests")), line
+        assert summary["breakdown_requests"] == 2
+        assert abs(summary["breakdown_parts_sum_s_mean"]
+                   - summary["breakdown_ttft_s_mean"]) <= ROUNDING
+        assert abs(sum(summary[f"breakdown_{p}_share"] for p in (
+            "queue_s", "prefetch_s", "parked_s", "prefill_s", "ready_wait_s")) - 1) < 1e-6
+
+
+def test_breakdown_summary_of_no_request_has_no_figures() -> None:
+    summary = breakdown_summary([RequestResult(request_id="r", prompt_tokens=3)])
+    assert summary["breakdown_requests"] == 0
+    assert summary["breakdown_ttft_s_mean"] != summary["breakdown_ttft_s_mean"]  # NaN
