@@ -51,12 +51,15 @@ run once more with twice the measured requests; if it is still unsettled it stay
 the search treats it as the end of what can be claimed (goodput status
 ``below_unsettled``).
 
-**Search.**  Per configuration and seed: climb ``--rates`` (multiples of the case's
-recompute capacity, factor 2 apart by default; or ``--rates-rps``) until the first rate not
-met, then bisect geometrically between the last rate met and it until the two are within
-``--precision`` (default 10%).  Goodput is the last rate met; status ``below_next`` (the
-bracket's top missed), ``below_unsettled``, ``every_rate`` (no grid rate missed: a lower
-bound), ``never_met`` (the lowest rate was not met: no figure).
+**Search.**  Per configuration and seed: start at the rate of ``--rates`` (multiples of the
+case's recompute capacity, factor 2 apart by default; or ``--rates-rps``) nearest ``--start``
+(default x1), climb the grid while it is met or go down it until a rate is met, then bisect
+geometrically between the last rate met and the lowest above it not met until the two are
+within ``--precision`` (default 10%).  Rates below the start are measured only when the
+start is not met: the search assumes what bisection does, that a rate met has every lower
+rate met too.  Goodput is the last rate met; status ``below_next`` (the bracket's top
+missed), ``below_unsettled``, ``every_rate`` (no grid rate missed: a lower bound),
+``never_met`` (the lowest rate was not met: no figure).
 
 **Seeds.**  ``--seeds N`` repeats every search with seeds ``--seed`` .. ``--seed + N - 1``
 (another conversation and arrival schedule); per configuration the goodput's min / median /
@@ -242,36 +245,55 @@ class Walk:
 
 
 def walk(grid: Sequence[float], verdict_at: Callable[[float], str | None],
-         precision: float) -> Walk:
+         precision: float, start: float = 1.0) -> Walk:
     """Replay a search over `grid` (ascending multiples) from the verdicts recorded so far.
 
     `verdict_at(rate)` is the final verdict at a rate (met, missed, unsettled) or None when
-    it is still to be measured.  The climb goes up the grid to the first rate not met; the
-    bisection halves (geometrically) the bracket between the last rate met and it until
-    high / low <= 1 + precision.  A pure function: a search cut short and resumed takes the
-    same path from the same verdicts.
+    it is still to be measured.  The search starts at the grid rate nearest `start` (on a
+    log scale); from a rate met it climbs the grid to the first rate not met, from one not
+    met it goes down to the first rate met.  Then it halves (geometrically) the bracket
+    between the last rate met and the lowest above it not met until high / low <= 1 +
+    precision.  A pure function: a search cut short and resumed takes the same path from
+    the same verdicts.
     """
     if not grid or any(not b > a for a, b in itertools.pairwise(grid)):
         raise UsageError("rates", f"must be a non-empty, strictly ascending list, got {grid}")
     if not (math.isfinite(precision) and precision > 0):
         raise UsageError("precision", f"must be a finite number > 0, got {precision!r}")
+    if not (math.isfinite(start) and start > 0):
+        raise UsageError("start", f"must be a finite rate > 0, got {start!r}")
+    first = min(range(len(grid)), key=lambda i: abs(math.log(grid[i] / start)))
     low: float | None = None
     high: float | None = None
     high_verdict: str | None = None
-    for rate in grid:
-        v = verdict_at(rate)
-        if v is None:
-            return Walk(next=rate, phase="grid")
-        if v == "met":
+    v = verdict_at(grid[first])
+    if v is None:
+        return Walk(next=grid[first], phase="grid")
+    if v == "met":
+        low = grid[first]
+        for rate in grid[first + 1:]:
+            v = verdict_at(rate)
+            if v is None:
+                return Walk(next=rate, phase="grid")
+            if v != "met":
+                high, high_verdict = rate, v
+                break
             low = rate
-            continue
-        high, high_verdict = rate, v
-        break
-    if high is None:
-        return Walk(next=None, status="every_rate", low=low, high=None)
-    if low is None:
-        return Walk(next=None, status="never_met", low=None, high=high,
-                    high_verdict=high_verdict)
+        if high is None:
+            return Walk(next=None, status="every_rate", low=low, high=None)
+    else:
+        high, high_verdict = grid[first], v
+        for rate in reversed(grid[:first]):
+            v = verdict_at(rate)
+            if v is None:
+                return Walk(next=rate, phase="grid")
+            if v == "met":
+                low = rate
+                break
+            high, high_verdict = rate, v
+        if low is None:
+            return Walk(next=None, status="never_met", low=None, high=high,
+                        high_verdict=high_verdict)
     while high / low > 1 + precision:
         mid = math.sqrt(low * high)
         v = verdict_at(mid)
@@ -312,10 +334,63 @@ def final_verdict(runs: Sequence[dict[str, Any]], seed: int, multiple: float) ->
 def search_state(case: dict[str, Any], key: str, seed: int, precision: float) -> Walk:
     runs = case["runs"][key]
     grid = [r["capacity_multiple"] for r in case["rates"]]
-    return walk(grid, lambda m: final_verdict(runs, seed, m), precision)
+    return walk(grid, lambda m: final_verdict(runs, seed, m), precision,
+                case.get("search_start", 1.0))
 
 
 # ---------------------------------------------------------------------- goodput
+
+
+@attrs.frozen(kw_only=True)
+class Goodput:
+    """The goodput over one ladder of rates (bench.replicas' comparison)."""
+
+    rate: float | None
+    """The offered rate (the unit of the rates given), None when never met."""
+    index: int | None
+    """Its position among the rates."""
+    status: str
+
+
+def goodput(rates: Sequence[float], ttft_p99: Sequence[float | None], slo: float) -> Goodput:
+    """The highest of `rates` (ascending) at which, and below which, TTFT p99 <= `slo`:
+    status below_next, every_rate or never_met.  A p99 that is None or NaN (nothing
+    finished) is a miss.
+    """
+    if isinstance(slo, bool) or not isinstance(slo, int | float) or not (
+        math.isfinite(slo) and slo > 0
+    ):
+        raise UsageError("slo", f"must be a finite number of seconds > 0, got {slo!r}")
+    if len(rates) != len(ttft_p99):
+        raise UsageError("ttft_p99", f"has {len(ttft_p99)} values for {len(rates)} rates")
+    if not rates:
+        raise UsageError("rates", "a sweep needs at least one rate")
+    if any(not b > a for a, b in itertools.pairwise(rates)):
+        raise UsageError("rates", f"must be strictly ascending, got {list(rates)}")
+    met = None
+    for i, p99 in enumerate(ttft_p99):
+        if p99 is None or math.isnan(p99) or p99 > slo:
+            break
+        met = i
+    if met is None:
+        return Goodput(rate=None, index=None, status="never_met")
+    status = "every_rate" if met == len(rates) - 1 else "below_next"
+    return Goodput(rate=rates[met], index=met, status=status)
+
+
+def goodput_row(g: Goodput, rates: Sequence[dict[str, Any]], index_key: str) -> dict[str, Any]:
+    """A results file's goodput row: the status, the index of the rate it names (under
+    `index_key`) and that rate's requests/s, input tokens/s and capacity multiple (None
+    where no rate met the SLO)."""
+    row: dict[str, Any] = {"status": g.status, index_key: g.index, "requests_per_s": None,
+                           "input_tok_per_s": None, "capacity_multiple": None}
+    if g.index is not None:
+        rate = rates[g.index]
+        row.update(requests_per_s=rate["requests_per_s"],
+                   input_tok_per_s=rate["input_tok_per_s"],
+                   capacity_multiple=rate["capacity_multiple"])
+    return row
+
 
 
 def search_row(case: dict[str, Any], w: Walk) -> dict[str, Any]:
@@ -443,7 +518,7 @@ DEFAULT_RATES: Final = (0.5, 1.0, 2.0, 4.0)
 half of (a)'s ceiling to past full reuse."""
 
 SIGNATURE: Final = (
-    "models", "histories", "rates", "rates_rps", "seeds", "seed", "precision",
+    "models", "histories", "rates", "rates_rps", "start", "seeds", "seed", "precision",
     "duration_s", "min_requests", "max_requests", "warmup_requests", "drain_s",
     "slo_ttft_p99", "pressure", "layers", "users", "rounds", "system_tokens",
     "question_tokens", "answer_tokens", "block_size", "gpu_gib", "host_gib", "disk_gib",
@@ -465,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "recompute capacity")
     p.add_argument("--rates-rps", type=_csv(positive_number), default=None,
                    help="the grid in requests/s instead (the same for every case)")
+    p.add_argument("--start", type=positive_number, default=1.0,
+                   help="the grid rate (a capacity multiple) each search starts at: up the "
+                        "grid from there while met, down while not")
     p.add_argument("--precision", type=positive_number, default=0.1,
                    help="bisect until the rate met and the rate missed are within this "
                         "fraction of each other")
@@ -908,6 +986,7 @@ def _new_case(args: argparse.Namespace, name: str, model_name: str, history: int
         "rates": [{"capacity_multiple": m, "requests_per_s": m * capacity,
                    "input_tok_per_s": m * capacity * prompt} for m in multiples],
         "seeds": [args.seed + i for i in range(args.seeds)],
+        "search_start": args.start,
         "runs": {key: [] for key in args.configs},
     }
 
@@ -1114,9 +1193,9 @@ def plot(results: dict[str, Any], stem: Path) -> list[Path]:
 def final_points(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Each rate's points over seeds, the last attempt of each seed, by rate key."""
     last: dict[tuple[int, str], dict[str, Any]] = {}
-    for r in runs:
-        k = (r["seed"], rate_key(r["capacity_multiple"]))
-        if k not in last or r["attempt"] > last[k]["attempt"]:
+    for r in runs:  # files of the sweep before seeds: one attempt at seed 0
+        k = (r.get("seed", 0), rate_key(r["capacity_multiple"]))
+        if k not in last or r.get("attempt", 1) > last[k].get("attempt", 1):
             last[k] = r
     by_rate: dict[str, list[dict[str, Any]]] = {}
     for (_seed, rk), r in sorted(last.items(), key=lambda item: item[1]["requests_per_s"]):
@@ -1162,10 +1241,9 @@ def draw_case(results: dict[str, Any], case: dict[str, Any], *, run: str) -> Any
             tlo.append(tmid[-1] - min(tput))
             thi.append(max(tput) - tmid[-1])
         label = f"({key}) {NAMES[key]}"
-        bars = ax1.errorbar(x, mid, yerr=[lo, hi], marker="o", capsize=3, label=label)
+        bars = ax1.errorbar(x, mid, yerr=[lo, hi], marker="o", label=label)
         color = bars.lines[0].get_color()
-        ax2.errorbar(x, tmid, yerr=[tlo, thi], marker="o", capsize=3, label=label,
-                     color=color)
+        ax2.errorbar(x, tmid, yerr=[tlo, thi], marker="o", label=label, color=color)
         finals = [r for points in by_rate.values() for r in points]
         bounds = [r for r in finals if r.get("ttft_p99_lower_bound")]
         if bounds:  # a request had no first token when the run stopped: p99 at least
@@ -1180,12 +1258,15 @@ def draw_case(results: dict[str, Any], case: dict[str, Any], *, run: str) -> Any
                      [r["ttft_p99_s"] for r in unsettled], linestyle="none", marker="x",
                      markersize=10, color=color, label="_unsettled")
         g = case.get("goodput", {}).get(key)
-        if g is not None and g["median"] is not None:
+        if g is not None and g.get("median") is None and g.get("requests_per_s"):
+            g = {"median": g["requests_per_s"], "min": g["requests_per_s"],
+                 "max": g["requests_per_s"]}  # a file of the sweep before seeds
+        if g is not None and g.get("median") is not None:
             any_star = True
             ax1.errorbar([g["median"]], [slo], xerr=[[g["median"] - g["min"]],
                                                      [g["max"] - g["median"]]],
-                         marker="*", markersize=16, capsize=5, linestyle="none",
-                         color=color, label="_goodput")
+                         marker="*", markersize=16, linestyle="none", color=color,
+                         label="_goodput")
     ax1.axhline(slo, color="black", linestyle=":", label=f"SLO: TTFT p99 {slo:g} s")
     ax2.plot([r["requests_per_s"] for r in rates], [r["input_tok_per_s"] for r in rates],
              color="black", linestyle="--", label="offered (sustained = offered)")

@@ -99,22 +99,28 @@ def _search(knee: float, grid: list[float] = GRID, precision: float = 0.1,
         seen[f"{w.next:.12g}"] = (odd or {}).get(w.next, "met" if w.next <= knee else "missed")
 
 
-@pytest.mark.parametrize("knee", [0.6, 0.99, 1.0, 1.3, 1.5, 2.7, 3.9])
-def test_the_search_brackets_the_knee_within_the_precision(knee: float) -> None:
+@pytest.mark.parametrize(("knee", "grid_points"), [
+    (0.6, [1.0, 0.5]), (0.99, [1.0, 0.5]), (1.0, [1.0, 2.0]), (1.3, [1.0, 2.0]),
+    (2.7, [1.0, 2.0, 4.0]), (3.9, [1.0, 2.0, 4.0]),
+])
+def test_the_search_brackets_the_knee_within_the_precision(
+        knee: float, grid_points: list[float]) -> None:
     order, w = _search(knee)
     assert w.status == "below_next" and w.high_verdict == "missed"
     assert w.low <= knee < w.high and w.high / w.low <= 1.1
     assert len(order) == len(set(order))  # no rate twice
-    # Climb the grid to the first miss, then bisect: 3 bisections from a factor-2 bracket.
-    climbed = [m for m in GRID if m <= w.low or m == min(g for g in GRID if g > knee)]
-    assert order[:len(climbed)] == climbed and len(order) - len(climbed) == 3
+    # From x1 along the grid to the first change, then 3 bisections of a factor-2 bracket.
+    assert order[:len(grid_points)] == grid_points and len(order) == len(grid_points) + 3
 
 
 def test_the_search_when_every_rate_or_none_is_met() -> None:
     order, w = _search(10.0)
-    assert order == GRID and (w.status, w.low, w.high) == ("every_rate", 4.0, None)
+    assert order == [1.0, 2.0, 4.0] and (w.status, w.low, w.high) == ("every_rate", 4.0, None)
     order, w = _search(0.1)
-    assert order == [0.5] and (w.status, w.low, w.high) == ("never_met", None, 0.5)
+    assert order == [1.0, 0.5] and (w.status, w.low, w.high) == ("never_met", None, 0.5)
+    # The start is the grid rate nearest --start on a log scale.
+    assert walk(GRID, lambda m: None, 0.1, start=1.6).next == 2.0
+    assert walk(GRID, lambda m: None, 0.1, start=0.1).next == 0.5
 
 
 def test_an_unsettled_rate_ends_the_claim_without_counting_as_a_miss() -> None:
@@ -128,7 +134,11 @@ def test_a_replayed_search_takes_the_same_path() -> None:
     # Cut after any number of points: the verdicts recorded so far give the next rate.
     for cut in range(len(order)):
         seen = {f"{m:.12g}": "met" if m <= 1.3 else "missed" for m in order[:cut]}
-        assert walk(GRID, lambda m: seen.get(f"{m:.12g}"), 0.1).next == order[cut]
+
+        def recorded(m: float, seen: dict[str, str] = seen) -> str | None:
+            return seen.get(f"{m:.12g}")
+
+        assert walk(GRID, recorded, 0.1).next == order[cut]
 
 
 def test_an_unsettled_point_is_measured_once_more() -> None:
@@ -209,7 +219,8 @@ def test_goodput_spread_table_and_figures() -> None:
     ratio = case["ratios"]["d_vs_c"]
     assert ratio["claim"] == "above, beyond the spread" and ratio["value"] > 1.9
     figs = figures([case])
-    assert figs["x_goodput_d"]["min"] <= figs["x_goodput_d"]["value"] <=         figs["x_goodput_d"]["max"]
+    d = figs["x_goodput_d"]
+    assert d["min"] <= d["value"] <= d["max"]
     assert figs["x_goodput_d"]["ratio"] == pytest.approx(figs["x_goodput_d"]["value"] / 10,
                                                          abs=1e-3)
     assert figs["x_goodput_d_vs_c"]["claim"] == "above, beyond the spread"
@@ -261,6 +272,7 @@ def test_the_arrivals_fingerprint_names_the_schedule() -> None:
     (["--seeds", "0"], "--seeds"),
     (["--seeds", "two"], "--seeds"),
     (["--precision", "0"], "--precision"),
+    (["--start", "0"], "--start"),
     (["--points", "0"], "--points"),
     (["--rates-rps", "1,-1"], "--rates-rps"),
 ])
@@ -313,13 +325,14 @@ def test_a_drain_within_the_slo_is_one_line(tmp_path: Path,
 
 # Rates in requests/s (the calibrated capacity of a tiny model on a loaded CPU swings 2x
 # from run to run, and the loop runs far below it anyway, bound by per-step overheads): 4/s
-# is light load (each request a few ms of work, a tenth of what the loop serves loaded) and 3000/s is far past what the loop serves
-# (40/s on a loaded 2-core machine, about 150/s on an idle one).  The overload run offers
-# 3000 measured requests within about a second and stops 2 s (the drain) after its last
-# arrival: they cannot all get a first token within the 1 s SLO unless the loop served
-# about 1,000 requests/s, while the light run's requests take milliseconds (tenths of a
-# second on a machine loaded with other work).  Both outcomes rest on orders of magnitude, not on timing.  --precision 2000
-# leaves the bracket [4, 3000) as it is: no bisection (the search's tests above bisect).
+# is light load (each request a few ms of work, a tenth of what the loop serves loaded) and
+# 3000/s is far past what the loop serves (40/s on a loaded 2-core machine, about 150/s on
+# an idle one).  The overload run offers 3000 measured requests within about a second and
+# stops 2 s (the drain) after its last arrival: they cannot all get a first token within
+# the 1 s SLO unless the loop served about 1,000 requests/s, while the light run's requests
+# take milliseconds (tenths of a second on a machine loaded with other work).  Both
+# outcomes rest on orders of magnitude, not on timing.  --precision 2000 leaves the bracket
+# [4, 3000) as it is: no bisection (the search's tests above bisect).
 TINY = [
     "--models", "tiny", "--layers", "2", "--histories", "48", "--rates-rps", "3000,4",
     "--configs", "dc", "--users", "4", "--rounds", "2", "--system-tokens", "16",
