@@ -22,7 +22,8 @@ The pool has enough users for a KV working set of ``--pressure`` times GPU + hos
 **Prepared, then warmed, then measured.**  Per configuration and seed the conversation's cold
 start -- every pool user's first round, a burst of full prefills that no steady state has --
 is served once, as fast as the configuration can (*prepare*); its disk tier (d, e) is closed
-and kept.  Every rate's run then starts from a copy of that directory, restored at open
+and kept (under ``--dir``: ``prepared-*`` and each run's ``run-*`` copy, removed when done,
+and a killed sweep's at the next start).  Every rate's run then starts from a copy of that directory, restored at open
 (statekv's persistence, ``persist=True``), and from the conversations where the prepare left
 them (OpenChatWorkload.continued): the users' next rounds, their histories on disk.  The
 run's first ``--warmup-requests`` (default one per pool user) refill the GPU and host tiers
@@ -551,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=positive_number, default=8.0,
                    help="seconds of measured arrivals per point (rate x this many "
                         "requests, when more than --min-requests)")
-    p.add_argument("--min-requests", type=n1, default=200,
+    p.add_argument("--min-requests", type=int_at_least(2), default=200,
                    help="measured requests per point at least (after the warm-up)")
     p.add_argument("--max-requests", type=n1, default=2000,
                    help="measured requests per point at most (overload points)")
@@ -830,6 +831,8 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                     f"argument --disk-gib: the working set at history {history} is "
                     f"{working / 2**30:.2f} GiB; {args.disk_gib:g} GiB of disk tier does not "
                     f"hold it")
+    for leftover in [*disk_dir.glob("prepared-*"), *disk_dir.glob("run-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)  # a killed sweep's tiers (this --dir's)
     if any(k in "de" for k in args.configs):
         free = shutil.disk_usage(disk_dir).free
         if 2 * args.disk_gib * 2**30 > free:
@@ -907,7 +910,6 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     except _Deadline as stop:
         header["cut_short"] = call["cut_short"] = str(stop)
         say(f"stopped: {stop}; resume with --resume {path}")
-    call["measured"] = state.measured_here
     state.record()
     bar.close()
     for case in cases:
@@ -1002,6 +1004,8 @@ def _search(state: _Sweep, model: Any, case: dict[str, Any], case_args: argparse
             w = search_state(case, key, seed, args.precision)
             if w.next is None:
                 return
+            if args.points is not None and state.measured_here >= args.points:
+                raise _Deadline(f"--points {args.points} measured")
             if prepared is None:
                 prepared = _prepare(state, model, case, case_args, history, key, seed,
                                     blocks, open_chat)
@@ -1054,8 +1058,6 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
     slo: float = args.slo_ttft_p99
     runs: list[dict[str, Any]] = case["runs"][key]
     attempt = len(attempts_at(runs, seed, multiple)) + 1
-    if args.points is not None and state.measured_here >= args.points:
-        raise _Deadline(f"--points {args.points} measured")
     rate_rps = multiple * case["capacity_requests_per_s"]
     warmup: int = case["warmup_requests"]
     measured = measured_requests_for(rate_rps, args, attempt)
@@ -1112,6 +1114,7 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
     runs.append(s)
     runs.sort(key=lambda r: (r["seed"], r["capacity_multiple"], r["attempt"]))
     state.measured_here += 1
+    state.header["calls"][-1]["measured"] = state.measured_here
     state.bar.update()
     state.record()
     high = s["ttft_p99_ci_high_s"]

@@ -264,7 +264,7 @@ def test_the_arrivals_fingerprint_names_the_schedule() -> None:
     (["--tag", "a/b"], "--tag"),
     (["--pressure", "0"], "--pressure"),
     (["--duration-s", "0"], "--duration-s"),
-    (["--min-requests", "0"], "--min-requests"),
+    (["--min-requests", "1"], "--min-requests"),
     (["--max-requests", "x"], "--max-requests"),
     (["--warmup-requests", "-1"], "--warmup-requests"),
     (["--drain-s", "nan"], "--drain-s"),
