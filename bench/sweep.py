@@ -22,18 +22,18 @@ The pool has enough users for a KV working set of ``--pressure`` times GPU + hos
 **Prepared, then warmed, then measured.**  Per configuration and seed the conversation's cold
 start -- every pool user's first round, a burst of full prefills that no steady state has --
 is served once, as fast as the configuration can (*prepare*); its disk tier (d, e) is closed
-and kept (under ``--dir``: ``prepared-*`` and each run's ``run-*`` copy, removed when done,
-and a killed sweep's at the next start).  Every rate's run then starts from a copy of that directory, restored at open
-(statekv's persistence, ``persist=True``), and from the conversations where the prepare left
-them (OpenChatWorkload.continued): the users' next rounds, their histories on disk.  The
-run's first ``--warmup-requests`` (default one per pool user) refill the GPU and host tiers
-at the offered rate and are not measured; the balance of completions over arrivals in the
-warm-up's second half is recorded (``warmup_balance``, ``warmup_steady`` when within
-0.95-1/0.95).  Then at least ``--min-requests`` (default 200) requests are measured, or
-``rate x --duration-s`` when more (at most ``--max-requests``).  A run stops ``--drain-s``
-after its last arrival: a request without its first token by then counts with the time it
-waited, and its run's TTFT p99 is flagged as a lower bound (a certain miss: the drain is
-above the SLO).
+and kept (under ``--dir``: ``prepared-*``, and each run's ``run-*`` copy, removed when done;
+a killed sweep's at the next start).  Every rate's run then starts from a copy of that
+directory, restored at open (statekv's persistence, ``persist=True``), and from the
+conversations where the prepare left them (OpenChatWorkload.continued): the users' next
+rounds, their histories on disk.  The run's first ``--warmup-requests`` (default one per
+pool user) refill the GPU and host tiers at the offered rate and are not measured; the
+balance of completions over arrivals in the warm-up's second half is recorded
+(``warmup_balance``, ``warmup_steady`` when within 0.95-1/0.95).  Then at least
+``--min-requests`` (default 200) requests are measured, or ``rate x --duration-s`` when
+more (at most ``--max-requests``).  A run stops ``--drain-s`` after its last arrival: a
+request without its first token by then counts with the time it waited, and its run's TTFT
+p99 is flagged as a lower bound (a certain miss: the drain is above the SLO).
 
 **p99's confidence interval.**  With n measured TTFTs, the number below the true p99 is
 binomial(n, 0.99); the distribution-free 95% interval runs between the order statistics at
