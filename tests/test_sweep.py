@@ -482,12 +482,19 @@ def test_a_disk_tier_smaller_than_the_working_set_is_one_line(
 
 def test_a_deadline_stops_cleanly_and_keeps_what_was_measured(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    argv = [*TINY, "--configs", "c", "--seeds", "1", "--deadline-s", "1",
-            "--out", str(out), "--dir", str(tmp_path / "disk")]
-    assert main(argv) == 0
+    base = [*TINY, "--configs", "c", "--seeds", "1", "--out", str(out),
+            "--dir", str(tmp_path / "disk")]
+    assert main([*base, "--deadline-s", "1"]) == 0
     (path,) = out.glob("sweep-cpu-*.json")
     results = json.loads(path.read_text())
     assert "--deadline-s" in results["cut_short"]
     (case,) = results["cases"]
     assert case["runs"]["c"] == [] and case["goodput"] == {}
     assert results["goodput_table"][0]["done"] is False
+    # The file a deadline left resumes cleanly (without the deadline) to a finished search.
+    assert main([*base, "--resume", str(path)]) == 0
+    results = json.loads(path.read_text())
+    (case,) = results["cases"]
+    assert results["cut_short"] is None and case["search"]["c"]["0"]["done"]
+    assert [r["requests_per_s"] for r in case["runs"]["c"]] in (
+        pytest.approx([4, 3000]), pytest.approx([4, 4, 3000]))  # a rerun of an unsettled 4/s
