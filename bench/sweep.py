@@ -488,7 +488,7 @@ def figures(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "min": round(g["min"], 3), "max": round(g["max"], 3), "seeds": g["seeds"],
                 "limit": round(capacity, 3),
                 "limit_name": "recompute capacity (prefill rate / full-request tokens), "
-                              "same run",
+                              "calibrated in the sweep's first call",
                 "ratio": round(g["median"] / capacity, 3), "lower_bound": g["lower_bound"]}
         for pair, r in case.get("ratios", {}).items():
             out[f"{name}_goodput_{pair}"] = {
@@ -871,8 +871,9 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                 "settled": f"met needs >= {SETTLED}x sustained; a miss over "
                            f"{1 / SETTLED:.3f}x sustained, or a met point under {SETTLED}x, "
                            f"is unsettled: rerun once with twice the requests",
-                "search": f"climb the grid to the first rate not met, then bisect "
-                          f"geometrically to within {args.precision:.0%}",
+                "search": f"from the grid rate nearest x{args.start:g}, up the grid while "
+                          f"met or down it until met, then bisect geometrically to within "
+                          f"{args.precision:.0%}",
                 "seeds": args.seeds,
                 "ratio_claim": "claimed only when every seed's bracket of one lies above "
                                "(or below) every seed's of the other; else within spread",
