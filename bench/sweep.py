@@ -72,7 +72,8 @@ the spread: (d) above (c) when every seed's (d) bracket lies above every seed's 
 **Resume.**  The results file (shared/BENCH_FORMAT.md, ``sweep-<machine>-<date>[-tag].json``
 in ``--out``) is rewritten after every point, so a sweep cut short (``--deadline-s``,
 ``--points``, a kill) keeps what it measured.  ``--resume FILE`` reads it back and goes on:
-the same flags are required (one line naming the first that differs), the calibration of
+the same flags are required (one line naming the first that differs; ``--seeds`` may grow,
+adding seeds to every search), the calibration of
 the first call is kept (so a rate and a seed give the same arrivals), every point measured is
 read back, not rerun, and each search continues where it stopped; the file is extended in
 place.  Each call's own calibration is recorded beside it.
@@ -645,7 +646,13 @@ def read_resumed(path: Path, args: argparse.Namespace) -> dict[str, Any]:
                          f"bench.sweep that can be resumed")
     theirs: dict[str, Any] = doc["signature"]
     ours = json.loads(json.dumps(signature(args)))
+    seeds = theirs.get("seeds")
+    if isinstance(seeds, int) and not isinstance(seeds, bool) and args.seeds < seeds:
+        raise SweepError(f"argument --seeds: {str(path)!r} was measured with --seeds "
+                         f"{seeds}; resume with at least as many")
     for field in SIGNATURE:
+        if field == "seeds":
+            continue  # more seeds extend the sweep: each case's searches gain seeds
         if theirs.get(field, "<absent>") != ours[field]:
             raise SweepError(
                 f"argument --resume: {str(path)!r} was measured with {flag_name(field)} "
@@ -849,6 +856,8 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
         header = {k: v for k, v in doc.items()
                   if k not in ("cases", "figures", "goodput_table", "ratio_table")}
         header["calls"] = [*header.get("calls", []), call]
+        header["signature"] = signature(args)
+        header["method"]["seeds"] = args.seeds
         cases: list[dict[str, Any]] = doc["cases"]
     else:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -938,6 +947,7 @@ def _run_case(state: _Sweep, model: Any, model_name: str, history: int,
     case = next((c for c in state.cases if c["case"] == name), None)
     if case is not None:
         case["calibrations"].append(calibration)
+        case["seeds"] = [args.seed + i for i in range(args.seeds)]  # --seeds may have grown
         say(f"{name}: resumed; rates from the first call's calibration (recompute capacity "
             f"{case['capacity_requests_per_s']:.2f} requests/s; this call's "
             f"{calibration['capacity_requests_per_s']:.2f})")

@@ -468,6 +468,15 @@ def test_a_resume_of_another_sweep_is_one_line(tmp_path: Path,
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
     assert "--resume" in err and "--min-requests 9, not 8" in err, err
+    # Fewer seeds than the file has: one line naming --seeds (more would extend it).
+    path.write_text(json.dumps({"bench": "sweep", "cases": [],
+                                "signature": signature(build_parser().parse_args(
+                                    [*TINY, "--seeds", "3"]))}))
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--seeds" in err and "at least" in err, err
 
 
 def test_a_disk_tier_smaller_than_the_working_set_is_one_line(
@@ -498,3 +507,10 @@ def test_a_deadline_stops_cleanly_and_keeps_what_was_measured(tmp_path: Path) ->
     assert results["cut_short"] is None and case["search"]["c"]["0"]["done"]
     assert [r["requests_per_s"] for r in case["runs"]["c"]] in (
         pytest.approx([4, 3000]), pytest.approx([4, 4, 3000]))  # a rerun of an unsettled 4/s
+    # A later call with more seeds extends every search to them, keeping what was measured.
+    kept = case["runs"]["c"]
+    assert main([*base, "--seeds", "2", "--resume", str(path)]) == 0
+    (case,) = json.loads(path.read_text())["cases"]
+    assert case["seeds"] == [0, 1] and set(case["search"]["c"]) == {"0", "1"}
+    assert case["search"]["c"]["1"]["done"] and case["goodput"]["c"]["seeds"] == 2
+    assert [r for r in case["runs"]["c"] if r["seed"] == 0] == kept
