@@ -46,10 +46,12 @@ estimate; the interval says how far to trust it.
 0.95x of its offered load (requests finished in the window / requests that arrived in it).
 ``missed``: p99 over the SLO and <= 1/0.95x sustained.  ``unsettled``: met while falling
 behind (< 0.95x: the window ended before the backlog showed), or missed while draining a
-backlog from before the window (> 1/0.95x): neither counts as a miss.  (A difference of one
-request between arrivals and completions is no sign either way.)  An unsettled point is
-run once more with twice the measured requests; if it is still unsettled it stays so, and
-the search treats it as the end of what can be claimed (goodput status
+backlog from before the window (> 1/0.95x): neither counts as a miss.  (A difference
+between arrivals and completions within the in-system count's own noise -- one request,
+plus twice the square root of the requests in the system at the window's start or end --
+is no sign either way: it decides only in windows too short for 5% to be seen.)  An
+unsettled point is run once more with twice the measured requests; if it is still unsettled
+it stays so, and the search treats it as the end of what can be claimed (goodput status
 ``below_unsettled``).
 
 **Search.**  Per configuration and seed: start at the rate of ``--rates`` (multiples of the
@@ -198,18 +200,27 @@ def p99_interval(ttfts: Sequence[float]) -> dict[str, Any]:
             "ttft_p99_ci_ranks": [low, high]}
 
 
-def verdict(p99: float | None, arrived: int, finished: int, slo: float) -> str:
-    """met, missed or unsettled (see the module docstring), from the TTFT p99 and the
-    requests that arrived in and finished in the measured window.  A p99 that is None or NaN
-    (nothing measured got a first token) is over the SLO.  Falling behind (or draining) by
-    one request is no sign either way: one request straddling the window's end does it."""
+def verdict(p99: float | None, arrived: int, finished: int, slo: float,
+            in_system: tuple[int, int] = (0, 0)) -> str:
+    """met, missed or unsettled (see the module docstring), from the TTFT p99, the requests
+    that arrived in and finished in the measured window, and the requests in the system at
+    the window's start and end.  A p99 that is None or NaN (nothing measured got a first
+    token) is over the SLO.
+
+    Falling behind (or draining) counts when it exceeds 5% of the arrivals *and* the
+    in-system count's own noise: arrivals minus completions is that count's change over
+    the window, which in a steady state moves by about its square root (twice that, and
+    one request straddling the window's end, are allowed).  At 200 measured requests the 5%
+    decides wherever fewer than about 20 requests are in the system.
+    """
     over = p99 is None or math.isnan(p99) or p99 > slo
     if arrived < 1:
         return "unsettled"
     behind = arrived - finished
+    noise = 1 + 2 * math.sqrt(max(0, *in_system))
     if not over:
-        return "met" if behind <= max((1 - SETTLED) * arrived, 1) else "unsettled"
-    return "missed" if -behind <= max((1 / SETTLED - 1) * arrived, 1) else "unsettled"
+        return "met" if behind <= max((1 - SETTLED) * arrived, noise) else "unsettled"
+    return "missed" if -behind <= max((1 / SETTLED - 1) * arrived, noise) else "unsettled"
 
 
 def window_counts(run: Any, arrival_times: Sequence[float], warmup: int) -> tuple[int, int]:
@@ -1109,14 +1120,16 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
     s.update(p99_interval(window_ttfts(run, times[warmup])))
     balance = warmup_balance(run, times, warmup)
     arrived, finished = window_counts(run, times, warmup)
+    counts = (in_system(run, times, times[warmup]),
+              in_system(run, times, min(times[-1], run.seconds)))
     s.update(
         seed=seed, capacity_multiple=multiple, requests_per_s=rate_rps, attempt=attempt,
-        phase=phase, verdict=verdict(_finite(s["ttft_p99_s"]), arrived, finished, slo),
+        phase=phase,
+        verdict=verdict(_finite(s["ttft_p99_s"]), arrived, finished, slo, counts),
         window_arrived=arrived, window_finished=finished,
         warmup_balance=balance,
         warmup_steady=balance is not None and SETTLED <= balance <= 1 / SETTLED,
-        in_system_at_window_start=in_system(run, times, times[warmup]),
-        in_system_at_window_end=in_system(run, times, min(times[-1], run.seconds)),
+        in_system_at_window_start=counts[0], in_system_at_window_end=counts[1],
         arrivals=arrivals_fingerprint(times), users_started=workload.users_started,
         busy_skips=workload.busy_skips, joined_for_load=workload.joined_for_load,
         restored_slots=(len(run.cache.recovery.slots)

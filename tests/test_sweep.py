@@ -80,6 +80,15 @@ def test_verdicts(p99: float | None, arrived: int, finished: int, expected: str)
     assert verdict(p99, arrived, finished, 2.0) == expected
 
 
+def test_a_short_window_allows_the_in_system_count_its_noise() -> None:
+    # 16 arrivals, 4 in the system at the end: 4 behind is within 1 + 2 x sqrt(4) = 5...
+    assert verdict(0.5, 16, 12, 2.0, (0, 4)) == "met"
+    assert verdict(0.5, 16, 10, 2.0, (0, 6)) == "unsettled"  # 6 > 1 + 2 x sqrt(6)
+    # ... while at 200 arrivals and ~9 in the system the 5% decides, as the rule says.
+    assert verdict(0.5, 200, 189, 2.0, (9, 9)) == "unsettled"
+    assert verdict(3.0, 200, 260, 2.0, (70, 10)) == "unsettled"  # a backlog draining
+
+
 # ---------------------------------------------------------------------- the search
 
 GRID = [0.5, 1.0, 2.0, 4.0]
@@ -328,8 +337,8 @@ def test_a_drain_within_the_slo_is_one_line(tmp_path: Path,
 # is light load (each request a few ms of work, a tenth of what the loop serves loaded) and
 # 3000/s is far past what the loop serves (40/s on a loaded 2-core machine, about 150/s on
 # an idle one).  The overload run offers 3000 measured requests within about a second and
-# stops 2 s (the drain) after its last arrival: they cannot all get a first token within
-# the 1 s SLO unless the loop served about 1,000 requests/s, while the light run's requests
+# stops 4 s (the drain) after its last arrival: they cannot all get a first token within
+# the 2 s SLO unless the loop served about 1,000 requests/s, while the light run's requests
 # take milliseconds (tenths of a second on a machine loaded with other work).  Both
 # outcomes rest on orders of magnitude, not on timing.  --precision 2000 leaves the bracket
 # [4, 3000) as it is: no bisection (the search's tests above bisect).
@@ -339,7 +348,7 @@ TINY = [
     "--question-tokens", "8", "--answer-tokens", "4", "--block-size", "4",
     "--gpu-gib", "0.00005", "--host-gib", "0.00003", "--disk-gib", "0.001",
     "--readers", "2", "--writers", "2", "--disk-probe-mib", "1", "--device", "cpu",
-    "--machine", "cpu", "--progress", "never", "--slo-ttft-p99", "1", "--drain-s", "2",
+    "--machine", "cpu", "--progress", "never", "--slo-ttft-p99", "2", "--drain-s", "4",
     "--duration-s", "1", "--min-requests", "8", "--max-requests", "3000",
     "--precision", "2000", "--seeds", "2",
 ]
@@ -375,11 +384,12 @@ def _expected_arrivals(seed: int, rate: float, count: int) -> dict[str, Any]:
 def test_a_small_sweep_cut_short_and_resumed(tmp_path: Path) -> None:
     out, disk = tmp_path / "results", tmp_path / "disk"
     argv = [*TINY, "--out", str(out), "--dir", str(disk)]
-    # The first call stops after 3 points, as a deadline would; the file says so.
-    assert main([*argv, "--points", "3"]) == 0
+    # The first call, of one seed, stops after 3 points, as a deadline would; the file says
+    # so.  The second resumes it with a second seed: every search gains it.
+    assert main([*argv, "--seeds", "1", "--points", "3"]) == 0
     (path,) = out.glob("sweep-cpu-*.json")
     first = json.loads(path.read_text())
-    assert "--points 3" in first["cut_short"]
+    assert "--points 3" in first["cut_short"] and first["cases"][0]["seeds"] == [0]
     before = [r for runs in first["cases"][0]["runs"].values() for r in runs]
     assert len(before) == 3
     assert main([*argv, "--resume", str(path)]) == 0
@@ -417,7 +427,7 @@ def test_a_small_sweep_cut_short_and_resumed(tmp_path: Path) -> None:
         for r in light:  # light load: served, and the window sustains what was offered
             assert r["verdict"] == "met", r
             assert r["measured_requests"] == 8 * r["attempt"] and r["unfinished"] == 0
-            assert r["ttft_p99_s"] <= 1.0 and r["busy_skips"] == 0
+            assert r["ttft_p99_s"] <= 2.0
         for r in heavy:  # overload: fell behind, cut off by the drain
             assert r["verdict"] == "missed" and r["ttft_p99_lower_bound"]
             assert r["requests"] == 3004 and r["unfinished"] > 0
@@ -507,10 +517,3 @@ def test_a_deadline_stops_cleanly_and_keeps_what_was_measured(tmp_path: Path) ->
     assert results["cut_short"] is None and case["search"]["c"]["0"]["done"]
     assert [r["requests_per_s"] for r in case["runs"]["c"]] in (
         pytest.approx([4, 3000]), pytest.approx([4, 4, 3000]))  # a rerun of an unsettled 4/s
-    # A later call with more seeds extends every search to them, keeping what was measured.
-    kept = case["runs"]["c"]
-    assert main([*base, "--seeds", "2", "--resume", str(path)]) == 0
-    (case,) = json.loads(path.read_text())["cases"]
-    assert case["seeds"] == [0, 1] and set(case["search"]["c"]) == {"0", "1"}
-    assert case["search"]["c"]["1"]["done"] and case["goodput"]["c"]["seeds"] == 2
-    assert [r for r in case["runs"]["c"] if r["seed"] == 0] == kept
