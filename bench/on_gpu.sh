@@ -2,13 +2,19 @@
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
 #   bench/on_gpu.sh tests io demo e2e fuzz tp rebuild sweep
-# sweep: the open-loop offered-load sweep of bench/sweep.py, one layer shape per call
-# (SWEEP_MODELS, default 70b-class with 2 layers; SWEEP_MODELS=8b-class SWEEP_LAYERS=4 for
-# the second shape), histories SWEEP_HISTORIES, rates SWEEP_RATES (multiples of the
-# calibrated recompute capacity; the sweep's own grid when unset), SWEEP_ARGS appended (a
-# flag given again there wins).  It stops itself cleanly at --deadline-s 530, inside the
-# 560 s limit, keeping what it measured; the plots are drawn afterwards where matplotlib is:
-# python -m bench.sweep --plot FILE.
+# sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
+# call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
+# SWEEP_CONFIGS (default cd), SWEEP_SEEDS seeds (default 3), layer shape SWEEP_MODELS
+# (default 70b-class with 2 layers; SWEEP_MODELS=8b-class SWEEP_LAYERS=4 SWEEP_POOL_GIB=1
+# SWEEP_BLOCK=64 for the second shape), disk tier SWEEP_DISK_GIB (default 8: it must hold
+# the working set; twice it must be free under $DISK), grid SWEEP_RATES (multiples of the
+# calibrated recompute capacity; the sweep's own when unset), SWEEP_ARGS appended (a flag
+# given again there wins).  It stops itself cleanly at --deadline-s 530, inside the 560 s
+# limit, keeping what it measured in bench/results/sweep-h200-<date>-<shape>-p<P>-h<H>.json
+# (copied to $OUT/results).  A cell longer than one call goes on in the next: put that file
+# back under bench/results/ and run again with SWEEP_RESUME=<that path> (the same SWEEP_*
+# values), or SWEEP_RESUME=auto for the newest file of the cell there.  The plots are drawn
+# afterwards where matplotlib is: python -m bench.sweep --plot FILE.
 set -uo pipefail
 OUT=${OUT:-/tmp/statekv-gpu-out}
 mkdir -p "$OUT"
@@ -70,17 +76,25 @@ print("COPY PATH:", stats.copy_path, "" if stats.kernel_refused is None
     e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
     sweep) SWEEP_MODELS=${SWEEP_MODELS:-70b-class}
+        cell="${SWEEP_MODELS//,/-}-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}"
+        cell=${cell//,/-}
+        resume=${SWEEP_RESUME:-}
+        if [ "$resume" = auto ]; then
+            resume=$(ls -t bench/results/sweep-h200-*-"$cell".json 2>/dev/null | head -1)
+            echo "SWEEP_RESUME=auto: ${resume:-no file of cell $cell, starting afresh}"
+        fi
         # 2 layers of 70B-class (8 KiB of KV per token) with 0.5 GiB pools and 128-token
         # (1 MiB) blocks hold the same tokens and move the same block size as 4 layers with
         # 1 GiB and 64-token blocks, at twice the request rate: twice the requests per second
-        # of device time.  8B-class: SWEEP_LAYERS=4 SWEEP_POOL_GIB=1 SWEEP_BLOCK=64.
+        # of device time.
         run sweep ${SWEEP_S:-560} python3 -m bench.sweep --machine h200 --dir "$DISK/sweep" \
-        --models "$SWEEP_MODELS" --tag "${SWEEP_MODELS//,/-}" \
-        --histories "${SWEEP_HISTORIES:-4096,16384}" ${SWEEP_RATES:+--rates "$SWEEP_RATES"} \
+        --models "$SWEEP_MODELS" --tag "$cell" --histories "${SWEEP_HISTORIES:-4096}" \
+        --pressure "${SWEEP_PRESSURE:-3}" --configs "${SWEEP_CONFIGS:-cd}" \
+        --seeds "${SWEEP_SEEDS:-3}" ${SWEEP_RATES:+--rates "$SWEEP_RATES"} \
         --layers "${SWEEP_LAYERS:-2}" --gpu-gib "${SWEEP_POOL_GIB:-0.5}" \
         --host-gib "${SWEEP_POOL_GIB:-0.5}" --block-size "${SWEEP_BLOCK:-128}" \
-        --pressure 1.5 --rounds 3 --duration-s 8 --min-requests 24 --deadline-s 530 \
-        ${SWEEP_ARGS:-} ;;
+        --disk-gib "${SWEEP_DISK_GIB:-8}" --rounds 3 --duration-s 8 --deadline-s 530 \
+        --progress never ${resume:+--resume "$resume"} ${SWEEP_ARGS:-} ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     # The whole gpu profile runs past one call's 10 minutes on the H200 (its system machine
     # alone did not finish 300 examples in 7.5 minutes): FUZZ_MACHINES=system in one call,

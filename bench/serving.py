@@ -220,12 +220,16 @@ def run_config(model: PagedDecoder, key: str,
                workload: ChatWorkloadConfig | OpenChatWorkload, budgets: Budgets, *,
                device: str, disk_dir: Path, args: argparse.Namespace,
                progress: Callable[[int, int], None] | None = None,
-               stop_at: float | None = None) -> RunResult:
+               stop_at: float | None = None, tier_dir: Path | None = None) -> RunResult:
     """Serve `workload` under configuration `key` (the disk tier's policies from `args`): a
-    config is served as the closed-loop ChatWorkload, an OpenChatWorkload as it is."""
+    config is served as the closed-loop ChatWorkload, an OpenChatWorkload as it is.
+    `tier_dir`: the disk tier's own directory, opened as it is (a persisted tier is restored)
+    and kept; without it, a fresh one under `disk_dir`, removed afterwards."""
     chat = ChatWorkload(workload) if isinstance(workload, ChatWorkloadConfig) else workload
     return run_workload(
-        model, chat, budgets, device=device, disk_dir=disk_dir / key,
+        model, chat, budgets, device=device,
+        disk_dir=tier_dir if tier_dir is not None else disk_dir / key,
+        keep_disk_dir=tier_dir is not None,
         batch_invariant=False, salt_every_request=key == "a",
         synchronous_io=key in SYNCHRONOUS_IO,
         max_step_tokens=8192, prefill_chunk=2048, max_running=128,
@@ -319,6 +323,14 @@ def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
     }
 
 
+
+def window_ttfts(run: RunResult, start: float) -> list[float]:
+    """TTFTs, ascending, of the requests that arrived at or after `start`: one that had no
+    first token when the run stopped counts with the time it had waited (a lower bound)."""
+    return sorted(r.ttft if r.ttft is not None else run.seconds - r.arrival
+                  for r in [*run.results, *run.unfinished] if r.arrival >= start)
+
+
 def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
                    ) -> dict[str, float | int | bool]:
     """An open-loop run's figures over its steady-state window.
@@ -340,7 +352,7 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
     span = end - start
     everyone = [*run.results, *run.unfinished]
     measured = [r for r in everyone if r.arrival >= start]
-    ttfts = sorted(r.ttft if r.ttft is not None else stop - r.arrival for r in measured)
+    ttfts = window_ttfts(run, start)
     censored = sum(1 for r in measured if r.ttft is None)
     inside = [r for r in run.results if r.finished is not None and start <= r.finished < end]
     arrived = sum(1 for t in arrival_times if start <= t < end)

@@ -1,63 +1,105 @@
 """Offered-load sweep: TTFT, throughput and goodput of configurations a-e, light to overload.
 
-    python -m bench.sweep --models 70b-class,8b-class --histories 4096,16384 \\
-        [--rates 0.25,0.35,...,4] [--duration-s 12] [--slo-ttft-p99 2] [--configs abcde] \\
-        [--deadline-s 540]
+    python -m bench.sweep --models 70b-class --histories 4096 --pressure 3 --configs cd \\
+        [--rates 0.5,1,2,4] [--seeds 3] [--precision 0.1] [--min-requests 200] \\
+        [--slo-ttft-p99 2] [--deadline-s 530] [--resume FILE]
     python -m bench.sweep --plot bench/results/sweep-h200-YYYYMMDD.json
 
 As vLLM's serving benchmark and LMBenchmark do it: for each layer shape and history length
 (a *case*), one seeded multi-round chat is served by each configuration of bench/e2e.py (a no
 reuse, b GPU-only prefix cache, c GPU + host, d GPU + host + disk, e the same disk tier with
-synchronous I/O), at the same pool sizes, at a ladder of offered rates.
+synchronous I/O), at the same pool sizes, at offered rates searched for each configuration's
+*goodput*: the highest rate at which TTFT p99 meets the SLO.
 
 **Open loop.**  Arrivals come from a seeded Poisson process fixed before the run
 (models.workloads.OpenChatWorkload): the load offered does not wait on the server.  Each
 arrival is the next round of the free user who asked longest ago, so a user's rounds never
-overlap; when every user waits for an answer a new user joins.  At a given rate every
-configuration gets the same arrival times, and the same requests as long as it keeps up
-(``busy_skips`` and ``joined_for_load`` count where a run's requests left that common
-schedule).  The pool has enough users for a KV working set of ``--pressure`` times GPU +
-host (or ``--users``).
+overlap; when every user waits for an answer a new user joins.  At a given rate and seed
+every configuration gets the same arrival times, and the same requests as long as it keeps
+up (``busy_skips`` and ``joined_for_load`` count where a run left that common schedule).
+The pool has enough users for a KV working set of ``--pressure`` times GPU + host.
 
-**Steady state.**  A run offers ``max(--min-requests, rate x --duration-s)`` requests (at most
-``--max-requests``).  The first ``--warmup-requests`` (default: one per pool user, the cold
-first round of each conversation) warm the cache up and are not measured; the window runs
-from the next arrival to the last one.  TTFT p50/p99 and ITL p50 are over the requests that
-arrived in the window; input/output tokens/s and ``sustained_vs_offered`` (requests finished
-in the window / requests that arrived in it) over what the server did inside it.  A run stops
-``--drain-s`` after its last arrival: a request without its first token by then counts with
-the time it waited, and its run's TTFT p99 is flagged as a lower bound (``--drain-s`` is
-above the SLO, so such a p99 is a certain miss).
+**Prepared, then warmed, then measured.**  Per configuration and seed the conversation's cold
+start -- every pool user's first round, a burst of full prefills that no steady state has --
+is served once, as fast as the configuration can (*prepare*); its disk tier (d, e) is closed
+and kept (under ``--dir``: ``prepared-*``, and each run's ``run-*`` copy, removed when done;
+a killed sweep's at the next start).  Every rate's run then starts from a copy of that
+directory, restored at open (statekv's persistence, ``persist=True``), and from the
+conversations where the prepare left them (OpenChatWorkload.continued): the users' next
+rounds, their histories on disk.  The run's first ``--warmup-requests`` (default one per
+pool user) refill the GPU and host tiers at the offered rate and are not measured; the
+balance of completions over arrivals in the warm-up's second half is recorded
+(``warmup_balance``, ``warmup_steady`` when within 0.95-1/0.95).  Then at least
+``--min-requests`` (default 200) requests are measured, or ``rate x --duration-s`` when
+more (at most ``--max-requests``).  A run stops ``--drain-s`` after its last arrival: a
+request without its first token by then counts with the time it waited, and its run's TTFT
+p99 is flagged as a lower bound (a certain miss: the drain is above the SLO).
 
-**Rates** are multiples of the case's *recompute capacity* (or given in requests/s with
-``--rates-rps``), calibrated in the same run: the model's prefill rate at the case's context
-over the tokens of a request computed in full (serving.recompute_capacity): about where (a)
-saturates; configurations that reuse saturate higher.  With ``--search climb`` (the
-default) each configuration climbs every other rate of ``--rates`` until TTFT p99 misses
-the SLO, then runs the rate just below that miss: the knee to one step of the grid for
-about half the runs.  ``--search grid`` runs every rate.
+**p99's confidence interval.**  With n measured TTFTs, the number below the true p99 is
+binomial(n, 0.99); the distribution-free 95% interval runs between the order statistics at
+that binomial's 2.5% and 97.5% quantiles, recorded with every point (``ttft_p99_ci_*``; the
+upper end is null when it lies above the largest sample: n < 368 for a 97.5% one-sided end,
+so at n = 200 the interval is [X(195), above the maximum)).  The verdict uses the point
+estimate; the interval says how far to trust it.
 
-**Goodput** of a configuration is the highest rate it ran at which TTFT p99 is within the SLO
-(``--slo-ttft-p99`` seconds) *and every lower rate it ran met it too*, no interpolation.  Its
-status: ``below_next`` (the next rate missed: the knee lies between them), ``every_rate``
-(no rate missed: goodput is at least the highest rate), ``never_met`` (the lowest rate
-already missed: no goodput figure).  A configuration whose climb was cut short has none.
+**Verdicts.**  ``met``: TTFT p99 <= ``--slo-ttft-p99`` and the measured window sustained >=
+0.95x of its offered load (requests finished in the window / requests that arrived in it).
+``missed``: p99 over the SLO and <= 1/0.95x sustained.  ``unsettled``: met while falling
+behind (< 0.95x: the window ended before the backlog showed), or missed while draining a
+backlog from before the window (> 1/0.95x): neither counts as a miss.  (A difference
+between arrivals and completions within the in-system count's own noise -- one request,
+plus twice the square root of the requests in the system at the window's start or end --
+is no sign either way: it decides only in windows too short for 5% to be seen.)  An
+unsettled point is run once more with twice the measured requests; if it is still unsettled
+it stays so, and the search treats it as the end of what can be claimed (goodput status
+``below_unsettled``).
 
-The results file (shared/BENCH_FORMAT.md, ``sweep-<machine>-<date>.json`` in ``--out``) is
-rewritten after every run, so a run cut short (``--deadline-s``, or a kill) keeps what it
-measured.  It records per case the disk's raw O_DIRECT read rate and the model's prefill
-rate measured in this run, every run's figures, and the goodput table.  One PNG per case
-(TTFT p99 and sustained throughput against offered load, one line per configuration) is
-drawn next to it when matplotlib is installed, or later from the file with ``--plot``.
+**Search.**  Per configuration and seed: start at the rate of ``--rates`` (multiples of the
+case's recompute capacity, factor 2 apart by default; or ``--rates-rps``) nearest ``--start``
+(default x1), climb the grid while it is met or go down it until a rate is met, then bisect
+geometrically between the last rate met and the lowest above it not met until the two are
+within ``--precision`` (default 10%).  Rates below the start are measured only when the
+start is not met: the search assumes what bisection does, that a rate met has every lower
+rate met too.  Goodput is the last rate met; status ``below_next`` (the bracket's top
+missed), ``below_unsettled``, ``every_rate`` (no grid rate missed: a lower bound),
+``never_met`` (the lowest rate was not met: no figure).
+
+**Seeds.**  ``--seeds N`` repeats every search with seeds ``--seed`` .. ``--seed + N - 1``
+(another conversation and arrival schedule); per configuration the goodput's min / median /
+max over seeds is reported.  A ratio of two configurations' goodputs ((d)/(c), (e)/(d)) is
+the ratio of medians with its spread (min/max .. max/min), and it is *claimed* only beyond
+the spread: (d) above (c) when every seed's (d) bracket lies above every seed's (c) bracket
+(the lowest (d) goodput above the highest rate (c) did not meet); otherwise "within spread".
+
+**Resume.**  The results file (shared/BENCH_FORMAT.md, ``sweep-<machine>-<date>[-tag].json``
+in ``--out``) is rewritten after every point, so a sweep cut short (``--deadline-s``,
+``--points``, a kill) keeps what it measured.  ``--resume FILE`` reads it back and goes on:
+the same flags are required (one line naming the first that differs; ``--seeds`` may grow,
+adding seeds to every search), the calibration of
+the first call is kept (so a rate and a seed give the same arrivals), every point measured is
+read back, not rerun, and each search continues where it stopped; the file is extended in
+place.  Each call's own calibration is recorded beside it.
+
+**Rates** are multiples of the case's *recompute capacity*, calibrated in the first call: the
+model's prefill rate at the case's context over the tokens of a request computed in full
+(serving.recompute_capacity): about where (a) saturates; configurations that reuse saturate
+higher.  One PNG per case (TTFT p99 and sustained throughput against offered load, the median
+over seeds with min-max bars, goodput spread at the SLO line) is drawn next to the file when
+matplotlib is installed, or later from the file with ``--plot``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import itertools
 import json
 import math
+import os
+import shutil
+import statistics
+import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -73,6 +115,7 @@ from bench.serving import (
     NAMES,
     OneLineParser,
     add_run_flags,
+    breakdown_line,
     budgets_for,
     chat_config,
     full_reuse_capacity,
@@ -88,13 +131,225 @@ from bench.serving import (
     run_config,
     shape_preset,
     steady_summary,
+    window_ttfts,
 )
 from statekv.errors import UsageError
 
 CALIBRATION_CHUNK: Final = 2048
 """Tokens per forward pass of the prefill calibration: the serving loop's prefill chunk."""
 
-GOODPUT_STATUSES: Final = ("below_next", "every_rate", "never_met")
+SETTLED: Final = 0.95
+"""A met point must sustain this fraction of its offered load, and a missed one at most its
+inverse, or the point is unsettled."""
+
+QUANTILE: Final = 0.99
+CONFIDENCE: Final = 0.95
+
+PREPARE_RATE: Final = 1e6
+"""Arrivals per second of the prepare pass: every pool user's first round at once."""
+
+RATIO_PAIRS: Final = (("d", "c"), ("e", "d"))
+
+GOODPUT_STATUSES: Final = ("below_next", "below_unsettled", "every_rate", "never_met")
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def _log_binomial_pmf(k: int, n: int, p: float) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + k * math.log(p) + (n - k) * math.log1p(-p))
+
+
+def quantile_ci_ranks(n: int, q: float = QUANTILE, confidence: float = CONFIDENCE
+                      ) -> tuple[int | None, int | None]:
+    """1-based ranks (l, u) of the order statistics X(l) <= X(u) that bound the `q` quantile
+    of a continuous distribution with at least `confidence`, from n samples, equal-tailed.
+
+    The number B of samples below the true quantile is binomial(n, q); X(l) <= quantile iff
+    B >= l, and X(u) >= quantile iff B < u.  l is the largest rank with P(B < l) <= alpha/2,
+    u the smallest with P(B < u) >= 1 - alpha/2.  None where no sample bounds that side: l
+    below 1, or u above n (the interval reaches past the largest sample).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UsageError("n", f"must be an integer >= 1, got {n!r}")
+    if not 0 < q < 1 or not 0 < confidence < 1:
+        raise UsageError("q", f"q and confidence must lie in (0, 1), got {q!r}, {confidence!r}")
+    tail = (1 - confidence) / 2
+    below = 0.0  # P(B < k) for the rank k of the loop
+    low: int | None = None
+    high: int | None = None
+    for k in range(1, n + 1):
+        below += math.exp(_log_binomial_pmf(k - 1, n, q))
+        if below <= tail:
+            low = k
+        if below >= 1 - tail:
+            high = k
+            break
+    return low, high
+
+
+def p99_interval(ttfts: Sequence[float]) -> dict[str, Any]:
+    """The p99's distribution-free 95% interval over ascending `ttfts` (see
+    quantile_ci_ranks); None ends lie outside the samples."""
+    if not ttfts:
+        return {"ttft_p99_ci_low_s": None, "ttft_p99_ci_high_s": None,
+                "ttft_p99_ci_ranks": [None, None]}
+    low, high = quantile_ci_ranks(len(ttfts))
+    return {"ttft_p99_ci_low_s": ttfts[low - 1] if low else None,
+            "ttft_p99_ci_high_s": ttfts[high - 1] if high else None,
+            "ttft_p99_ci_ranks": [low, high]}
+
+
+def verdict(p99: float | None, arrived: int, finished: int, slo: float,
+            in_system: tuple[int, int] = (0, 0)) -> str:
+    """met, missed or unsettled (see the module docstring), from the TTFT p99, the requests
+    that arrived in and finished in the measured window, and the requests in the system at
+    the window's start and end.  A p99 that is None or NaN (nothing measured got a first
+    token) is over the SLO.
+
+    Falling behind (or draining) counts when it exceeds 5% of the arrivals *and* the
+    in-system count's own noise: arrivals minus completions is that count's change over
+    the window, which in a steady state moves by about its square root (twice that, and
+    one request straddling the window's end, are allowed).  At 200 measured requests the 5%
+    decides wherever fewer than about 20 requests are in the system.
+    """
+    over = p99 is None or math.isnan(p99) or p99 > slo
+    if arrived < 1:
+        return "unsettled"
+    behind = arrived - finished
+    noise = 1 + 2 * math.sqrt(max(0, *in_system))
+    if not over:
+        return "met" if behind <= max((1 - SETTLED) * arrived, noise) else "unsettled"
+    return "missed" if -behind <= max((1 / SETTLED - 1) * arrived, noise) else "unsettled"
+
+
+def window_counts(run: Any, arrival_times: Sequence[float], warmup: int) -> tuple[int, int]:
+    """(requests that arrived, requests that finished) in the measured window, as
+    serving.steady_summary's ``sustained_vs_offered`` counts them."""
+    start, end = arrival_times[warmup], min(arrival_times[-1], run.seconds)
+    arrived = sum(1 for t in arrival_times if start <= t < end)
+    finished = sum(1 for r in run.results
+                   if r.finished is not None and start <= r.finished < end)
+    return arrived, finished
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+# ---------------------------------------------------------------------- the search
+
+
+@attrs.frozen(kw_only=True)
+class Walk:
+    """Where a configuration's search stands, replayed from its verdicts."""
+
+    next: float | None
+    """The next rate to measure (a multiple), None when the search is complete."""
+    phase: str | None = None
+    """grid or bisect, for `next`."""
+    status: str | None = None
+    """Once complete: one of GOODPUT_STATUSES."""
+    low: float | None = None
+    """The goodput: the last rate met (None: never met)."""
+    high: float | None = None
+    """The lowest rate above `low` not met (None: every rate was met)."""
+    high_verdict: str | None = None
+
+
+def walk(grid: Sequence[float], verdict_at: Callable[[float], str | None],
+         precision: float, start: float = 1.0) -> Walk:
+    """Replay a search over `grid` (ascending multiples) from the verdicts recorded so far.
+
+    `verdict_at(rate)` is the final verdict at a rate (met, missed, unsettled) or None when
+    it is still to be measured.  The search starts at the grid rate nearest `start` (on a
+    log scale); from a rate met it climbs the grid to the first rate not met, from one not
+    met it goes down to the first rate met.  Then it halves (geometrically) the bracket
+    between the last rate met and the lowest above it not met until high / low <= 1 +
+    precision.  A pure function: a search cut short and resumed takes the same path from
+    the same verdicts.
+    """
+    if not grid or any(not b > a for a, b in itertools.pairwise(grid)):
+        raise UsageError("rates", f"must be a non-empty, strictly ascending list, got {grid}")
+    if not (math.isfinite(precision) and precision > 0):
+        raise UsageError("precision", f"must be a finite number > 0, got {precision!r}")
+    if not (math.isfinite(start) and start > 0):
+        raise UsageError("start", f"must be a finite rate > 0, got {start!r}")
+    first = min(range(len(grid)), key=lambda i: abs(math.log(grid[i] / start)))
+    low: float | None = None
+    high: float | None = None
+    high_verdict: str | None = None
+    v = verdict_at(grid[first])
+    if v is None:
+        return Walk(next=grid[first], phase="grid")
+    if v == "met":
+        low = grid[first]
+        for rate in grid[first + 1:]:
+            v = verdict_at(rate)
+            if v is None:
+                return Walk(next=rate, phase="grid")
+            if v != "met":
+                high, high_verdict = rate, v
+                break
+            low = rate
+        if high is None:
+            return Walk(next=None, status="every_rate", low=low, high=None)
+    else:
+        high, high_verdict = grid[first], v
+        for rate in reversed(grid[:first]):
+            v = verdict_at(rate)
+            if v is None:
+                return Walk(next=rate, phase="grid")
+            if v == "met":
+                low = rate
+                break
+            high, high_verdict = rate, v
+        if low is None:
+            return Walk(next=None, status="never_met", low=None, high=high,
+                        high_verdict=high_verdict)
+    while high / low > 1 + precision:
+        mid = math.sqrt(low * high)
+        v = verdict_at(mid)
+        if v is None:
+            return Walk(next=mid, phase="bisect")
+        if v == "met":
+            low = mid
+        else:
+            high, high_verdict = mid, v
+    return Walk(next=None, status="below_next" if high_verdict == "missed"
+                else "below_unsettled", low=low, high=high, high_verdict=high_verdict)
+
+
+def rate_key(multiple: float) -> str:
+    """A rate's identity across a JSON round trip and a replayed bisection."""
+    return f"{multiple:.12g}"
+
+
+def attempts_at(runs: Sequence[dict[str, Any]], seed: int, multiple: float
+                ) -> list[dict[str, Any]]:
+    key = rate_key(multiple)
+    return sorted((r for r in runs if r["seed"] == seed
+                   and rate_key(r["capacity_multiple"]) == key), key=lambda r: r["attempt"])
+
+
+def final_verdict(runs: Sequence[dict[str, Any]], seed: int, multiple: float) -> str | None:
+    """The verdict at a rate once its measuring is complete: None when it was never measured,
+    or when its only attempt was unsettled (it is run once more, longer)."""
+    tries = attempts_at(runs, seed, multiple)
+    if not tries:
+        return None
+    last: str = tries[-1]["verdict"]
+    if last == "unsettled" and len(tries) < 2:
+        return None
+    return last
+
+
+def search_state(case: dict[str, Any], key: str, seed: int, precision: float) -> Walk:
+    runs = case["runs"][key]
+    grid = [r["capacity_multiple"] for r in case["rates"]]
+    return walk(grid, lambda m: final_verdict(runs, seed, m), precision,
+                case.get("search_start", 1.0))
 
 
 # ---------------------------------------------------------------------- goodput
@@ -102,19 +357,19 @@ GOODPUT_STATUSES: Final = ("below_next", "every_rate", "never_met")
 
 @attrs.frozen(kw_only=True)
 class Goodput:
-    """A configuration's goodput over one sweep (see the module docstring)."""
+    """The goodput over one ladder of rates (bench.replicas' comparison)."""
 
     rate: float | None
     """The offered rate (the unit of the rates given), None when never met."""
     index: int | None
-    """Its position among the swept rates."""
+    """Its position among the rates."""
     status: str
 
 
 def goodput(rates: Sequence[float], ttft_p99: Sequence[float | None], slo: float) -> Goodput:
-    """The highest of `rates` (ascending) at which, and below which, TTFT p99 <= `slo`.
-
-    A p99 that is None or NaN (nothing finished) is a miss.
+    """The highest of `rates` (ascending) at which, and below which, TTFT p99 <= `slo`:
+    status below_next, every_rate or never_met.  A p99 that is None or NaN (nothing
+    finished) is a miss.
     """
     if isinstance(slo, bool) or not isinstance(slo, int | float) or not (
         math.isfinite(slo) and slo > 0
@@ -137,6 +392,125 @@ def goodput(rates: Sequence[float], ttft_p99: Sequence[float | None], slo: float
     return Goodput(rate=rates[met], index=met, status=status)
 
 
+def goodput_row(g: Goodput, rates: Sequence[dict[str, Any]], index_key: str) -> dict[str, Any]:
+    """A results file's goodput row: the status, the index of the rate it names (under
+    `index_key`) and that rate's requests/s, input tokens/s and capacity multiple (None
+    where no rate met the SLO)."""
+    row: dict[str, Any] = {"status": g.status, index_key: g.index, "requests_per_s": None,
+                           "input_tok_per_s": None, "capacity_multiple": None}
+    if g.index is not None:
+        rate = rates[g.index]
+        row.update(requests_per_s=rate["requests_per_s"],
+                   input_tok_per_s=rate["input_tok_per_s"],
+                   capacity_multiple=rate["capacity_multiple"])
+    return row
+
+
+
+def search_row(case: dict[str, Any], w: Walk) -> dict[str, Any]:
+    """One configuration and seed's search: done, its status and its bracket in capacity
+    multiples, requests/s and input tokens/s."""
+    capacity: float = case["capacity_requests_per_s"]
+    prompt: float = case["mean_prompt_tokens"]
+    row: dict[str, Any] = {"done": w.next is None, "status": w.status,
+                           "high_verdict": w.high_verdict}
+    for name, m in (("goodput", w.low), ("bracket_high", w.high)):
+        row[f"{name}_multiple"] = m
+        row[f"{name}_requests_per_s"] = None if m is None else m * capacity
+        row[f"{name}_input_tok_per_s"] = None if m is None else m * capacity * prompt
+    row["bracket_ratio"] = (w.high / w.low if w.low is not None and w.high is not None
+                            else None)
+    return row
+
+
+def spread_row(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """min / median / max goodput over seeds' complete searches; values only where every
+    seed has a goodput figure."""
+    values = [r["goodput_requests_per_s"] for r in rows]
+    out: dict[str, Any] = {"seeds": len(rows), "statuses": [r["status"] for r in rows],
+                           "min": None, "median": None, "max": None,
+                           "lower_bound": any(r["status"] == "every_rate" for r in rows)}
+    if rows and all(v is not None for v in values):
+        out.update(min=min(values), median=_median(values), max=max(values))
+    return out
+
+
+def ratio_row(num: Sequence[dict[str, Any]], den: Sequence[dict[str, Any]]
+              ) -> dict[str, Any] | None:
+    """Goodput ratio num / den over seeds: medians' ratio, spread, and the claim.
+
+    None unless both have a goodput at every seed and den's knee lies inside the sweep at
+    every seed (an every_rate denominator is only a lower bound).
+    """
+    nv = [r["goodput_requests_per_s"] for r in num]
+    dv = [r["goodput_requests_per_s"] for r in den]
+    if not num or not den or any(v is None for v in [*nv, *dv]):
+        return None
+    if any(r["bracket_high_requests_per_s"] is None for r in den):
+        return None
+    value = _median(nv) / _median(dv)
+    # Brackets: each seed's knee lies in [goodput, bracket_high); a claim needs every one of
+    # num's above every one of den's (or below), resolution and seed-to-seed spread both.
+    num_high = [math.inf if r["bracket_high_requests_per_s"] is None
+                else r["bracket_high_requests_per_s"] for r in num]
+    den_high = [r["bracket_high_requests_per_s"] for r in den]
+    if min(nv) >= max(den_high):
+        claim = "above, beyond the spread"
+    elif max(num_high) <= min(dv):
+        claim = "below, beyond the spread"
+    else:
+        claim = "within spread"
+    return {"value": value, "min": min(nv) / max(dv), "max": max(nv) / min(dv),
+            "claim": claim, "lower_bound": any(r["status"] == "every_rate" for r in num)}
+
+
+def summarize_case(case: dict[str, Any], precision: float) -> None:
+    """Fill `case`'s search, goodput and ratio tables from its runs."""
+    case["search"] = {
+        key: {str(seed): search_row(case, search_state(case, key, seed, precision))
+              for seed in case["seeds"]}
+        for key in case["runs"]}
+    complete = {key: [row for row in by_seed.values()]
+                for key, by_seed in case["search"].items()
+                if all(row["done"] for row in by_seed.values())}
+    case["goodput"] = {key: spread_row(rows) for key, rows in complete.items()}
+    case["ratios"] = {}
+    for num, den in RATIO_PAIRS:
+        if num in complete and den in complete:
+            row = ratio_row(complete[num], complete[den])
+            if row is not None:
+                case["ratios"][f"{num}_vs_{den}"] = row
+
+
+def figures(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The BENCH_FORMAT figures: same-run limits, goodput (median over seeds, with its
+    spread) against the recompute capacity, and the ratios with their claim."""
+    out: dict[str, dict[str, Any]] = {}
+    for case in cases:
+        name = case["case"]
+        out[f"{name}_disk_read_raw"] = {"value": round(case["disk_read_gb_per_s"], 3),
+                                        "unit": "GB/s"}
+        out[f"{name}_prefill_rate"] = {"value": round(case["prefill_tok_per_s"], 1),
+                                       "unit": "tok/s"}
+        capacity = case["capacity_requests_per_s"]
+        for key, g in case.get("goodput", {}).items():
+            if g["median"] is None:
+                continue  # never met at some seed: absent, not zero
+            out[f"{name}_goodput_{key}"] = {
+                "value": round(g["median"], 3), "unit": "requests/s",
+                "min": round(g["min"], 3), "max": round(g["max"], 3), "seeds": g["seeds"],
+                "limit": round(capacity, 3),
+                "limit_name": "recompute capacity (prefill rate / full-request tokens), "
+                              "calibrated in the sweep's first call",
+                "ratio": round(g["median"] / capacity, 3), "lower_bound": g["lower_bound"]}
+        for pair, r in case.get("ratios", {}).items():
+            out[f"{name}_goodput_{pair}"] = {
+                "value": round(r["value"], 3), "unit": "x", "ratio": round(r["value"], 3),
+                "min": round(r["min"], 3), "max": round(r["max"], 3), "claim": r["claim"],
+                "lower_bound": r["lower_bound"]}
+    return out
+
+
 # ---------------------------------------------------------------------- flags
 
 
@@ -153,8 +527,19 @@ def _csv(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse
 
 
-DEFAULT_RATES: Final = (0.25, 0.35, 0.5, 0.71, 1.0, 1.41, 2.0, 2.83, 4.0)
-"""Multiples of the recompute capacity, sqrt(2) apart: light load to past full reuse."""
+DEFAULT_RATES: Final = (0.5, 1.0, 2.0, 4.0)
+"""Multiples of the recompute capacity, factor 2 apart (the bisection refines the knee):
+half of (a)'s ceiling to past full reuse."""
+
+SIGNATURE: Final = (
+    "models", "histories", "rates", "rates_rps", "start", "seeds", "seed", "precision",
+    "duration_s", "min_requests", "max_requests", "warmup_requests", "drain_s",
+    "slo_ttft_p99", "pressure", "layers", "users", "rounds", "system_tokens",
+    "question_tokens", "answer_tokens", "block_size", "gpu_gib", "host_gib", "disk_gib",
+    "readers", "writers", "configs", "prefetch_ahead", "reclaim_prefetched",
+    "no_cost_aware", "machine",
+)
+"""The flags a resumed sweep must share with the file it resumes: what a point measures."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,24 +550,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--histories", type=_csv(int_at_least(0)), default=[4096, 16384],
                    help="per-user history lengths in tokens, comma-separated")
     p.add_argument("--rates", type=_csv(positive_number), default=list(DEFAULT_RATES),
-                   help="offered rates as multiples of the calibrated recompute capacity")
+                   help="the search's grid: offered rates as multiples of the calibrated "
+                        "recompute capacity")
     p.add_argument("--rates-rps", type=_csv(positive_number), default=None,
-                   help="offered rates in requests/s instead (the same for every case)")
-    p.add_argument("--search", choices=("climb", "grid"), default="climb",
-                   help="climb: every other rate up to the first miss, then the rate below "
-                        "it; grid: every rate for every configuration")
-    p.add_argument("--duration-s", type=positive_number, default=12.0,
-                   help="seconds of arrivals per run (rate x this many requests)")
-    p.add_argument("--min-requests", type=n1, default=40,
-                   help="requests per run at least, warm-up included")
+                   help="the grid in requests/s instead (the same for every case)")
+    p.add_argument("--start", type=positive_number, default=1.0,
+                   help="the grid rate (a capacity multiple) each search starts at: up the "
+                        "grid from there while met, down while not")
+    p.add_argument("--precision", type=positive_number, default=0.1,
+                   help="bisect until the rate met and the rate missed are within this "
+                        "fraction of each other")
+    p.add_argument("--seeds", type=n1, default=1,
+                   help="repeat every search with this many seeds (--seed, --seed + 1, ...)")
+    p.add_argument("--duration-s", type=positive_number, default=8.0,
+                   help="seconds of measured arrivals per point (rate x this many "
+                        "requests, when more than --min-requests)")
+    p.add_argument("--min-requests", type=int_at_least(2), default=200,
+                   help="measured requests per point at least (after the warm-up)")
     p.add_argument("--max-requests", type=n1, default=2000,
-                   help="requests per run at most (overload runs)")
+                   help="measured requests per point at most (overload points)")
     p.add_argument("--warmup-requests", type=int_at_least(0), default=None,
-                   help="first requests of a run not measured (default: the pool's users)")
+                   help="requests of a point's run before the measured ones (default: the "
+                        "pool's users)")
     p.add_argument("--drain-s", type=positive_number, default=None,
                    help="a run stops this long after its last arrival (default: 2 x SLO)")
     p.add_argument("--deadline-s", type=positive_number, default=None,
                    help="stop cleanly this long after the start, keeping what was measured")
+    p.add_argument("--points", type=n1, default=None,
+                   help="stop cleanly after measuring this many points (resume with "
+                        "--resume)")
+    p.add_argument("--resume", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="go on with the sweep of this results file, extending it")
     p.add_argument("--slo-ttft-p99", type=positive_number, default=2.0,
                    help="goodput's SLO: TTFT p99 in seconds")
     p.add_argument("--disk-probe-mib", type=positive_number, default=2048.0,
@@ -236,6 +634,51 @@ def users_for(args: argparse.Namespace, history: int, kv_token: int) -> int:
     return max(1, math.ceil(pressure * pools / user_kv_bytes(args, history, kv_token)))
 
 
+def signature(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: _json_safe(getattr(args, name)) for name in SIGNATURE}
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def read_resumed(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The results file `--resume` names, checked to be this sweep's: one line naming
+    --resume (and the first flag that differs) otherwise."""
+    try:
+        doc: object = json.loads(path.read_text())
+    except OSError as exc:
+        raise SweepError(f"argument --resume: cannot read {str(path)!r}: {exc.strerror}"
+                         ) from None
+    except ValueError:
+        raise SweepError(f"argument --resume: {str(path)!r} is not JSON") from None
+    if not isinstance(doc, dict) or doc.get("bench") != "sweep" or not isinstance(
+            doc.get("cases"), list) or not isinstance(doc.get("signature"), dict):
+        raise SweepError(f"argument --resume: {str(path)!r} is not a results file of "
+                         f"bench.sweep that can be resumed")
+    theirs: dict[str, Any] = doc["signature"]
+    ours = json.loads(json.dumps(signature(args)))
+    seeds = theirs.get("seeds")
+    if isinstance(seeds, int) and not isinstance(seeds, bool) and args.seeds < seeds:
+        raise SweepError(f"argument --seeds: {str(path)!r} was measured with --seeds "
+                         f"{seeds}; resume with at least as many")
+    for field in SIGNATURE:
+        if field == "seeds":
+            continue  # more seeds extend the sweep: each case's searches gain seeds
+        if theirs.get(field, "<absent>") != ours[field]:
+            raise SweepError(
+                f"argument --resume: {str(path)!r} was measured with {flag_name(field)} "
+                f"{_flag_text(theirs.get(field, '<absent>'))}, not "
+                f"{_flag_text(ours[field])}: resume with the same flags")
+    return doc
+
+
+def _flag_text(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 # ---------------------------------------------------------------------- the sweep
 
 
@@ -248,141 +691,128 @@ def _finite(value: float) -> float | None:
 
 
 def _json_safe(value: Any) -> Any:
-    """NaN and infinities become null (they are not JSON)."""
+    """NaN and infinities become null (they are not JSON); paths become strings."""
     if isinstance(value, float):
         return _finite(value)
     if isinstance(value, dict):
         return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_json_safe(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
     return value
 
 
-def missed(p99: float | None, slo: float) -> bool:
-    """TTFT p99 over the SLO, or not measured (nothing in the window got a first token)."""
-    return p99 is None or math.isnan(p99) or p99 > slo
-
-
-def climb_order(n: int) -> list[int]:
-    """Rate indices a climbing configuration tries, lowest first: every other one, and the
-    highest."""
-    order = list(range(0, n, 2))
-    if order[-1] != n - 1:
-        order.append(n - 1)
-    return order
-
-
-def goodput_rows(case: dict[str, Any], slo: float) -> dict[str, dict[str, Any]]:
-    """Goodput of every configuration whose search is complete, over the rates it ran, in
-    requests/s and input tokens/s."""
-    table: dict[str, dict[str, Any]] = {}
-    done = case.get("search_done", {})
-    for key, runs in case["runs"].items():
-        if not runs or not done.get(key, False):
-            continue  # cut short: the search of this configuration is incomplete
-        g = goodput([r["requests_per_s"] for r in runs], [r["ttft_p99_s"] for r in runs], slo)
-        table[key] = goodput_row(g, runs, "run_index")
-    return table
-
-
-def goodput_row(g: Goodput, rates: Sequence[dict[str, Any]], index_key: str) -> dict[str, Any]:
-    """A results file's goodput row: the status, the index of the rate it names (under
-    `index_key`) and that rate's requests/s, input tokens/s and capacity multiple (None
-    where no rate met the SLO)."""
-    row: dict[str, Any] = {"status": g.status, index_key: g.index, "requests_per_s": None,
-                           "input_tok_per_s": None, "capacity_multiple": None}
-    if g.index is not None:
-        rate = rates[g.index]
-        row.update(requests_per_s=rate["requests_per_s"],
-                   input_tok_per_s=rate["input_tok_per_s"],
-                   capacity_multiple=rate["capacity_multiple"])
-    return row
-
-
-def figures(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The BENCH_FORMAT figures: same-run limits and goodput against capacity."""
-    out: dict[str, dict[str, Any]] = {}
-    for case in cases:
-        name = case["case"]
-        out[f"{name}_disk_read_raw"] = {"value": round(case["disk_read_gb_per_s"], 3),
-                                        "unit": "GB/s"}
-        out[f"{name}_prefill_rate"] = {"value": round(case["prefill_tok_per_s"], 1),
-                                       "unit": "tok/s"}
-        capacity = case["capacity_requests_per_s"]
-        for key, row in case["goodput"].items():
-            if row["requests_per_s"] is None:
-                continue  # never met: not measured, so absent
-            out[f"{name}_goodput_{key}"] = {
-                "value": round(row["requests_per_s"], 4), "unit": "requests/s",
-                "limit": round(capacity, 4),
-                "limit_name": "recompute capacity from the prefill rate, same run",
-                "ratio": round(row["requests_per_s"] / capacity, 3),
-                "lower_bound": row["status"] == "every_rate",
-            }
-        for hi, lo in (("d", "c"), ("e", "d")):
-            a, b = case["goodput"].get(hi), case["goodput"].get(lo)
-            # A ratio needs the denominator's knee inside the sweep; a numerator that met
-            # the SLO at every rate makes it a lower bound.
-            if a and b and a["requests_per_s"] and b["status"] == "below_next":
-                ratio = a["requests_per_s"] / b["requests_per_s"]
-                out[f"{name}_goodput_{hi}_vs_{lo}"] = {
-                    "value": round(ratio, 3), "unit": "x", "ratio": round(ratio, 3),
-                    "lower_bound": a["status"] == "every_rate"}
-    return out
-
-
-def requests_for(rate: float, args: argparse.Namespace, warmup: int) -> int:
-    """Requests a run at `rate` offers: --duration-s of arrivals, within the bounds, and
-    always a window of at least two arrivals after the warm-up."""
+def measured_requests_for(rate: float, args: argparse.Namespace, attempt: int) -> int:
+    """Measured requests of a point at `rate`: --duration-s of arrivals within
+    --min-requests and --max-requests, twice as many for a second attempt."""
     wanted = max(int(args.min_requests), round(rate * float(args.duration_s)))
-    return max(warmup + 2, min(int(args.max_requests), wanted))
+    return attempt * min(int(args.max_requests), wanted)
 
 
-def run_seconds(rate: float, requests: int, *, overloaded: bool, drain: float) -> float:
-    """A rough wall time of one run: its arrivals, then a drain when overloaded, and about a
-    second to set the tiers up."""
-    return requests / rate + (drain if overloaded else 0.5) + 1.0
+def arrivals_fingerprint(times: Sequence[float]) -> dict[str, Any]:
+    """What identifies a run's arrival schedule: the same seed and rate give the same one."""
+    digest = hashlib.sha256(struct.pack(f"<{len(times)}d", *times)).hexdigest()[:16]
+    return {"count": len(times), "first_s": times[0], "last_s": times[-1], "sha256": digest}
 
 
-def estimate_seconds(rates_rps: Sequence[float], knees_rps: dict[str, float],
-                     args: argparse.Namespace, warmup: int, drain: float) -> float:
-    """A case's wall time if each configuration's knee lies at `knees_rps` (a guess made
-    before measuring: printed to size a run, never recorded as a result)."""
-    total = 0.0
-    for knee in knees_rps.values():
-        if args.search == "grid":
-            tried = list(range(len(rates_rps)))
-        else:
-            tried = []
-            for i in climb_order(len(rates_rps)):
-                tried.append(i)
-                if rates_rps[i] > knee:
-                    if i > 0 and i - 1 not in tried:
-                        tried.append(i - 1)
+def warmup_balance(run: Any, arrival_times: Sequence[float], warmup: int) -> float | None:
+    """Completions over arrivals in the second half of the warm-up: about 1 in a steady
+    state, above while a backlog drains, below while one builds."""
+    if warmup < 4:
+        return None
+    start, end = arrival_times[warmup // 2], arrival_times[warmup]
+    arrived = sum(1 for t in arrival_times if start <= t < end)
+    done = sum(1 for r in run.results if r.finished is not None and start <= r.finished < end)
+    return done / arrived if arrived else None
+
+
+def in_system(run: Any, arrival_times: Sequence[float], t: float) -> int:
+    """Requests that had arrived by `t` and not finished by then."""
+    arrived = sum(1 for a in arrival_times if a <= t)
+    done = sum(1 for r in run.results if r.finished is not None and r.finished <= t)
+    return arrived - done
+
+
+def copy_tier(source: Path, target: Path) -> None:
+    """Copy a closed disk tier's directory: the written extents of its files (a preallocated
+    data file's unwritten extents read back as holes), the rest allocated as a fresh tier's
+    is, flushed, and out of the page cache, so the run reads its slots from the disk."""
+    for root, _dirs, files in os.walk(source):
+        here = Path(root)
+        there = target / here.relative_to(source)
+        there.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name in files:
+            _copy_file(here / name, there / name)
+
+
+def _copy_file(source: Path, target: Path) -> None:
+    mode = source.stat().st_mode & 0o777
+    src = os.open(source, os.O_RDONLY)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            size = os.fstat(src).st_size
+            offset = 0
+            while offset < size:
+                try:
+                    data = os.lseek(src, offset, os.SEEK_DATA)
+                except OSError:  # no data past `offset`
                     break
-        for i in tried:
-            rate = rates_rps[i]
-            total += run_seconds(rate, requests_for(rate, args, warmup),
-                                 overloaded=rate > knee, drain=drain)
-    return total
-
-
-def write_results(path: Path, header: dict[str, Any], cases: list[dict[str, Any]],
-                  slo: float) -> None:
-    for case in cases:
-        case["goodput"] = goodput_rows(case, slo)
-    doc = {**header, "figures": figures(cases), "slo_ttft_p99_s": slo,
-           "goodput_table": [
-               {"case": case["case"], "config": key, **row}
-               for case in cases for key, row in case["goodput"].items()],
-           "cases": cases}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_json_safe(doc), indent=2) + "\n")
-    tmp.replace(path)
+                hole = os.lseek(src, data, os.SEEK_HOLE)
+                at = data
+                while at < hole:
+                    moved = os.copy_file_range(src, dst, hole - at, at, at)
+                    if moved == 0:
+                        break
+                    at += moved
+                offset = hole
+            if size:
+                os.posix_fallocate(dst, 0, size)
+            os.fsync(dst)
+            os.posix_fadvise(dst, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
 
 
 class _Deadline(Exception):
-    """The next run would end past --deadline-s."""
+    """The next step would end past --deadline-s, or --points were measured."""
+
+
+@attrs.define
+class _Prepared:
+    """A configuration's conversation after its cold start, and its disk tier then."""
+
+    workload: Any
+    tier: Path | None
+    seconds: float
+
+
+@attrs.define
+class _Sweep:
+    """What one call of the sweep carries from case to case."""
+
+    args: argparse.Namespace
+    path: Path
+    header: dict[str, Any]
+    cases: list[dict[str, Any]]
+    bar: Any
+    disk_dir: Path
+    device: str
+    began: float
+    drain: float
+    measured_here: int = 0
+    setup_s: float = 5.0
+    """The longest a run's setup (tier copy, open, restore) took in this call, floored."""
+
+    def left(self) -> float:
+        deadline = self.args.deadline_s
+        return math.inf if deadline is None else deadline - (time.perf_counter() - self.began)
+
+    def record(self) -> None:
+        write_results(self.path, self.header, self.cases, self.args)
 
 
 def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
@@ -397,38 +827,87 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     began = time.perf_counter()
     device = resolve_device(args.device)
     today = dt.date.today()
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"-{args.tag}" if args.tag else ""
-    path: Path = args.out / f"sweep-{args.machine}-{today:%Y%m%d}{tag}.json"
-    disk_dir = args.dir or Path("/tmp/statekv-sweep")
-    disk_dir.mkdir(parents=True, exist_ok=True)
-    multiples = sorted(args.rates)
     slo: float = args.slo_ttft_p99
     drain: float = args.drain_s if args.drain_s is not None else 2 * slo
     if drain <= slo:
         raise SweepError(f"argument --drain-s: must be above --slo-ttft-p99 ({slo:g} s), so "
                          f"that a request cut off by the drain is a certain miss; got {drain:g}")
-    header = {"bench": "sweep", "machine": args.machine, "date": today.isoformat(),
-              "commit": git_commit(), "command": "python -m bench.sweep " + " ".join(argv),
-              "method": {"arrivals": "open loop, seeded Poisson (OpenChatWorkload)",
-                         "search": args.search, "duration_s": args.duration_s,
-                         "min_requests": args.min_requests, "max_requests": args.max_requests,
-                         "drain_s": drain, "deadline_s": args.deadline_s},
-              "cut_short": None}
+    if args.rates_rps is not None and args.rates != list(DEFAULT_RATES):
+        raise SweepError("argument --rates-rps: give the grid as --rates or as --rates-rps, "
+                         "not both")
+    disk_dir = args.dir or Path("/tmp/statekv-sweep")
+    disk_dir.mkdir(parents=True, exist_ok=True)
     for model_name in args.models:  # every case checked before the first run
-        blocks = pool_blocks(preset(model_name, num_layers=args.layers), args.block_size,
-                             args.gpu_gib, args.host_gib, args.disk_gib)
+        model_config = preset(model_name, num_layers=args.layers)
+        blocks = pool_blocks(model_config, args.block_size, args.gpu_gib, args.host_gib,
+                             args.disk_gib)
         for history in args.histories:
             check_fits(args, history, blocks[0])
-    cases: list[dict[str, Any]] = []
+            kv = model_config.kv_bytes_per_token()
+            working = users_for(args, history, kv) * user_kv_bytes(args, history, kv)
+            if any(k in "de" for k in args.configs) and working > args.disk_gib * 2**30:
+                raise SweepError(
+                    f"argument --disk-gib: the working set at history {history} is "
+                    f"{working / 2**30:.2f} GiB; {args.disk_gib:g} GiB of disk tier does not "
+                    f"hold it")
+    for leftover in [*disk_dir.glob("prepared-*"), *disk_dir.glob("run-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)  # a killed sweep's tiers (this --dir's)
+    if any(k in "de" for k in args.configs):
+        free = shutil.disk_usage(disk_dir).free
+        if 2 * args.disk_gib * 2**30 > free:
+            raise SweepError(
+                f"argument --disk-gib: a prepared tier and its copy need "
+                f"{2 * args.disk_gib:g} GiB; {str(disk_dir)!r} has {free / 2**30:.1f} GiB free")
+    call = {"started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "command": "python -m bench.sweep " + " ".join(argv), "commit": git_commit(),
+            "deadline_s": args.deadline_s, "points": args.points, "cut_short": None,
+            "measured": 0}
+    if args.resume is not None:
+        doc = read_resumed(args.resume, args)
+        path: Path = args.resume
+        header = {k: v for k, v in doc.items()
+                  if k not in ("cases", "figures", "goodput_table", "ratio_table")}
+        header["calls"] = [*header.get("calls", []), call]
+        header["signature"] = signature(args)
+        header["method"]["seeds"] = args.seeds
+        cases: list[dict[str, Any]] = doc["cases"]
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        tag = f"-{args.tag}" if args.tag else ""
+        path = args.out / f"sweep-{args.machine}-{today:%Y%m%d}{tag}.json"
+        header = {
+            "bench": "sweep", "machine": args.machine, "date": today.isoformat(),
+            "commit": call["commit"], "command": call["command"],
+            "method": {
+                "arrivals": "open loop, seeded Poisson (OpenChatWorkload)",
+                "prepare": "per configuration and seed, every pool user's first round "
+                           "served at once; its disk tier persisted and copied to each run",
+                "warmup": "the run's first warmup_requests at the offered rate, not "
+                          "measured; balance over their second half recorded",
+                "requests": f"measured per point: at least --min-requests "
+                            f"({args.min_requests}), or rate x --duration-s, at most "
+                            f"--max-requests; no early stop",
+                "p99_interval": f"distribution-free {CONFIDENCE:.0%}, order statistics at "
+                                f"binomial(n, {QUANTILE}) quantiles",
+                "settled": f"met needs >= {SETTLED}x sustained; a miss over "
+                           f"{1 / SETTLED:.3f}x sustained, or a met point under {SETTLED}x, "
+                           f"is unsettled: rerun once with twice the requests",
+                "search": f"from the grid rate nearest x{args.start:g}, up the grid while "
+                          f"met or down it until met, then bisect geometrically to within "
+                          f"{args.precision:.0%}",
+                "seeds": args.seeds,
+                "ratio_claim": "claimed only when every seed's bracket of one lies above "
+                               "(or below) every seed's of the other; else within spread",
+                "drain_s": drain, "duration_s": args.duration_s,
+                "min_requests": args.min_requests, "max_requests": args.max_requests},
+            "signature": signature(args), "calls": [call], "cut_short": None}
+        cases = []
     disable = {"auto": None, "always": False, "never": True}[args.progress]
-    bar = tqdm(desc="sweep", unit="run", disable=disable, position=0)
+    bar = tqdm(desc="sweep", unit="point", disable=disable, position=0)
+    state = _Sweep(args=args, path=path, header=header, cases=cases, bar=bar,
+                   disk_dir=disk_dir, device=str(device), began=began, drain=drain)
     say = tqdm.write
-
-    def left() -> float:
-        return math.inf if args.deadline_s is None else (
-            args.deadline_s - (time.perf_counter() - began))
-
+    header["cut_short"] = None
     try:
         for model_name in args.models:
             model_config = preset(model_name, num_layers=args.layers)
@@ -445,16 +924,15 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                 f"({'O_DIRECT' if disk.direct else 'buffered'}); pools gpu/host/disk "
                 f"{blocks[0]}/{blocks[1]}/{blocks[2]} blocks of {args.block_size} tokens")
             for history in args.histories:
-                _run_case(args, model, model_name, history, blocks, kv_token, disk,
-                          multiples, drain, path, header, cases, bar, disk_dir, str(device),
-                          left, OpenChatWorkload)
+                _run_case(state, model, model_name, history, blocks, kv_token, disk,
+                          OpenChatWorkload)
             del model
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     except _Deadline as stop:
-        header["cut_short"] = str(stop)
-        say(f"stopped: {stop}")
-        write_results(path, header, cases, slo)
+        header["cut_short"] = call["cut_short"] = str(stop)
+        say(f"stopped: {stop}; resume with --resume {path}")
+    state.record()
     bar.close()
     for case in cases:
         say(goodput_text(case, slo))
@@ -462,149 +940,265 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     return path
 
 
-def _run_case(args: argparse.Namespace, model: Any, model_name: str, history: int,
-              blocks: tuple[int, int, int], kv_token: int, disk: Any, multiples: list[float],
-              drain: float, path: Path, header: dict[str, Any], cases: list[dict[str, Any]],
-              bar: tqdm[Any], disk_dir: Path, device: str, left: Callable[[], float],
-              open_chat: Any) -> dict[str, Any]:
-    """Calibrate one case, then climb (or sweep) its rates for every configuration; the
-    case is appended to `cases` before its first run, so the file always holds it."""
+def _run_case(state: _Sweep, model: Any, model_name: str, history: int,
+              blocks: tuple[int, int, int], kv_token: int, disk: Any, open_chat: Any) -> None:
+    """Calibrate one case (or take a resumed case's first calibration), then search every
+    configuration's goodput at every seed; the case is in the results before its first
+    point, so the file always holds it."""
+    args = state.args
     say = tqdm.write
-    slo: float = args.slo_ttft_p99
     context = args.system_tokens + history
     tps = prefill_rate(model, args.block_size, CALIBRATION_CHUNK, context)
     case_args = argparse.Namespace(**{**vars(args),
                                       "users": users_for(args, history, kv_token)})
     base = chat_config(case_args, model.config.vocab_size, 1.0, history_tokens=history)
+    name = case_name(model_name, args.layers, history)
+    calibration = {"call": len(state.header["calls"]) - 1, "prefill_tok_per_s": tps,
+                   "disk_read_gb_per_s": disk.gb_per_s,
+                   "capacity_requests_per_s": recompute_capacity(base, tps)}
+    case = next((c for c in state.cases if c["case"] == name), None)
+    if case is not None:
+        case["calibrations"].append(calibration)
+        case["seeds"] = [args.seed + i for i in range(args.seeds)]  # --seeds may have grown
+        say(f"{name}: resumed; rates from the first call's calibration (recompute capacity "
+            f"{case['capacity_requests_per_s']:.2f} requests/s; this call's "
+            f"{calibration['capacity_requests_per_s']:.2f})")
+    else:
+        case = _new_case(args, name, model_name, history, base, tps, disk, blocks, kv_token,
+                         calibration)
+        state.cases.append(case)
+        say(f"{name}: prefill {tps:,.0f} tok/s at context {context} "
+            f"({case['recompute_us_per_token']:.1f} us/token vs disk read "
+            f"{case['read_us_per_token']:.1f}); recompute capacity "
+            f"{case['capacity_requests_per_s']:.2f} requests/s (full reuse "
+            f"{case['full_reuse_requests_per_s']:.2f}); {base.num_users} users, "
+            f"{case['warmup_requests']} warm-up requests; working set "
+            f"{case['working_set_gib']:.2f} GiB vs GPU+host "
+            f"{args.gpu_gib + args.host_gib:.2f} GiB"
+            + ("" if state.left() == math.inf
+               else f" ({state.left():.0f} s left before --deadline-s)"))
+    state.record()
+    for seed in case["seeds"]:
+        for key in args.configs:
+            _search(state, model, case, case_args, history, key, seed, blocks, open_chat)
+
+
+def _new_case(args: argparse.Namespace, name: str, model_name: str, history: int, base: Any,
+              tps: float, disk: Any, blocks: tuple[int, int, int], kv_token: int,
+              calibration: dict[str, Any]) -> dict[str, Any]:
     capacity = recompute_capacity(base, tps)
     prompt = mean_prompt_tokens(base)
     warmup = base.num_users if args.warmup_requests is None else int(args.warmup_requests)
-    working_set = base.num_users * user_kv_bytes(args, history, kv_token)
-    if args.rates_rps is not None:
-        multiples = [r / capacity for r in sorted(args.rates_rps)]
-    rates = [{"capacity_multiple": m, "requests_per_s": m * capacity,
-              "input_tok_per_s": m * capacity * prompt} for m in multiples]
-    case: dict[str, Any] = {
-        "case": case_name(model_name, args.layers, history), "model": model_name,
-        "layers": args.layers, "history_tokens": history,
-        "context_tokens": context, "users": base.num_users, "rounds": args.rounds,
-        "warmup_requests": warmup, "kv_bytes_per_token": kv_token,
+    multiples = (sorted(args.rates) if args.rates_rps is None
+                 else [r / capacity for r in sorted(args.rates_rps)])
+    return {
+        "case": name, "model": model_name, "layers": args.layers, "history_tokens": history,
+        "context_tokens": args.system_tokens + history, "users": base.num_users,
+        "rounds": args.rounds, "warmup_requests": warmup, "kv_bytes_per_token": kv_token,
         "block_size": args.block_size,
         "pool_blocks": {"gpu": blocks[0], "host": blocks[1], "disk": blocks[2]},
         "disk_tier_policies": {"prefetch_ahead": args.prefetch_ahead,
                                "reclaim_prefetched": args.reclaim_prefetched,
                                "cost_aware_onboarding": not args.no_cost_aware},
-        "working_set_gib": working_set / 2**30,
+        "working_set_gib": base.num_users * user_kv_bytes(args, history, kv_token) / 2**30,
         "disk_read_gb_per_s": disk.gb_per_s, "disk_read_direct": disk.direct,
-        "prefill_tok_per_s": tps,
-        "recompute_us_per_token": 1e6 / tps,
+        "prefill_tok_per_s": tps, "recompute_us_per_token": 1e6 / tps,
         "read_us_per_token": kv_token / (disk.gb_per_s * 1e9) * 1e6,
         "capacity_requests_per_s": capacity,
         "full_reuse_requests_per_s": full_reuse_capacity(base, tps),
-        "rates": rates,
+        "mean_prompt_tokens": prompt,
+        "calibrations": [calibration],
+        "rates": [{"capacity_multiple": m, "requests_per_s": m * capacity,
+                   "input_tok_per_s": m * capacity * prompt} for m in multiples],
+        "seeds": [args.seed + i for i in range(args.seeds)],
+        "search_start": args.start,
         "runs": {key: [] for key in args.configs},
-        "search_done": {key: False for key in args.configs},
     }
-    cases.append(case)
-    rps = [r["requests_per_s"] for r in rates]
-    # The guess behind the estimate: (d) and (e) at the full-reuse ceiling, the rest at the
-    # recompute one.
-    knees = {k: case["full_reuse_requests_per_s"] if k in "de" else capacity
-             for k in args.configs}
-    estimate = estimate_seconds(rps, knees, args, warmup, drain)
-    say(f"{case['case']}: prefill {tps:,.0f} tok/s at context {context} "
-        f"({case['recompute_us_per_token']:.1f} us/token vs disk read "
-        f"{case['read_us_per_token']:.1f}); recompute capacity {capacity:.2f} requests/s "
-        f"(full reuse {case['full_reuse_requests_per_s']:.2f}); {base.num_users} users, "
-        f"{warmup} warm-up requests; working set {case['working_set_gib']:.2f} GiB vs GPU+host "
-        f"{args.gpu_gib + args.host_gib:.2f} GiB; estimated {estimate:.0f} s"
-        + ("" if left() == math.inf else f" ({left():.0f} s left before --deadline-s)"))
 
-    def run_at(key: str, index: int) -> bool:
-        """Run configuration `key` at rate `index`; True when it missed the SLO."""
-        rate = rates[index]
-        rate_rps: float = rate["requests_per_s"]
-        requests = requests_for(rate_rps, args, warmup)
-        workload = open_chat(
-            chat_config(case_args, model.config.vocab_size, rate_rps, history_tokens=history),
-            num_requests=requests)
-        last = workload.arrival_times[-1]
-        budget = left()
-        if budget < min(run_seconds(rate_rps, requests, overloaded=False, drain=drain),
-                        last + drain + 1.0):
-            raise _Deadline(f"--deadline-s reached before {case['case']} ({key}) "
-                            f"x{rate['capacity_multiple']:g}")
-        bar.set_description(f"{case['case']} ({key}) x{rate['capacity_multiple']:g}")
-        inner = tqdm(total=requests, desc="requests", unit="req", leave=False,
-                     disable=bar.disable, position=1)
 
-        def tick(done: int, _total: int) -> None:
-            inner.update(done - inner.n)
+def _search(state: _Sweep, model: Any, case: dict[str, Any], case_args: argparse.Namespace,
+            history: int, key: str, seed: int, blocks: tuple[int, int, int],
+            open_chat: Any) -> None:
+    """Measure configuration `key` at seed `seed` until its search is complete."""
+    args = state.args
+    prepared: _Prepared | None = None
+    try:
+        while True:
+            w = search_state(case, key, seed, args.precision)
+            if w.next is None:
+                return
+            if args.points is not None and state.measured_here >= args.points:
+                raise _Deadline(f"--points {args.points} measured")
+            if prepared is None:
+                prepared = _prepare(state, model, case, case_args, history, key, seed,
+                                    blocks, open_chat)
+            _measure(state, model, case, case_args, history, key, seed, blocks, prepared,
+                     w.next, w.phase or "grid")
+    finally:
+        if prepared is not None and prepared.tier is not None:
+            shutil.rmtree(prepared.tier, ignore_errors=True)
 
+
+def _prepare(state: _Sweep, model: Any, case: dict[str, Any], case_args: argparse.Namespace,
+             history: int, key: str, seed: int, blocks: tuple[int, int, int],
+             open_chat: Any) -> _Prepared:
+    """Serve the cold start of `key`'s conversation at `seed` once (every pool user's
+    first round, all at once), keeping its disk tier."""
+    args = state.args
+    users: int = case["users"]
+    guess = 3 * users * case["mean_prompt_tokens"] / case["prefill_tok_per_s"] + 5
+    if state.left() < guess + state.setup_s:
+        raise _Deadline(f"--deadline-s reached before preparing {case['case']} ({key}) "
+                        f"seed {seed}")
+    config = chat_config(argparse.Namespace(**{**vars(case_args), "seed": seed}),
+                         model.config.vocab_size, PREPARE_RATE, history_tokens=history)
+    workload = open_chat(config, num_requests=users)
+    tier = None
+    if key in "de":
+        tier = state.disk_dir / f"prepared-{key}-s{seed}"
+        shutil.rmtree(tier, ignore_errors=True)
+        tier.mkdir(mode=0o700)
+    state.bar.set_description(f"{case['case']} ({key}) seed {seed}: prepare")
+    started = time.perf_counter()
+    run = run_config(model, key, workload, budgets_for(key, args, blocks),
+                     device=state.device, disk_dir=state.disk_dir, args=args,
+                     stop_at=max(1.0, state.left() - state.setup_s), tier_dir=tier)
+    seconds = time.perf_counter() - started
+    if run.unfinished or not workload.done():
+        if tier is not None:
+            shutil.rmtree(tier, ignore_errors=True)
+        raise _Deadline(f"--deadline-s reached while preparing {case['case']} ({key}) "
+                        f"seed {seed}")
+    tqdm.write(f"  ({key}) seed {seed}: prepared {users} first rounds in {seconds:.1f} s")
+    return _Prepared(workload=workload, tier=tier, seconds=seconds)
+
+
+def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argparse.Namespace,
+             history: int, key: str, seed: int, blocks: tuple[int, int, int],
+             prepared: _Prepared, multiple: float, phase: str) -> None:
+    """One point: `key` at seed `seed` and rate `multiple`, from the prepared state."""
+    args = state.args
+    slo: float = args.slo_ttft_p99
+    runs: list[dict[str, Any]] = case["runs"][key]
+    attempt = len(attempts_at(runs, seed, multiple)) + 1
+    rate_rps = multiple * case["capacity_requests_per_s"]
+    warmup: int = case["warmup_requests"]
+    measured = measured_requests_for(rate_rps, args, attempt)
+    workload = prepared.workload.continued(arrival_rate=rate_rps,
+                                           num_requests=warmup + measured)
+    last = workload.arrival_times[-1]
+    if state.left() < last + state.drain + state.setup_s:
+        raise _Deadline(f"--deadline-s reached before {case['case']} ({key}) seed {seed} "
+                        f"x{multiple:.4g}")
+    started = time.perf_counter()
+    tier = None
+    if prepared.tier is not None:
+        tier = state.disk_dir / f"run-{key}-s{seed}"
+        shutil.rmtree(tier, ignore_errors=True)
+        tier.mkdir(mode=0o700)
+        copy_tier(prepared.tier, tier)
+    copied = time.perf_counter() - started
+    label = f"{case['case']} ({key}) seed {seed} x{multiple:.4g}"
+    state.bar.set_description(label)
+    inner = tqdm(total=warmup + measured, desc="requests", unit="req", leave=False,
+                 disable=state.bar.disable, position=1)
+
+    def tick(done: int, _total: int) -> None:
+        inner.update(done - inner.n)
+
+    try:
         run = run_config(model, key, workload, budgets_for(key, args, blocks),
-                         device=device, disk_dir=disk_dir, args=args, progress=tick,
-                         stop_at=min(last + drain, budget - 1.0))
+                         device=state.device, disk_dir=state.disk_dir, args=args,
+                         progress=tick, stop_at=last + state.drain, tier_dir=tier)
+    finally:
         inner.close()
-        s: dict[str, Any] = steady_summary(run, workload.arrival_times, warmup)
-        s.update(rate_index=index, capacity_multiple=rate["capacity_multiple"],
-                 requests_per_s=rate_rps, users_started=workload.users_started,
-                 busy_skips=workload.busy_skips, joined_for_load=workload.joined_for_load)
-        runs = case["runs"][key]
-        runs.append(s)
-        runs.sort(key=lambda r: r["rate_index"])
-        bar.update()
-        miss = missed(_finite(s["ttft_p99_s"]), slo)
-        say(f"  x{rate['capacity_multiple']:<5g} ({key}) {NAMES[key]:<28} TTFT p50 "
-            f"{s['ttft_p50_s']:7.3f} s p99 {'>=' if s['ttft_p99_lower_bound'] else '  '}"
-            f"{s['ttft_p99_s']:7.3f} s{' MISS' if miss else '     '}  ITL p50 "
-            f"{s['itl_p50_s'] * 1e3:6.1f} ms  in {s['input_tok_per_s']:9,.0f} tok/s  "
-            f"{s['sustained_vs_offered']:.2f}x offered  out {s['output_tok_per_s']:7,.0f} "
-            f"tok/s  gpu/host/disk/computed {s['tokens_gpu']}/{s['tokens_host']}/"
-            f"{s['tokens_disk']}/{s['tokens_computed']}  {s['measured_requests']} measured "
-            f"[{s['seconds']:.1f} s]")
-        return miss
+        if tier is not None:
+            shutil.rmtree(tier, ignore_errors=True)
+    setup = time.perf_counter() - started - run.seconds
+    state.setup_s = max(state.setup_s, 1.5 * setup)
+    times = workload.arrival_times
+    s: dict[str, Any] = steady_summary(run, times, warmup)
+    s.update(p99_interval(window_ttfts(run, times[warmup])))
+    balance = warmup_balance(run, times, warmup)
+    arrived, finished = window_counts(run, times, warmup)
+    counts = (in_system(run, times, times[warmup]),
+              in_system(run, times, min(times[-1], run.seconds)))
+    s.update(
+        seed=seed, capacity_multiple=multiple, requests_per_s=rate_rps, attempt=attempt,
+        phase=phase,
+        verdict=verdict(_finite(s["ttft_p99_s"]), arrived, finished, slo, counts),
+        window_arrived=arrived, window_finished=finished,
+        warmup_balance=balance,
+        warmup_steady=balance is not None and SETTLED <= balance <= 1 / SETTLED,
+        in_system_at_window_start=counts[0], in_system_at_window_end=counts[1],
+        arrivals=arrivals_fingerprint(times), users_started=workload.users_started,
+        busy_skips=workload.busy_skips, joined_for_load=workload.joined_for_load,
+        restored_slots=(len(run.cache.recovery.slots)
+                        if run.cache.recovery is not None else None),
+        prepare_s=prepared.seconds, copy_s=copied, setup_s=setup)
+    runs.append(s)
+    runs.sort(key=lambda r: (r["seed"], r["capacity_multiple"], r["attempt"]))
+    state.measured_here += 1
+    state.header["calls"][-1]["measured"] = state.measured_here
+    state.bar.update()
+    state.record()
+    high = s["ttft_p99_ci_high_s"]
+    tqdm.write(
+        f"  x{multiple:<6.4g} ({key}) seed {seed}{' rerun' if attempt > 1 else ''} "
+        f"{s['verdict']:<9} TTFT p50 {s['ttft_p50_s']:7.3f} s p99 "
+        f"{'>=' if s['ttft_p99_lower_bound'] else '  '}{s['ttft_p99_s']:7.3f} s "
+        f"[{s['ttft_p99_ci_low_s'] or math.nan:.3f}, "
+        f"{'above max' if high is None else f'{high:.3f}'}]  "
+        f"{s['sustained_vs_offered']:.2f}x offered (warm-up "
+        f"{math.nan if balance is None else balance:.2f}x)  in "
+        f"{s['input_tok_per_s']:9,.0f} tok/s  gpu/host/disk/computed {s['tokens_gpu']}/"
+        f"{s['tokens_host']}/{s['tokens_disk']}/{s['tokens_computed']}  "
+        f"{s['measured_requests']} measured [{s['seconds']:.1f} s + {setup:.1f} s setup]")
+    if s.get("breakdown_requests"):
+        tqdm.write("    " + breakdown_line(s))
 
-    def record() -> None:
-        write_results(path, header, cases, slo)
 
-    if args.search == "grid":
-        for index in range(len(rates)):  # rates outer: a cut keeps every config compared
-            for key in args.configs:
-                run_at(key, index)
-                record()
-        for key in args.configs:
-            case["search_done"][key] = True
-    else:
-        for index in climb_order(len(rates)):
-            for key in args.configs:
-                if case["search_done"][key]:
-                    continue
-                tried = {r["rate_index"] for r in case["runs"][key]}
-                if run_at(key, index):
-                    if index > 0 and index - 1 not in tried:
-                        record()
-                        run_at(key, index - 1)  # the knee to one step of the grid
-                    case["search_done"][key] = True
-                elif index == len(rates) - 1:
-                    case["search_done"][key] = True
-                record()
-    return case
+def write_results(path: Path, header: dict[str, Any], cases: list[dict[str, Any]],
+                  args: argparse.Namespace) -> None:
+    for case in cases:
+        summarize_case(case, args.precision)
+    doc = {**header, "figures": figures(cases), "slo_ttft_p99_s": args.slo_ttft_p99,
+           "goodput_table": [
+               {"case": case["case"], "config": key, "seed": int(seed), **row}
+               for case in cases for key, by_seed in case["search"].items()
+               for seed, row in by_seed.items()],
+           "ratio_table": [
+               {"case": case["case"], "ratio": pair, **row}
+               for case in cases for pair, row in case["ratios"].items()],
+           "cases": cases}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_json_safe(doc), indent=2) + "\n")
+    tmp.replace(path)
 
 
 def goodput_text(case: dict[str, Any], slo: float) -> str:
     lines = [f"goodput, {case['case']} (TTFT p99 <= {slo:g} s; recompute capacity "
-             f"{case['capacity_requests_per_s']:.2f} requests/s):"]
+             f"{case['capacity_requests_per_s']:.2f} requests/s; seeds "
+             f"{','.join(str(s) for s in case['seeds'])}):"]
     for key in case["runs"]:
-        row = case.get("goodput", {}).get(key)
-        if row is None:
+        g = case.get("goodput", {}).get(key)
+        if g is None:
             lines.append(f"  ({key}) {NAMES[key]:<28} not measured: its search was cut short")
-        elif row["requests_per_s"] is None:
-            lines.append(f"  ({key}) {NAMES[key]:<28} none: the lowest rate missed the SLO")
+        elif g["median"] is None:
+            lines.append(f"  ({key}) {NAMES[key]:<28} none at some seed "
+                         f"({', '.join(g['statuses'])})")
         else:
-            at_least = "at least " if row["status"] == "every_rate" else ""
-            lines.append(f"  ({key}) {NAMES[key]:<28} {at_least}{row['requests_per_s']:.2f} "
-                         f"requests/s ({row['capacity_multiple']:g}x capacity, "
-                         f"{row['input_tok_per_s']:,.0f} input tok/s)")
+            at_least = "at least " if g["lower_bound"] else ""
+            lines.append(
+                f"  ({key}) {NAMES[key]:<28} {at_least}min/median/max {g['min']:.2f} / "
+                f"{g['median']:.2f} / {g['max']:.2f} requests/s "
+                f"(x{g['median'] / case['capacity_requests_per_s']:.3g} capacity; "
+                f"{', '.join(g['statuses'])})")
+    for pair, r in case.get("ratios", {}).items():
+        num, den = pair.split("_vs_")
+        lines.append(f"  ({num})/({den}) goodput {'>= ' if r['lower_bound'] else ''}"
+                     f"{r['value']:.2f}x (spread {r['min']:.2f}-{r['max']:.2f}x): "
+                     f"{r['claim']}")
     return "\n".join(lines)
 
 
@@ -626,11 +1220,25 @@ def plot(results: dict[str, Any], stem: Path) -> list[Path]:
     return written
 
 
+def final_points(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each rate's points over seeds, the last attempt of each seed, by rate key."""
+    last: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in runs:  # files of the sweep before seeds: one attempt at seed 0
+        k = (r.get("seed", 0), rate_key(r["capacity_multiple"]))
+        if k not in last or r.get("attempt", 1) > last[k].get("attempt", 1):
+            last[k] = r
+    by_rate: dict[str, list[dict[str, Any]]] = {}
+    for (_seed, rk), r in sorted(last.items(), key=lambda item: item[1]["requests_per_s"]):
+        by_rate.setdefault(rk, []).append(r)
+    return by_rate
+
+
 def draw_case(results: dict[str, Any], case: dict[str, Any], *, run: str) -> Any:
     """The figure of one case: TTFT p99 (log) and sustained input tokens/s (linear, from 0)
-    against offered requests/s (log, ticked at the sweep's rates).  Every line and marker
-    style has a legend entry; the title names the machine, the date, the commit and `run`
-    (the results file's name)."""
+    against offered requests/s (log, ticked at the sweep's grid), the median over seeds with
+    min-max bars, and each configuration's goodput spread over seeds as a bar on the SLO
+    line (its median starred).  Every line and marker style has a legend entry; the title
+    names the machine, the date, the commit and `run` (the results file's name)."""
     plt = pyplot()
     assert plt is not None
     from matplotlib.lines import Line2D
@@ -642,42 +1250,70 @@ def draw_case(results: dict[str, Any], case: dict[str, Any], *, run: str) -> Any
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 6))
     ran = [r["requests_per_s"] for runs in case["runs"].values() for r in runs or []]
     top = max(ran, default=max(r["requests_per_s"] for r in case["rates"]))
-    rates = [r for r in case["rates"] if r["requests_per_s"] <= top * (1 + 1e-9)]
-    any_bound = any_star = False
+    rates = [r for r in case["rates"] if r["requests_per_s"] <= top * (1 + 1e-9)] or \
+        case["rates"][:1]
+    any_bound = any_star = any_unsettled = False
+    seeds = len(case.get("seeds", [0]))
     for key in CONFIGS:
         runs = case["runs"].get(key) or []
         if not runs:
             continue
-        x = [r["requests_per_s"] for r in runs]
-        p99 = [math.nan if r["ttft_p99_s"] is None else r["ttft_p99_s"] for r in runs]
+        by_rate = final_points(runs)
+        x, mid, lo, hi, tmid, tlo, thi = [], [], [], [], [], [], []
+        for points in by_rate.values():
+            p99 = [math.nan if r["ttft_p99_s"] is None else r["ttft_p99_s"] for r in points]
+            tput = [r["input_tok_per_s"] or 0.0 for r in points]
+            x.append(points[0]["requests_per_s"])
+            mid.append(_median(p99))
+            lo.append(mid[-1] - min(p99))
+            hi.append(max(p99) - mid[-1])
+            tmid.append(_median(tput))
+            tlo.append(tmid[-1] - min(tput))
+            thi.append(max(tput) - tmid[-1])
         label = f"({key}) {NAMES[key]}"
-        (line,) = ax1.plot(x, p99, marker="o", label=label)
-        ax2.plot(x, [r["input_tok_per_s"] for r in runs], marker="o", label=label,
-                 color=line.get_color())
-        bounds = [i for i, r in enumerate(runs) if r.get("ttft_p99_lower_bound")]
+        bars = ax1.errorbar(x, mid, yerr=[lo, hi], marker="o", label=label)
+        color = bars.lines[0].get_color()
+        ax2.errorbar(x, tmid, yerr=[tlo, thi], marker="o", label=label, color=color)
+        finals = [r for points in by_rate.values() for r in points]
+        bounds = [r for r in finals if r.get("ttft_p99_lower_bound")]
         if bounds:  # a request had no first token when the run stopped: p99 at least
             any_bound = True
-            ax1.plot([x[i] for i in bounds], [p99[i] for i in bounds], linestyle="none",
-                     marker="^", markersize=10, markerfacecolor="none",
-                     color=line.get_color(), label="_bound")
-        row = case.get("goodput", {}).get(key)
-        at = row.get("run_index") if row else None
-        if at is not None:
+            ax1.plot([r["requests_per_s"] for r in bounds], [r["ttft_p99_s"] for r in bounds],
+                     linestyle="none", marker="^", markersize=10, markerfacecolor="none",
+                     color=color, label="_bound")
+        unsettled = [r for r in finals if r.get("verdict") == "unsettled"]
+        if unsettled:
+            any_unsettled = True
+            ax1.plot([r["requests_per_s"] for r in unsettled],
+                     [r["ttft_p99_s"] for r in unsettled], linestyle="none", marker="x",
+                     markersize=10, color=color, label="_unsettled")
+        g = case.get("goodput", {}).get(key)
+        if g is not None and g.get("median") is None and g.get("requests_per_s"):
+            g = {"median": g["requests_per_s"], "min": g["requests_per_s"],
+                 "max": g["requests_per_s"]}  # a file of the sweep before seeds
+        if g is not None and g.get("median") is not None:
             any_star = True
-            ax1.plot([x[at]], [p99[at]], marker="*", markersize=16, linestyle="none",
-                     color=line.get_color(), label="_goodput")
+            ax1.errorbar([g["median"]], [slo], xerr=[[g["median"] - g["min"]],
+                                                     [g["max"] - g["median"]]],
+                         marker="*", markersize=16, linestyle="none", color=color,
+                         label="_goodput")
     ax1.axhline(slo, color="black", linestyle=":", label=f"SLO: TTFT p99 {slo:g} s")
     ax2.plot([r["requests_per_s"] for r in rates], [r["input_tok_per_s"] for r in rates],
              color="black", linestyle="--", label="offered (sustained = offered)")
     handles, _ = ax1.get_legend_handles_labels()
     handles += [h for h in ax2.get_lines() if h.get_linestyle() == "--"]
+    handles.append(Line2D([], [], marker="o", linestyle="-", color="grey",
+                          label=f"median over {seeds} seed(s); bars: min-max"))
     if any_star:
         handles.append(Line2D([], [], marker="*", markersize=12, linestyle="none",
-                              color="grey", label="goodput (highest rate within the SLO)"))
+                              color="grey", label="goodput: median, bar min-max over seeds"))
     if any_bound:
         handles.append(Line2D([], [], marker="^", markersize=9, linestyle="none",
                               markerfacecolor="none", color="grey",
                               label="TTFT p99 a lower bound (requests unanswered at the stop)"))
+    if any_unsettled:
+        handles.append(Line2D([], [], marker="x", markersize=9, linestyle="none",
+                              color="grey", label="unsettled (not a miss)"))
     ax1.set_yscale("log")
     plain_log_axis(ax1.yaxis)
     ax1.set_ylabel("TTFT p99 (s, log scale)")

@@ -7,6 +7,7 @@ cache built from explicit budgets, and returns every request's result.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -19,6 +20,7 @@ import torch
 from io_actors.actors.scheduler import SystemStatistics
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
+from statekv.errors import UsageError
 from statekv.trace import TraceSink
 
 from .config import ModelConfig
@@ -75,6 +77,7 @@ def run_workload(
     progress: Callable[[int, int], None] | None = None,
     total: int | None = None,
     stop_at: float | None = None,
+    keep_disk_dir: bool = False,
 ) -> RunResult:
     """Serve every request of `workload`; closed-loop workloads get their answers back.
 
@@ -85,12 +88,18 @@ def run_workload(
     `reclaim_prefetched_first` is StateKVConfig's (which pages host pressure takes first).
     `stop_at` (seconds from the start): stop serving then, even with requests in flight or
     still to arrive; those that had arrived are returned as `unfinished`.
+    `keep_disk_dir`: `disk_dir` is the disk tier's own directory, restored at open where it
+    holds a persisted tier and left in place afterwards (else a fresh directory inside it,
+    removed after the run).
     """
     if disk_dir is not None:
         disk_dir.mkdir(parents=True, exist_ok=True)
     # A fresh directory per run, removed afterwards: slot files are preallocated, and runs
     # one after the other must not add up on the disk.
-    with tempfile.TemporaryDirectory(prefix="statekv-run-", dir=disk_dir) as tmp:
+    if keep_disk_dir and disk_dir is None:
+        raise UsageError("keep_disk_dir", "needs a disk_dir")
+    with (contextlib.nullcontext(str(disk_dir)) if keep_disk_dir
+          else tempfile.TemporaryDirectory(prefix="statekv-run-", dir=disk_dir)) as tmp:
         directory = Path(tmp)
         config = StateKVConfig(
             layout=model.config.kv_layout(), block_size=budgets.block_size,

@@ -24,6 +24,7 @@ never overlap and yet no arrival waits on the server; when no user is free, a ne
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import heapq
 import math
@@ -414,6 +415,35 @@ class OpenChatWorkload:
         """Users that joined because every user was waiting for an answer."""
         self.users_started = 0
         """Users that asked at least one round."""
+
+    def continued(self, *, arrival_rate: float, num_requests: int) -> OpenChatWorkload:
+        """A copy of this workload, with every request it issued answered, that offers
+        `num_requests` more arrivals at `arrival_rate` per second, timed from 0: the same
+        users, conversations and queue as now, so a server whose cache served this workload
+        (a disk tier persisted at its close, say) goes on from where it stopped.
+
+        The new arrival times are a seeded Poisson process of their own (the seed and the
+        requests issued before), the same draws at every rate, scaled; the counters start
+        from 0.
+        """
+        if self._in_flight:
+            raise UsageError("continued", f"{len(self._in_flight)} requests are unanswered")
+        if isinstance(num_requests, bool) or not isinstance(num_requests, int) \
+                or num_requests < 1:
+            raise ConfigError("num_requests", f"must be an integer >= 1, got {num_requests!r}")
+        config = attrs.evolve(self.config, arrival_rate=arrival_rate)
+        rng = _rng(config.seed, "open-arrivals-continued", self._next)
+        t = 0.0
+        times: list[float] = []
+        for _ in range(num_requests):
+            t += rng.expovariate(config.arrival_rate)
+            times.append(t)
+        other = copy.deepcopy(self)
+        other.config = config
+        other.arrival_times = tuple(times)
+        other._next = other._completed = 0
+        other.busy_skips = other.joined_for_load = other.users_started = 0
+        return other
 
     def _join(self, user: int, *, rounds: int | None = None) -> None:
         self._sessions[user] = ChatSession(self.config, user, self._system, rounds=rounds,

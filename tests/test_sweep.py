@@ -1,108 +1,254 @@
-"""The offered-load sweep (bench/sweep.py): goodput from hand-made tables, the CLI's errors,
-and one small sweep end to end on the CPU (tiny shapes, 2 rates, 2 configurations)."""
+"""The offered-load sweep (bench/sweep.py): p99's interval, verdicts, the search and the
+goodput claims from hand-made tables, the CLI's errors, and one small sweep end to end on the
+CPU (tiny shapes, 2 rates, 2 configurations, 2 seeds), cut short and resumed."""
 
 from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.sweep import Goodput, climb_order, figures, goodput, goodput_rows, main
+from bench.sweep import (
+    arrivals_fingerprint,
+    figures,
+    final_verdict,
+    main,
+    p99_interval,
+    quantile_ci_ranks,
+    ratio_row,
+    summarize_case,
+    verdict,
+    walk,
+)
 from statekv.errors import UsageError
 
-# ---------------------------------------------------------------------- goodput
+# ---------------------------------------------------------------------- p99's interval
 
 
-def test_goodput_is_the_rate_before_the_first_miss() -> None:
-    # The recovery at 8/s does not count: every lower rate must meet the SLO too.
-    assert goodput([1, 2, 4, 8], [0.5, 1.0, 3.0, 1.0], 2.0) == Goodput(
-        rate=2, index=1, status="below_next")
+def _below(n: int, k: int) -> Fraction:
+    """P(B < k), B ~ binomial(n, 0.99), exactly."""
+    p = Fraction(99, 100)
+    return sum((Fraction(math.comb(n, j)) * p**j * (1 - p) ** (n - j) for j in range(k)),
+               Fraction(0))
 
 
-def test_goodput_when_every_rate_meets_the_slo() -> None:
-    assert goodput([0.5, 1.0, 2.0], [0.1, 0.2, 2.0], 2.0) == Goodput(
-        rate=2.0, index=2, status="every_rate")
+@pytest.mark.parametrize("n", [50, 200, 368, 1000])
+def test_the_p99_interval_is_the_binomial_rule(n: int) -> None:
+    low, high = quantile_ci_ranks(n)
+    tail = Fraction(1, 40)
+    assert low is not None
+    # The largest rank whose order statistic lies below the p99 with >= 97.5%...
+    assert _below(n, low) <= tail < _below(n, low + 1)
+    # ... and the smallest above it with >= 97.5%, or none among n samples.
+    if high is None:
+        assert _below(n, n) < 1 - tail
+    else:
+        assert _below(n, high) >= 1 - tail > _below(n, high - 1)
 
 
-def test_goodput_when_the_slo_is_never_met() -> None:
-    assert goodput([0.5, 1.0], [2.5, 9.0], 2.0) == Goodput(
-        rate=None, index=None, status="never_met")
+def test_at_200_samples_the_p99_upper_end_lies_above_the_largest() -> None:
+    assert quantile_ci_ranks(200) == (195, None)
+    ttfts = [i / 100 for i in range(1, 201)]
+    assert p99_interval(ttfts) == {"ttft_p99_ci_low_s": 1.95, "ttft_p99_ci_high_s": None,
+                                   "ttft_p99_ci_ranks": [195, None]}
+    assert quantile_ci_ranks(1000) == (983, 997)
+    with pytest.raises(UsageError):
+        quantile_ci_ranks(0)
 
 
-def test_an_unmeasured_p99_is_a_miss() -> None:
-    assert goodput([1, 2, 3], [0.1, math.nan, 0.1], 1.0).rate == 1
-    assert goodput([1, 2, 3], [0.1, 0.2, None], 1.0) == Goodput(
-        rate=2, index=1, status="below_next")
+# ---------------------------------------------------------------------- verdicts
 
 
-@pytest.mark.parametrize(("rates", "p99", "slo", "field"), [
-    ([1, 2], [0.1, 0.1], 0.0, "slo"),
-    ([1, 2], [0.1, 0.1], -1.0, "slo"),
-    ([1, 2], [0.1, 0.1], math.inf, "slo"),
-    ([1, 2], [0.1], 1.0, "ttft_p99"),
-    ([], [], 1.0, "rates"),
-    ([2, 1], [0.1, 0.1], 1.0, "rates"),
-    ([1, 1], [0.1, 0.1], 1.0, "rates"),
+@pytest.mark.parametrize(("p99", "arrived", "finished", "expected"), [
+    (1.0, 200, 200, "met"),
+    (1.0, 200, 191, "met"),         # 0.955x sustained
+    (1.0, 200, 189, "unsettled"),   # met while falling behind
+    (3.0, 200, 120, "missed"),      # overload
+    (3.0, 200, 210, "missed"),      # 1.05x: no sign of a backlog draining
+    (3.0, 200, 244, "unsettled"),   # the 1.22x of a warm-up still draining
+    (None, 200, 0, "missed"),
+    (math.nan, 200, 0, "missed"),
+    (1.0, 7, 6, "met"),             # one request behind is no sign either way
+    (3.0, 7, 8, "missed"),
+    (1.0, 0, 0, "unsettled"),
 ])
-def test_goodput_rejects_bad_input(rates: list[float], p99: list[float], slo: float,
-                                   field: str) -> None:
+def test_verdicts(p99: float | None, arrived: int, finished: int, expected: str) -> None:
+    assert verdict(p99, arrived, finished, 2.0) == expected
+
+
+def test_a_short_window_allows_the_in_system_count_its_noise() -> None:
+    # 16 arrivals, 4 in the system at the end: 4 behind is within 1 + 2 x sqrt(4) = 5...
+    assert verdict(0.5, 16, 12, 2.0, (0, 4)) == "met"
+    assert verdict(0.5, 16, 10, 2.0, (0, 6)) == "unsettled"  # 6 > 1 + 2 x sqrt(6)
+    # ... while at 200 arrivals and ~9 in the system the 5% decides, as the rule says.
+    assert verdict(0.5, 200, 189, 2.0, (9, 9)) == "unsettled"
+    assert verdict(3.0, 200, 260, 2.0, (70, 10)) == "unsettled"  # a backlog draining
+
+
+# ---------------------------------------------------------------------- the search
+
+GRID = [0.5, 1.0, 2.0, 4.0]
+
+
+def _search(knee: float, grid: list[float] = GRID, precision: float = 0.1,
+            odd: dict[float, str] | None = None) -> tuple[list[float], Any]:
+    """Run the search against a server that meets the SLO up to `knee` (`odd` overrides a
+    rate's verdict); the rates it measured, in order, and its final state."""
+    seen: dict[str, str] = {}
+    order: list[float] = []
+    while True:
+        w = walk(grid, lambda m: seen.get(f"{m:.12g}"), precision)
+        if w.next is None:
+            return order, w
+        order.append(w.next)
+        seen[f"{w.next:.12g}"] = (odd or {}).get(w.next, "met" if w.next <= knee else "missed")
+
+
+@pytest.mark.parametrize(("knee", "grid_points"), [
+    (0.6, [1.0, 0.5]), (0.99, [1.0, 0.5]), (1.0, [1.0, 2.0]), (1.3, [1.0, 2.0]),
+    (2.7, [1.0, 2.0, 4.0]), (3.9, [1.0, 2.0, 4.0]),
+])
+def test_the_search_brackets_the_knee_within_the_precision(
+        knee: float, grid_points: list[float]) -> None:
+    order, w = _search(knee)
+    assert w.status == "below_next" and w.high_verdict == "missed"
+    assert w.low <= knee < w.high and w.high / w.low <= 1.1
+    assert len(order) == len(set(order))  # no rate twice
+    # From x1 along the grid to the first change, then 3 bisections of a factor-2 bracket.
+    assert order[:len(grid_points)] == grid_points and len(order) == len(grid_points) + 3
+
+
+def test_the_search_when_every_rate_or_none_is_met() -> None:
+    order, w = _search(10.0)
+    assert order == [1.0, 2.0, 4.0] and (w.status, w.low, w.high) == ("every_rate", 4.0, None)
+    order, w = _search(0.1)
+    assert order == [1.0, 0.5] and (w.status, w.low, w.high) == ("never_met", None, 0.5)
+    # The start is the grid rate nearest --start on a log scale.
+    assert walk(GRID, lambda m: None, 0.1, start=1.6).next == 2.0
+    assert walk(GRID, lambda m: None, 0.1, start=0.1).next == 0.5
+
+
+def test_an_unsettled_rate_ends_the_claim_without_counting_as_a_miss() -> None:
+    _order, w = _search(10.0, odd={2.0: "unsettled"})
+    assert w.status == "below_unsettled" and w.high_verdict == "unsettled"
+    assert w.low >= 1.0 and w.high / w.low <= 1.1
+
+
+def test_a_replayed_search_takes_the_same_path() -> None:
+    order, _ = _search(1.3)
+    # Cut after any number of points: the verdicts recorded so far give the next rate.
+    for cut in range(len(order)):
+        seen = {f"{m:.12g}": "met" if m <= 1.3 else "missed" for m in order[:cut]}
+
+        def recorded(m: float, seen: dict[str, str] = seen) -> str | None:
+            return seen.get(f"{m:.12g}")
+
+        assert walk(GRID, recorded, 0.1).next == order[cut]
+
+
+def test_an_unsettled_point_is_measured_once_more() -> None:
+    runs = [{"seed": 0, "capacity_multiple": 1.0, "attempt": 1, "verdict": "unsettled"}]
+    assert final_verdict(runs, 0, 1.0) is None  # to be rerun
+    assert final_verdict(runs, 1, 1.0) is None  # another seed: not measured
+    runs.append({"seed": 0, "capacity_multiple": 1.0, "attempt": 2, "verdict": "met"})
+    assert final_verdict(runs, 0, 1.0) == "met"
+    runs[1]["verdict"] = "unsettled"
+    assert final_verdict(runs, 0, 1.0) == "unsettled"  # twice: it stays so
+
+
+def test_the_search_rejects_bad_input() -> None:
     with pytest.raises(UsageError) as err:
-        goodput(rates, p99, slo)
-    assert err.value.field == field
+        walk([2.0, 1.0], lambda m: None, 0.1)
+    assert err.value.field == "rates"
+    with pytest.raises(UsageError) as err:
+        walk([1.0], lambda m: None, 0.0)
+    assert err.value.field == "precision"
 
 
-def _case(p99: dict[str, list[float]], done: str = "abcde") -> dict[str, Any]:
-    rates = [0.5, 1.0, 2.0]
+# ---------------------------------------------------------------------- goodput over seeds
+
+
+def _row(goodput: float | None, high: float | None, status: str = "below_next"
+         ) -> dict[str, Any]:
+    return {"goodput_requests_per_s": goodput, "bracket_high_requests_per_s": high,
+            "status": status}
+
+
+def test_a_ratio_is_claimed_only_beyond_the_spread() -> None:
+    c = [_row(10.0, 10.9), _row(11.0, 12.0), _row(10.5, 11.5)]
+    d = [_row(15.0, 16.0), _row(16.0, 17.0), _row(14.0, 15.0)]
+    r = ratio_row(d, c)
+    assert r is not None and r["claim"] == "above, beyond the spread"
+    assert r["value"] == pytest.approx(15.0 / 10.5)
+    assert (r["min"], r["max"]) == pytest.approx((14.0 / 11.0, 16.0 / 10.0))
+    # One seed's (d) inside (c)'s brackets: within spread, whatever the medians say.
+    d[2] = _row(11.5, 12.5)
+    r = ratio_row(d, c)
+    assert r is not None and r["claim"] == "within spread" and r["value"] > 1.3
+    assert ratio_row(c, d)["claim"] == "within spread"  # type: ignore[index]
+    low = [_row(5.0, 5.4), _row(5.2, 5.6)]
+    assert ratio_row(low, c)["claim"] == "below, beyond the spread"  # type: ignore[index]
+    # No ratio without every seed's goodput, or with a denominator that met every rate.
+    assert ratio_row(d, [*c, _row(None, 0.5, "never_met")]) is None
+    assert ratio_row(d, [*c, _row(40.0, None, "every_rate")]) is None
+    top = ratio_row([*d, _row(40.0, None, "every_rate")], c)
+    assert top is not None and top["lower_bound"]
+
+
+def _case(points: dict[str, list[tuple[int, float, str]]]) -> dict[str, Any]:
+    """A case whose runs are (seed, multiple, verdict) points, capacity 10 requests/s."""
     return {
-        "case": "x", "capacity_requests_per_s": 10.0,
-        "runs": {k: [{"ttft_p99_s": v, "capacity_multiple": m, "requests_per_s": 10 * m,
-                      "input_tok_per_s": 1000 * m} for m, v in zip(rates, vs, strict=False)]
-                 for k, vs in p99.items()},
-        "search_done": {k: k in done for k in p99},
+        "case": "x", "capacity_requests_per_s": 10.0, "mean_prompt_tokens": 100.0,
+        "rates": [{"capacity_multiple": m} for m in GRID], "seeds": [0, 1],
+        "runs": {k: [{"seed": s, "capacity_multiple": m, "attempt": 1, "verdict": v}
+                     for s, m, v in pts] for k, pts in points.items()},
         "disk_read_gb_per_s": 2.0, "prefill_tok_per_s": 5e4,
     }
 
 
-def test_goodput_table_and_figures() -> None:
-    case = _case({"a": [3.0, 4.0, 5.0], "c": [0.5, 3.0, 4.0], "d": [0.5, 1.0, 2.5],
-                  "e": [0.5, 1.0, 1.5]})
-    case["goodput"] = goodput_rows(case, 2.0)
-    assert case["goodput"]["a"]["status"] == "never_met"
-    assert case["goodput"]["a"]["requests_per_s"] is None
-    assert case["goodput"]["c"] == {"status": "below_next", "run_index": 0,
-                                    "requests_per_s": 5.0, "input_tok_per_s": 500.0,
-                                    "capacity_multiple": 0.5}
-    assert case["goodput"]["d"]["requests_per_s"] == 10.0
-    assert case["goodput"]["e"]["status"] == "every_rate"
+def _climb(seed: int, knee: float) -> list[tuple[int, float, str]]:
+    order, _ = _search(knee)
+    return [(seed, m, "met" if m <= knee else "missed") for m in order]
+
+
+def test_goodput_spread_table_and_figures() -> None:
+    case = _case({"c": _climb(0, 1.0) + _climb(1, 1.05),
+                  "d": _climb(0, 2.1) + _climb(1, 2.5),
+                  "e": _climb(0, 1.0)})  # seed 1 not measured: cut short
+    summarize_case(case, 0.1)
+    assert set(case["goodput"]) == {"c", "d"}  # (e)'s search is incomplete
+    c = case["goodput"]["c"]
+    assert c["seeds"] == 2 and c["statuses"] == ["below_next", "below_next"]
+    assert 10.0 <= c["min"] <= c["median"] <= c["max"] <= 11.0
+    assert case["search"]["e"]["1"]["done"] is False
+    ratio = case["ratios"]["d_vs_c"]
+    assert ratio["claim"] == "above, beyond the spread" and ratio["value"] > 1.9
     figs = figures([case])
-    assert "x_goodput_a" not in figs  # never met: absent, not zero
-    assert figs["x_goodput_d"]["ratio"] == 1.0
-    assert figs["x_goodput_d"]["lower_bound"] is False
-    assert figs["x_goodput_e"]["lower_bound"] is True
-    assert figs["x_goodput_d_vs_c"]["value"] == 2.0
-    assert figs["x_goodput_e_vs_d"] == {"value": 2.0, "unit": "x", "ratio": 2.0,
-                                        "lower_bound": True}
+    d = figs["x_goodput_d"]
+    assert d["min"] <= d["value"] <= d["max"]
+    assert figs["x_goodput_d"]["ratio"] == pytest.approx(figs["x_goodput_d"]["value"] / 10,
+                                                         abs=1e-3)
+    assert figs["x_goodput_d_vs_c"]["claim"] == "above, beyond the spread"
+    assert "x_goodput_e" not in figs and "x_goodput_e_vs_d" not in figs
     assert figs["x_disk_read_raw"]["unit"] == "GB/s"
 
 
-def test_no_goodput_ratio_without_the_denominators_knee() -> None:
-    case = _case({"c": [0.5, 1.0, 1.5], "d": [0.5, 1.0, 1.5]})
-    case["goodput"] = goodput_rows(case, 2.0)
-    assert "x_goodput_d_vs_c" not in figures([case])
+def test_a_configuration_never_met_at_one_seed_has_no_figure() -> None:
+    case = _case({"c": _climb(0, 1.0) + _climb(1, 0.1)})
+    summarize_case(case, 0.1)
+    assert case["goodput"]["c"]["median"] is None
+    assert "x_goodput_c" not in figures([case])  # absent, not zero
 
 
-def test_a_configuration_cut_short_has_no_goodput() -> None:
-    case = _case({"c": [0.5, 1.0, 1.5], "d": [0.5]}, done="c")
-    assert set(goodput_rows(case, 2.0)) == {"c"}
-
-
-def test_the_climb_tries_every_other_rate_and_the_highest() -> None:
-    assert climb_order(1) == [0]
-    assert climb_order(5) == [0, 2, 4]
-    assert climb_order(6) == [0, 2, 4, 5]
+def test_the_arrivals_fingerprint_names_the_schedule() -> None:
+    a = arrivals_fingerprint([0.5, 1.0, 1.5])
+    assert a == arrivals_fingerprint([0.5, 1.0, 1.5])
+    assert a["sha256"] != arrivals_fingerprint([0.5, 1.0, 1.6])["sha256"]
+    assert (a["count"], a["first_s"], a["last_s"]) == (3, 0.5, 1.5)
 
 
 # ---------------------------------------------------------------------- the CLI
@@ -127,12 +273,16 @@ def test_the_climb_tries_every_other_rate_and_the_highest() -> None:
     (["--tag", "a/b"], "--tag"),
     (["--pressure", "0"], "--pressure"),
     (["--duration-s", "0"], "--duration-s"),
-    (["--min-requests", "0"], "--min-requests"),
+    (["--min-requests", "1"], "--min-requests"),
     (["--max-requests", "x"], "--max-requests"),
     (["--warmup-requests", "-1"], "--warmup-requests"),
     (["--drain-s", "nan"], "--drain-s"),
     (["--deadline-s", "-5"], "--deadline-s"),
-    (["--search", "bisect"], "--search"),
+    (["--seeds", "0"], "--seeds"),
+    (["--seeds", "two"], "--seeds"),
+    (["--precision", "0"], "--precision"),
+    (["--start", "0"], "--start"),
+    (["--points", "0"], "--points"),
     (["--rates-rps", "1,-1"], "--rates-rps"),
 ])
 def test_bad_flags_get_one_line_naming_the_flag(
@@ -183,21 +333,24 @@ def test_a_drain_within_the_slo_is_one_line(tmp_path: Path,
 # ---------------------------------------------------------------------- end to end
 
 # Rates in requests/s (the calibrated capacity of a tiny model on a loaded CPU swings 2x
-# from run to run, and the loop runs far below it anyway, bound by per-step overheads): 2/s
-# is light load (each request a few ms of work) and 3000/s is far past what the loop serves
-# (40/s on a loaded 2-core machine, about 150/s on an idle one).  The overload run offers
-# 3000 requests within about a second and stops 1 s (the drain) after its last arrival: they
-# cannot all get a first token in that time unless the loop served over 1,500 requests/s, so
-# its p99 is above the 0.5 s SLO, while the light run's requests take milliseconds.  Both
-# outcomes rest on orders of magnitude, not on timing.
+# from run to run, and the loop runs far below it anyway, bound by per-step overheads): 4/s
+# is light load (each request a few ms of work, a tenth of what the loop serves loaded) and
+# 3000/s is far past what the loop serves (40/s on a loaded 2-core machine, about 150/s on
+# an idle one).  The overload run offers 3000 measured requests within about a second and
+# stops 4 s (the drain) after its last arrival: they cannot all get a first token within
+# the 2 s SLO unless the loop served about 1,000 requests/s, while the light run's requests
+# take milliseconds (tenths of a second on a machine loaded with other work).  Both
+# outcomes rest on orders of magnitude, not on timing.  --precision 2000 leaves the bracket
+# [4, 3000) as it is: no bisection (the search's tests above bisect).
 TINY = [
-    "--models", "tiny", "--layers", "2", "--histories", "48", "--rates-rps", "3000,2",
+    "--models", "tiny", "--layers", "2", "--histories", "48", "--rates-rps", "3000,4",
     "--configs", "dc", "--users", "4", "--rounds", "2", "--system-tokens", "16",
     "--question-tokens", "8", "--answer-tokens", "4", "--block-size", "4",
     "--gpu-gib", "0.00005", "--host-gib", "0.00003", "--disk-gib", "0.001",
     "--readers", "2", "--writers", "2", "--disk-probe-mib", "1", "--device", "cpu",
-    "--machine", "cpu", "--progress", "never", "--slo-ttft-p99", "0.5", "--drain-s", "1",
-    "--duration-s", "4", "--min-requests", "16", "--max-requests", "3000",
+    "--machine", "cpu", "--progress", "never", "--slo-ttft-p99", "2", "--drain-s", "4",
+    "--duration-s", "1", "--min-requests", "8", "--max-requests", "3000",
+    "--precision", "2000", "--seeds", "2",
 ]
 RUN_KEYS = {
     "ttft_p50_s", "ttft_p99_s", "ttft_p99_lower_bound", "itl_p50_s", "input_tok_per_s",
@@ -205,40 +358,66 @@ RUN_KEYS = {
     "sustained_requests_per_s", "arrived_requests_per_s", "window_s", "tokens_gpu",
     "tokens_host", "tokens_disk", "tokens_computed", "requests", "warmup_requests",
     "measured_requests", "unfinished", "no_first_token", "seconds", "io_errors",
-    "rate_index", "capacity_multiple", "requests_per_s", "users_started", "busy_skips",
-    "joined_for_load",
+    "capacity_multiple", "requests_per_s", "users_started", "busy_skips",
+    "joined_for_load", "seed", "attempt", "phase", "verdict", "ttft_p99_ci_low_s",
+    "ttft_p99_ci_high_s", "ttft_p99_ci_ranks", "warmup_balance", "warmup_steady",
+    "window_arrived", "window_finished", "arrivals", "restored_slots",
+    "in_system_at_window_start", "in_system_at_window_end",
 }
 
 
-def test_a_small_sweep_end_to_end(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    assert main([*TINY, "--out", str(out), "--dir", str(tmp_path / "disk")]) == 0
+def _expected_arrivals(seed: int, rate: float, count: int) -> dict[str, Any]:
+    """The schedule a point at `rate` gets after its seed's prepare pass, built here from
+    the workload alone (arrivals do not depend on the answers)."""
+    from models.workloads import ChatWorkloadConfig, OpenChatWorkload
+
+    config = ChatWorkloadConfig(num_users=4, num_rounds=2, system_prompt_tokens=16,
+                                user_history_tokens=48, question_tokens=8, answer_tokens=4,
+                                arrival_rate=1e6, vocab_size=512, seed=seed)
+    prepared = OpenChatWorkload(config, num_requests=4)
+    for r in prepared.poll(1.0):
+        prepared.complete(r.request_id, [1], now=1.0)
+    times = prepared.continued(arrival_rate=rate, num_requests=count).arrival_times
+    return arrivals_fingerprint(times)
+
+
+def test_a_small_sweep_cut_short_and_resumed(tmp_path: Path) -> None:
+    out, disk = tmp_path / "results", tmp_path / "disk"
+    argv = [*TINY, "--out", str(out), "--dir", str(disk)]
+    # The first call, of one seed, stops after 3 points, as a deadline would; the file says
+    # so.  The second resumes it with a second seed: every search gains it.
+    assert main([*argv, "--seeds", "1", "--points", "3"]) == 0
     (path,) = out.glob("sweep-cpu-*.json")
+    first = json.loads(path.read_text())
+    assert "--points 3" in first["cut_short"] and first["cases"][0]["seeds"] == [0]
+    before = [r for runs in first["cases"][0]["runs"].values() for r in runs]
+    assert len(before) == 3
+    assert main([*argv, "--resume", str(path)]) == 0
+    assert list(out.glob("sweep-cpu-*.json")) == [path]  # extended in place
     results = json.loads(path.read_text())
     for key in ("bench", "machine", "date", "commit", "command", "figures", "cases",
-                "goodput_table", "slo_ttft_p99_s", "method"):
+                "goodput_table", "ratio_table", "slo_ttft_p99_s", "method", "signature",
+                "calls"):
         assert key in results, key
-    assert results["bench"] == "sweep" and results["machine"] == "cpu"
-    assert results["slo_ttft_p99_s"] == 0.5 and results["cut_short"] is None
+    assert results["cut_short"] is None and len(results["calls"]) == 2
+    assert results["calls"][0]["measured"] == 3
     (case,) = results["cases"]
-    assert case["case"] == "tiny-x2-h48"
-    assert case["disk_read_gb_per_s"] > 0 and case["prefill_tok_per_s"] > 0
-    assert results["figures"]["tiny-x2-h48_disk_read_raw"]["value"] > 0
-    assert results["figures"]["tiny-x2-h48_prefill_rate"]["value"] > 0
-    # Rates sorted ascending, in requests/s and input tokens/s, from the same capacity.
-    assert [r["requests_per_s"] for r in case["rates"]] == pytest.approx([2, 3000])
-    for r in case["rates"]:
-        assert r["requests_per_s"] == pytest.approx(r["capacity_multiple"]
-                                                    * case["capacity_requests_per_s"])
-    assert case["warmup_requests"] == 4  # one per pool user
-    assert set(case["runs"]) == {"c", "d"}
+    assert case["case"] == "tiny-x2-h48" and case["seeds"] == [0, 1]
+    assert len(case["calibrations"]) == 2  # each call's, the first one's used
+    assert case["capacity_requests_per_s"] == \
+        case["calibrations"][0]["capacity_requests_per_s"]
+    assert [r["requests_per_s"] for r in case["rates"]] == pytest.approx([4, 3000])
+    points = [r for runs in case["runs"].values() for r in runs]
+    # Every point of the first call read back as it was, none measured twice.
+    assert all(p in points for p in before)
+    ids = [(k, r["seed"], r["capacity_multiple"], r["attempt"])
+           for k, runs in case["runs"].items() for r in runs]
+    assert len(ids) == len(set(ids)) == sum(c["measured"] for c in results["calls"])
+    assert sum(1 for r in points if r["attempt"] == 1) == 8  # 2 configs x 2 seeds x 2 rates
     for key, runs in case["runs"].items():
-        assert [r["rate_index"] for r in runs] == [0, 1]
-        light, heavy = runs
         for run in runs:
             assert set(run) >= RUN_KEYS, RUN_KEYS - set(run)
             assert run["io_errors"] == 0 and run["warmup_requests"] == 4
-            assert run["ttft_p99_s"] >= run["ttft_p50_s"] > 0
             # The TTFT breakdown of the measured requests that got a first token.
             assert run["breakdown_requests"] == run["measured_requests"] - run[
                 "no_first_token"]
@@ -247,28 +426,35 @@ def test_a_small_sweep_end_to_end(tmp_path: Path) -> None:
                     run["breakdown_ttft_s_mean"], abs=1e-9)
             if key == "c" and run["breakdown_requests"]:  # no disk: nothing to park on
                 assert run["breakdown_parked_s_mean"] == run["breakdown_prefetch_s_mean"] == 0
-        # Light load: every request served, and the window sustains what was offered.
-        assert light["requests"] == 16  # --min-requests: 2/s x 4 s is fewer
-        assert light["unfinished"] == 0 and light["busy_skips"] == 0
-        assert light["measured_requests"] == light["requests"] - 4
-        assert light["breakdown_requests"] == light["measured_requests"]
-        assert 0.8 <= light["sustained_vs_offered"] <= 1.2, light
-        assert light["ttft_p99_s"] <= 0.5
-        # Overload: it fell behind; requests cut off by the drain make p99 a lower bound.
-        assert heavy["requests"] == 3000 and heavy["unfinished"] > 0
-        assert heavy["sustained_vs_offered"] < 0.5
-        assert heavy["ttft_p99_s"] > 0.5 and heavy["ttft_p99_lower_bound"]
-        assert heavy["joined_for_load"] > 0  # every user busy: new users joined
-        # The knee lies inside the sweep: goodput is the light rate.
-        row = case["goodput"][key]
-        assert row["status"] == "below_next" and row["run_index"] == 0
-        assert row["requests_per_s"] == pytest.approx(case["rates"][0]["requests_per_s"])
-        expected = goodput([r["requests_per_s"] for r in runs],
-                           [r["ttft_p99_s"] for r in runs], 0.5)
-        assert (row["status"], row["run_index"]) == (expected.status, expected.index)
-    assert case["runs"]["c"][0]["tokens_disk"] == 0  # (c) has no disk tier
-    assert {(row["case"], row["config"]) for row in results["goodput_table"]} == {
-        ("tiny-x2-h48", "c"), ("tiny-x2-h48", "d")}
+            # Same seed and rate, same arrivals, in either call.
+            assert run["arrivals"] == _expected_arrivals(
+                run["seed"], run["requests_per_s"], run["requests"])
+        light = [r for r in runs if r["requests_per_s"] < 10]
+        heavy = [r for r in runs if r["requests_per_s"] > 10]
+        assert {r["seed"] for r in light} == {r["seed"] for r in heavy} == {0, 1}
+        for r in light:  # light load: served, and the window sustains what was offered
+            assert r["verdict"] == "met", r
+            assert r["measured_requests"] == 8 * r["attempt"] and r["unfinished"] == 0
+            assert r["ttft_p99_s"] <= 2.0
+        for r in heavy:  # overload: fell behind, cut off by the drain
+            assert r["verdict"] == "missed" and r["ttft_p99_lower_bound"]
+            assert r["requests"] == 3004 and r["unfinished"] > 0
+            assert r["sustained_vs_offered"] < 0.5 and r["joined_for_load"] > 0
+        for row in case["search"][key].values():
+            assert row["done"] and row["status"] == "below_next"
+            assert row["goodput_requests_per_s"] == pytest.approx(4)
+            assert row["bracket_high_requests_per_s"] == pytest.approx(3000)
+        g = case["goodput"][key]
+        assert (g["min"], g["median"], g["max"]) == pytest.approx((4, 4, 4))
+    # (d) starts every point from its prepared disk tier, restored at open; (c) has none.
+    assert all(r["restored_slots"] > 0 for r in case["runs"]["d"])
+    assert all(r["restored_slots"] is None and r["tokens_disk"] == 0
+               for r in case["runs"]["c"])
+    assert case["ratios"]["d_vs_c"]["claim"] == "within spread"
+    assert results["figures"]["tiny-x2-h48_goodput_d_vs_c"]["value"] == pytest.approx(1.0)
+    assert {(row["config"], row["seed"]) for row in results["goodput_table"]} == {
+        ("c", 0), ("c", 1), ("d", 0), ("d", 1)}
+    assert not list(disk.glob("prepared-*")) and not list(disk.glob("run-*"))
     # The plot, drawn with the results and again from the file alone.
     png = out / f"{path.stem}-tiny-x2-h48.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -277,13 +463,65 @@ def test_a_small_sweep_end_to_end(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000
 
 
+def test_a_resume_of_another_sweep_is_one_line(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "r.json"
+    argv = [*TINY, "--out", str(tmp_path), "--dir", str(tmp_path), "--resume", str(path)]
+    for content, words in ((None, "cannot read"), ("{not", "not JSON"),
+                           ('{"bench": "e2e", "cases": []}', "not a results file")):
+        if content is not None:
+            path.write_text(content)
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+        assert "--resume" in err and words in err, err
+    # A file of the same sweep but another --configs and --min-requests: the first named.
+    from bench.sweep import build_parser, signature
+
+    other = build_parser().parse_args([*TINY, "--configs", "c", "--min-requests", "9"])
+    path.write_text(json.dumps({"bench": "sweep", "cases": [], "signature": signature(other)}))
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--resume" in err and "--min-requests 9, not 8" in err, err
+    # Fewer seeds than the file has: one line naming --seeds (more would extend it).
+    path.write_text(json.dumps({"bench": "sweep", "cases": [],
+                                "signature": signature(build_parser().parse_args(
+                                    [*TINY, "--seeds", "3"]))}))
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--seeds" in err and "at least" in err, err
+
+
+def test_a_disk_tier_smaller_than_the_working_set_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*TINY, "--disk-gib", "0.00001", "--out", str(tmp_path), "--dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and "--disk-gib" in err, err
+
+
 def test_a_deadline_stops_cleanly_and_keeps_what_was_measured(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    argv = [*TINY, "--configs", "c", "--rates-rps", "2", "--deadline-s", "1",
-            "--out", str(out), "--dir", str(tmp_path / "disk")]
-    assert main(argv) == 0
+    base = [*TINY, "--configs", "c", "--seeds", "1", "--out", str(out),
+            "--dir", str(tmp_path / "disk")]
+    assert main([*base, "--deadline-s", "1"]) == 0
     (path,) = out.glob("sweep-cpu-*.json")
     results = json.loads(path.read_text())
     assert "--deadline-s" in results["cut_short"]
     (case,) = results["cases"]
-    assert case["runs"]["c"] == [] and results["goodput_table"] == []
+    assert case["runs"]["c"] == [] and case["goodput"] == {}
+    assert results["goodput_table"][0]["done"] is False
+    # The file a deadline left resumes cleanly (without the deadline) to a finished search.
+    assert main([*base, "--resume", str(path)]) == 0
+    results = json.loads(path.read_text())
+    (case,) = results["cases"]
+    assert results["cut_short"] is None and case["search"]["c"]["0"]["done"]
+    assert [r["requests_per_s"] for r in case["runs"]["c"]] in (
+        pytest.approx([4, 3000]), pytest.approx([4, 4, 3000]))  # a rerun of an unsettled 4/s

@@ -291,3 +291,43 @@ def test_open_chat_arrivals_do_not_wait_on_answers() -> None:
     assert len({r.user for r in got_slow}) == 12 and slow.joined_for_load == 12 - 4
     with pytest.raises(ConfigError):
         OpenChatWorkload(cfg, num_requests=0)
+
+
+def test_a_continued_open_chat_goes_on_with_the_same_conversations() -> None:
+    from models.workloads import OpenChatWorkload
+
+    cfg = chat_config(num_users=3, num_rounds=3)
+    first = OpenChatWorkload(cfg, num_requests=3)
+    issued = []
+    for t in first.arrival_times:
+        for r in first.poll(t):
+            issued.append(r)
+            first.complete(r.request_id, [5, 6], now=t)
+    assert first.done()
+    slow, fast = (first.continued(arrival_rate=rate, num_requests=6) for rate in (1.0, 4.0))
+    # The same draws at every rate, scaled, timed from 0; the original is untouched.
+    assert fast.arrival_times == pytest.approx([t / 4 for t in slow.arrival_times])
+    assert first.done() and first.total_requests == 3 and slow.total_requests == 6
+    got = []
+    for t in slow.arrival_times:
+        for r in slow.poll(t):
+            got.append(r)
+            slow.complete(r.request_id, [7], now=t)
+    assert slow.done() and slow.busy_skips == 0
+    # The users' next rounds, their prompts extending what they asked and were answered.
+    assert [(r.user, r.round) for r in got[:2]] == [(0, 1), (1, 1)]
+    assert got[0].prompt[:len(issued[0].prompt) + 2] == (*issued[0].prompt, 5, 6)
+    # Another seed, another schedule; unanswered requests cannot be continued.
+    other = OpenChatWorkload(chat_config(num_users=3, num_rounds=3, seed=9), num_requests=3)
+    for t in other.arrival_times:
+        for r in other.poll(t):
+            other.complete(r.request_id, [5], now=t)
+    assert other.continued(arrival_rate=1.0, num_requests=6).arrival_times != \
+        slow.arrival_times
+    pending = OpenChatWorkload(cfg, num_requests=3)
+    pending.poll(pending.arrival_times[0])
+    with pytest.raises(UsageError) as info:
+        pending.continued(arrival_rate=1.0, num_requests=2)
+    assert info.value.field == "continued"
+    with pytest.raises(ConfigError):
+        first.continued(arrival_rate=1.0, num_requests=0)
