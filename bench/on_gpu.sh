@@ -18,6 +18,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/statekv-gpu-out}
 mkdir -p "$OUT"
+touch "$OUT/.started"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "${SITE:=/tmp/site}" .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
@@ -42,7 +43,7 @@ for step in "$@"; do
         tests/test_disk_dir_ownership.py tests/test_vllm_layouts.py \
         tests/test_connector_machine.py tests/test_slot_format.py \
         tests/test_slot_format_upgrade.py tests/test_write_through.py \
-        tests/test_close_flush.py ;;
+        tests/test_close_flush.py tests/test_host_copies.py tests/test_copy_order.py ;;
     # copies: the copy engine's scattered-page kernel and per-page compute waits: which copy
     # path the engine takes here (and why not the kernel, if not), the GPU tests of both,
     # then the io figures at 256 KiB (with the spill profile) and at 2 MiB (with the
@@ -59,7 +60,7 @@ print("COPY PATH:", stats.copy_path, "" if stats.kernel_refused is None
         STATEKV_TEST_DEVICE=cuda run copies-tests ${TESTS_S:-150} python3 -m pytest -q \
             -p no:cacheprovider --timeout 60 --durations 5 tests/test_copy_order.py \
             tests/test_memory.py tests/test_batched_io.py tests/test_io_actors.py \
-            tests/test_write_through.py tests/test_close_flush.py
+            tests/test_write_through.py tests/test_close_flush.py tests/test_host_copies.py
         run copies-io-small ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 0.25 \
             --threads 4 --blocks 2048 --dir "$DISK" --skip-latency --profile --write \
             --tag copies-256k ${IO_ARGS:-}
@@ -106,4 +107,6 @@ print("COPY PATH:", stats.copy_path, "" if stats.kernel_refused is None
     *) echo "unknown step $step" ;;
     esac
 done
-cp -r bench/results "$OUT/results" 2>/dev/null || true
+# Only the results files this call wrote come back (the folder holds every earlier run's).
+mkdir -p "$OUT/results"
+find bench/results -type f -newer "$OUT/.started" -exec cp {} "$OUT/results/" \; 2>/dev/null || true
