@@ -193,22 +193,10 @@ def raw_read_rate(
 
 def pinned_h2d_rate(nbytes: int = 1 << 30, *, repeats: int = 5) -> float | None:
     """Best pinned host -> GPU copy rate of `nbytes` in GB/s; None without CUDA."""
-    return _pinned_copy_rate(nbytes, repeats=repeats, to_gpu=True)
-
-
-def pinned_d2h_rate(nbytes: int = 1 << 30, *, repeats: int = 5) -> float | None:
-    """Best GPU -> pinned host copy rate of `nbytes` in GB/s; None without CUDA."""
-    return _pinned_copy_rate(nbytes, repeats=repeats, to_gpu=False)
-
-
-def _pinned_copy_rate(nbytes: int, *, repeats: int, to_gpu: bool) -> float | None:
-    """One contiguous copy of `nbytes` between pinned host memory and the GPU, best of
-    `repeats`, GB/s."""
     if not torch.cuda.is_available():
         return None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    src, dst = (host, gpu) if to_gpu else (gpu, host)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     best = float("inf")

@@ -22,7 +22,6 @@ onboard drop content instead of writing it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import platform
@@ -30,18 +29,16 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from bench.disk_limits import pinned_d2h_rate, pinned_h2d_rate, raw_read_rate, raw_write_rate
-from bench.phase_profile import PhaseProfile, print_breakdown
+from bench.disk_limits import pinned_h2d_rate, raw_read_rate, raw_write_rate
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
-from io_actors.memory.pools import COPY_LANES, KVPools, TorchCopyEngine
+from io_actors.memory.pools import KVPools, TorchCopyEngine
 from statekv.config import KVLayout
 from statekv.errors import OutOfBlocks
 from statekv.ids import PageId
@@ -79,11 +76,11 @@ def _fill(cache: BlockingCache, rid: str, first_token: int, blocks: int,
     return tokens
 
 
-def transfer_config(args: argparse.Namespace, directory: Path) -> StateKVConfig:
-    """The cache of the spill and onboard phases."""
+def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, float]:
+    """Spill and onboard rates through the cache, in GB/s."""
     n = args.blocks
     layout = layout_for(args.block_mib, args.block_size)
-    return StateKVConfig(
+    config = StateKVConfig(
         layout=layout, block_size=args.block_size, gpu=2 * n + 1, host=n, reserved_host=n,
         disk=2 * n, disk_dir=directory, writers=args.threads, readers=args.threads,
         write_queue_depth=max(64, n), device=args.device, spill_mode="retained_only",
@@ -93,40 +90,6 @@ def transfer_config(args: argparse.Namespace, directory: Path) -> StateKVConfig:
         # be written through at their release, before the timed phase.
         retention_write_through=False,
     )
-
-
-def spill(cache: BlockingCache, n: int, *, on_start: Callable[[], None] | None = None) -> float:
-    """The spill phase: seconds from the eviction that pushes `n` retained blocks from host
-    to disk until their writes landed.  GPU: req1 (retained) then req2 push req1 to host;
-    req3 pushes req1 to disk (req1's tokens are those of its _fill)."""
-    _fill(cache, "req1", 0, n, ttl=3600.0)
-    _fill(cache, "req2", 10_000_000, 2 * n)
-    if on_start is not None:
-        on_start()
-    start = time.perf_counter()
-    _fill(cache, "req3", 20_000_000, n, write_bytes=False)
-    _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
-    seconds = time.perf_counter() - start
-    stats = cache.statistics().cache
-    assert stats.spills_completed >= n, stats
-    return seconds
-
-
-def profile_spill(args: argparse.Namespace, directory: Path) -> PhaseProfile:
-    """The spill phase again, in a fresh cache whose threads are profiled (bench.phase_profile):
-    where the writer pool's, the trio thread's and the calling thread's time goes, from the
-    eviction that starts the spill until its writes landed (the cache's close is left out)."""
-    profile = PhaseProfile()
-    with profile.threads_started_inside(), BlockingCache(transfer_config(args, directory)) as c:
-        spill(c, args.blocks, on_start=profile.restart)
-        profile.stop()
-    return profile
-
-
-def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, float]:
-    """Spill and onboard rates through the cache, in GB/s."""
-    n = args.blocks
-    config = transfer_config(args, directory)
     block_bytes = config.block_bytes
     out: dict[str, float] = {}
     # The write-through (the default): a retained request's blocks written to disk from the
@@ -153,10 +116,17 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         assert stats.spills_completed - before == n and stats.write_throughs_skipped == 0, stats
         out["write_through_gb_per_s"] = n * block_bytes / through_s / 1e9
     with BlockingCache(config) as cache:
-        spill_s = spill(cache, n)
+        # GPU: req1 (retained) then req2 push req1 to host; req3 pushes req1 to disk.
+        first = _fill(cache, "req1", 0, n, ttl=3600.0)
+        _fill(cache, "req2", 10_000_000, 2 * n)
+        start = time.perf_counter()
+        _fill(cache, "req3", 20_000_000, n, write_bytes=False)
+        _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
+        spill_s = time.perf_counter() - start
+        stats = cache.statistics().cache
+        assert stats.spills_completed >= n, stats
         out["spill_gb_per_s"] = n * block_bytes / spill_s / 1e9
 
-        first = list(range(n * args.block_size + 1))  # req1's tokens (see _fill)
         start = time.perf_counter()
         match = cache.add_request("again", first)
         _wait(lambda: cache.is_ready("again"))
@@ -200,68 +170,40 @@ def kvikio_own_rate(config: StateKVConfig, blocks: int) -> float:
     return blocks * payload / seconds / 1e9
 
 
-@attrs.frozen(kw_only=True)
-class CopyRates:
-    """Page copies through one copy engine, GB/s, and how the engine copied them."""
+def recall_rate(args: argparse.Namespace) -> float:
+    """Host -> GPU page copies through the copy engine, GB/s (best of 5).
 
-    recall_gb_per_s: float
-    """Host -> GPU."""
-    evict_gb_per_s: float
-    """GPU -> host (with the GPU checksums of the host pages, where the pools record them)."""
-    copy_path: str
-    kernel_refused: str | None
-    checksums: bool
-    lanes: int
-
-
-def copy_rates(args: argparse.Namespace, *, use_kernel: bool,
-               lanes: int = COPY_LANES) -> CopyRates:
-    """Page copies through the copy engine, both directions, GB/s (best of 5 each).
-
-    As the scheduler issues them: batches of `--batch-blocks` pages (one request's host hits,
-    one eviction's spill), to pages in a shuffled order, so that no two pages of a batch
-    merge into one copy -- the figure does not profit from runs of consecutive pages that
-    real evictions rarely make.  `use_kernel` False with one lane: one copy per run on one
-    copy stream, the engine before the scattered-page kernel and the lanes (the same-run
-    comparison)."""
+    As the scheduler issues them: batches of `--batch-blocks` pages (one request's host hits),
+    to GPU pages in a shuffled order, so that no two pages of a batch merge into one copy --
+    the figure does not profit from runs of consecutive pages that real evictions rarely
+    make."""
     from statekv.config import CacheConfig
 
     n = args.blocks
     layout = layout_for(args.block_mib, args.block_size)
     pools = KVPools(CacheConfig(block_size=args.block_size, gpu_blocks=n, host_blocks=n,
                                 layout=layout), resolve_device(args.device))
-    engine = TorchCopyEngine(pools, use_kernel=use_kernel, lanes=lanes)
+    engine = TorchCopyEngine(pools)
     targets = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    pairs = [(PageId(page), PageId(target)) for page, target in enumerate(targets)]
     size = args.batch_blocks
-
-    def best_rate(to_gpu: bool) -> float:
-        pairs = [(PageId(page), PageId(target)) for page, target in enumerate(targets)]
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for first in range(0, n, size):
-                engine.copy_pages(pairs[first : first + size], to_gpu=to_gpu)
-            engine.fence().wait()
-            best = min(best, time.perf_counter() - start)
-        return float(n * pools.block_nbytes / best / 1e9)
-
-    recall = best_rate(True)
-    evict = best_rate(False)
-    stats = engine.statistics()
-    return CopyRates(recall_gb_per_s=recall, evict_gb_per_s=evict, copy_path=stats.copy_path,
-                     kernel_refused=stats.kernel_refused,
-                     checksums=pools.host_crcs is not None, lanes=stats.lanes)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for first in range(0, n, size):
+            engine.copy_pages(pairs[first : first + size], to_gpu=True)
+        engine.fence().wait()
+        best = min(best, time.perf_counter() - start)
+    return float(n * pools.block_nbytes / best / 1e9)
 
 
-def host_to_device_limit(nbytes: int, device: torch.device, *, to_gpu: bool = True) -> float:
-    """The same-run limit for page copies: one large pinned (CUDA) or plain (CPU) copy of
-    `nbytes`, host -> device when `to_gpu`, else back, GB/s."""
-    rate = pinned_h2d_rate(nbytes) if to_gpu else pinned_d2h_rate(nbytes)
+def host_to_device_limit(nbytes: int, device: torch.device) -> float:
+    """The same-run limit for recall: one large pinned (CUDA) or plain (CPU) copy, GB/s."""
+    rate = pinned_h2d_rate(nbytes)
     if rate is not None:
         return rate
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    other = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    src, dst = (host, other) if to_gpu else (other, host)
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
@@ -270,8 +212,7 @@ def host_to_device_limit(nbytes: int, device: torch.device, *, to_gpu: bool = Tr
     return nbytes / best / 1e9
 
 
-def step_latency(args: argparse.Namespace, directory: Path,
-                 profile: PhaseProfile | None = None) -> dict[str, float]:
+def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
     """Decode-step latency of a serving loop, with no disk traffic vs with the disk kept
     busy by the same cache.
 
@@ -280,10 +221,6 @@ def step_latency(args: argparse.Namespace, directory: Path,
     prefixes in flight and releases content whose eviction spills.  Its requests never
     enter the forward pass, so both runs do the same model work; each timed iteration
     covers the tenant's calls and the step.
-
-    With `profile`, a last saturated run (not reported in the figures: the profiler slows
-    every thread) records where the serving thread and the cache's threads spend its timed
-    steps.
     """
     from models.config import preset
     from models.model import PagedDecoder
@@ -295,9 +232,7 @@ def step_latency(args: argparse.Namespace, directory: Path,
     bs = args.block_size
     result: dict[str, float] = {}
     # A first run warms up kernels, allocators and page caches; it is not reported.
-    phases = ("warmup", "idle", "saturated") + (("profiled",) if profile is not None else ())
-    for phase in phases:
-        profiling = phase == "profiled" and profile is not None
+    for phase in ("warmup", "idle", "saturated"):
         config = StateKVConfig(
             layout=model_config.kv_layout(), block_size=bs, gpu=args.loop_gpu_blocks,
             host=args.loop_gpu_blocks // 4, reserved_host=64, disk=8 * args.loop_gpu_blocks,
@@ -305,13 +240,8 @@ def step_latency(args: argparse.Namespace, directory: Path,
             device=args.device, model_fingerprint=model_config.fingerprint(),
             backend=args.backend, max_batch_blocks=args.batch_blocks,
         )
-        with contextlib.ExitStack() as stack:
-            if profiling:
-                assert profile is not None
-                stack.enter_context(profile.threads_started_inside())
-            cache = stack.enter_context(BlockingCache(config))
-            tenant = (_DiskTenant(cache, blocks=8, in_flight=4)
-                      if phase in ("saturated", "profiled") else None)
+        with BlockingCache(config) as cache:
+            tenant = _DiskTenant(cache, blocks=8, in_flight=4) if phase == "saturated" else None
             if tenant is not None:
                 tenant.prepare(rounds=3 * args.loop_gpu_blocks // 8)
             loop = ServingLoop(model, cache, max_step_tokens=4096, prefill_chunk=512,
@@ -321,14 +251,10 @@ def step_latency(args: argparse.Namespace, directory: Path,
                                          max_new_tokens=args.decode_steps))
             while loop.statistics().decode_tokens == 0:  # prefill is not what we time
                 loop.step()
-            before_all = cache.statistics()
-            before, before_copies = before_all.cache, before_all.copies
+            before = cache.statistics().cache
             iterations: list[float] = []
             steps: list[float] = []
             clock = time.perf_counter
-            if profiling:
-                assert profile is not None
-                profile.restart()
             while not loop.idle:
                 start = clock()
                 if tenant is not None:
@@ -338,20 +264,9 @@ def step_latency(args: argparse.Namespace, directory: Path,
                 end = clock()
                 iterations.append(end - start)
                 steps.append(end - middle)
-            if profiling:
-                assert profile is not None
-                profile.stop()
-                continue
-            after_all = cache.statistics()
-            after = after_all.cache
+            after = cache.statistics().cache
             moved = (after.bytes_read + after.bytes_written
                      - before.bytes_read - before.bytes_written)
-            copies_before, copies_after = before_copies, after_all.copies
-            if copies_before is not None and copies_after is not None:
-                # How often a step's pages had a copy in flight that its forward pass had to
-                # wait for (a page just evicted and handed over, a recall just enqueued).
-                result[f"{phase}_compute_waits_per_step"] = (
-                    (copies_after.compute_waits - copies_before.compute_waits) / len(steps))
             # The step alone: what the loop's own requests wait for.  With the tenant's
             # calls: what a loop pays when those requests are its own.
             result[f"{phase}_p50_ms"] = statistics.median(steps) * 1e3
@@ -442,12 +357,6 @@ def main() -> int:
                         help="max_batch_blocks: blocks per disk batch (1: one at a time)")
     parser.add_argument("--machine", default="cpu", help="cpu, h200 or h200x2 (file name)")
     parser.add_argument("--skip-latency", action="store_true")
-    parser.add_argument("--profile", action="store_true",
-                        help="run the spill phase once more with its threads profiled and "
-                             "print (and, with --write, store) the time per phase")
-    parser.add_argument("--profile-steps", action="store_true",
-                        help="run the saturated decode loop once more, profiled (the "
-                             "serving thread's and the cache threads' time per phase)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--tag", default="",
                         help="suffix of the results file name (several runs a day)")
@@ -464,16 +373,9 @@ def main() -> int:
         raw_read = raw_read_rate(directory, block_bytes=block_bytes, threads=args.threads,
                                  total_bytes=total)
         phases = transfer_phases(args, directory / "cache")
-        copies = copy_rates(args, use_kernel=True)
-        # The same-run comparison: what the engine did before the scattered-page kernel.
-        per_run = (copy_rates(args, use_kernel=False, lanes=1)
-                   if copies.copy_path == "scattered-page kernel" else None)
+        recall = recall_rate(args)
         h2d = host_to_device_limit(total, resolve_device(args.device))
-        d2h = host_to_device_limit(total, resolve_device(args.device), to_gpu=False)
-        step_profile = PhaseProfile() if args.profile_steps else None
-        latency = ({} if args.skip_latency
-                   else step_latency(args, directory / "loop", step_profile))
-        profile = profile_spill(args, directory / "profile") if args.profile else None
+        latency = {} if args.skip_latency else step_latency(args, directory / "loop")
 
     print(f"machine: {args.machine} ({platform.node()}), device {resolve_device(args.device)}")
     print(f"block {block_bytes / 2**20:.2f} MiB, {args.threads} threads, {args.blocks} blocks, "
@@ -485,28 +387,15 @@ def main() -> int:
          "raw O_DIRECT write"),
         ("onboard disk->GPU", phases["onboard_gb_per_s"], raw_read.gb_per_s,
          "raw O_DIRECT read"),
-        ("recall host->GPU", copies.recall_gb_per_s, h2d,
-         "pinned H2D copy" if torch.cuda.is_available() else "host memcpy"),
+        ("recall host->GPU", recall, h2d, "pinned H2D copy" if torch.cuda.is_available()
+         else "host memcpy"),
     ]
-    copy_rows = [
-        ("evict GPU->host" + (" +crc" if copies.checksums else ""), copies.evict_gb_per_s, d2h,
-         "pinned D2H copy" if torch.cuda.is_available() else "host memcpy"),
-    ]
-    if per_run is not None:
-        copy_rows += [
-            ("recall, as before", per_run.recall_gb_per_s, h2d, "pinned H2D copy"),
-            ("evict, as before", per_run.evict_gb_per_s, d2h, "pinned D2H copy"),
-        ]
     if "kvikio_gb_per_s" in phases:
         rows.append(("onboard vs kvikio", phases["onboard_gb_per_s"], phases["kvikio_gb_per_s"],
                      "kvikio's own read"))
-    for name, value, limit, limit_name in rows + copy_rows:
+    for name, value, limit, limit_name in rows:
         print(f"{name:<20}{value:8.2f} GB/s  vs {limit:8.2f} GB/s {limit_name:<20} "
               f"= {value / limit:5.2f}x")
-    print(f"page copies: {copies.copy_path} on {copies.lanes} copy stream(s)"
-          + (" ('as before': one copy per run, one stream)" if per_run is not None else "")
-          + (f" (the kernel is not used: {copies.kernel_refused})"
-             if copies.kernel_refused else ""))
     if latency:
         print(f"step p50 idle {latency['idle_p50_ms']:.2f} ms, saturated "
               f"{latency['saturated_p50_ms']:.2f} ms; p99 idle {latency['idle_p99_ms']:.2f} ms, "
@@ -514,15 +403,6 @@ def main() -> int:
               f"(disk traffic while saturated: {latency['saturated_disk_gb_per_s']:.2f} GB/s)")
         print(f"step + the tenant's cache calls: p50 {latency['saturated_with_tenant_p50_ms']:.2f}"
               f" ms, p99 {latency['saturated_with_tenant_p99_ms']:.2f} ms")
-        if "saturated_compute_waits_per_step" in latency:
-            print(f"compute-stream waits for a copy per step: idle "
-                  f"{latency['idle_compute_waits_per_step']:.3f}, saturated "
-                  f"{latency['saturated_compute_waits_per_step']:.3f}")
-
-    if profile is not None:
-        print_breakdown(f"spill of {args.blocks} blocks, profiled", profile)
-    if step_profile is not None and latency:
-        print_breakdown("saturated decode steps, profiled", step_profile)
 
     if args.write:
         figures: dict[str, dict[str, object]] = {}
@@ -534,22 +414,6 @@ def main() -> int:
             figures[key] = {"value": round(value, 3), "unit": "GB/s", "limit": round(limit, 3),
                             "limit_name": f"{limit_name}, same run", "ratio":
                             round(value / limit, 3)}
-        figures["recall_host_to_gpu"]["copy_path"] = copies.copy_path
-        figures["recall_host_to_gpu"]["copy_streams"] = copies.lanes
-        for key, (name, value, limit, limit_name) in zip(
-            ("evict_gpu_to_host", "recall_host_to_gpu_one_copy_per_run",
-             "evict_gpu_to_host_one_copy_per_run")[: len(copy_rows)], copy_rows, strict=True,
-        ):
-            del name
-            before = "per_run" in key
-            figures[key] = {"value": round(value, 3), "unit": "GB/s", "limit": round(limit, 3),
-                            "limit_name": f"{limit_name}, same run",
-                            "ratio": round(value / limit, 3),
-                            "copy_path": "one copy per run" if before else copies.copy_path,
-                            "copy_streams": 1 if before else copies.lanes}
-            if key.startswith("evict"):
-                # The host pages' checksums are computed by a kernel behind the copies.
-                figures[key]["gpu_checksums"] = copies.checksums
         if latency:
             for pct in ("p50", "p99"):
                 ratio = latency[f"saturated_{pct}_ms"] / latency[f"idle_{pct}_ms"]
@@ -564,11 +428,6 @@ def main() -> int:
                     "disk_gb_per_s_while_saturated": round(
                         latency["saturated_disk_gb_per_s"], 3),
                 }
-                if "saturated_compute_waits_per_step" in latency:
-                    figures[f"step_latency_{pct}_saturated_vs_idle"][
-                        "compute_waits_per_step_idle_saturated"] = [
-                        round(latency["idle_compute_waits_per_step"], 3),
-                        round(latency["saturated_compute_waits_per_step"], 3)]
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 check=False).stdout.strip()
         today = dt.date.today()
@@ -579,15 +438,8 @@ def main() -> int:
             "bench": "io", "machine": args.machine, "date": today.isoformat(),
             "commit": commit, "command": "python -m bench.io " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("write", "dir", "skip_latency", "tag", "profile", "profile_steps")
-                and v is not None),
+                if k not in ("write", "dir", "skip_latency", "tag") and v is not None),
             "figures": figures,
-            **({"spill_profile": {"wall_s": round(profile.wall_s, 3),
-                                  "thread_seconds_per_phase": profile.breakdown()}}
-               if profile is not None else {}),
-            **({"step_profile": {"wall_s": round(step_profile.wall_s, 3),
-                                 "thread_seconds_per_phase": step_profile.breakdown()}}
-               if step_profile is not None and latency else {}),
         }, indent=2) + "\n")
         print(f"wrote {out}")
     return 0

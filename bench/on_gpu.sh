@@ -43,31 +43,7 @@ for step in "$@"; do
         tests/test_disk_dir_ownership.py tests/test_vllm_layouts.py \
         tests/test_connector_machine.py tests/test_slot_format.py \
         tests/test_slot_format_upgrade.py tests/test_write_through.py \
-        tests/test_close_flush.py tests/test_host_copies.py tests/test_copy_order.py ;;
-    # copies: the copy engine's scattered-page kernel and per-page compute waits: which copy
-    # path the engine takes here (and why not the kernel, if not), the GPU tests of both,
-    # then the io figures at 256 KiB (with the spill profile) and at 2 MiB (with the
-    # serving step's latency, then a profiled saturated run: COPIES_PROFILE_STEPS= leaves
-    # it out), each written as a results file tagged copies-*.
-    copies) run copies-path 60 python3 -c 'import torch
-from io_actors.memory.pools import KVPools, TorchCopyEngine
-from statekv.config import CacheConfig, KVLayout
-layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16")
-stats = TorchCopyEngine(KVPools(CacheConfig(block_size=16, gpu_blocks=8, host_blocks=8,
-                                            layout=layout), "cuda")).statistics()
-print("COPY PATH:", stats.copy_path, "" if stats.kernel_refused is None
-      else "-- KERNEL NOT USED: " + stats.kernel_refused)'
-        STATEKV_TEST_DEVICE=cuda run copies-tests ${TESTS_S:-150} python3 -m pytest -q \
-            -p no:cacheprovider --timeout 60 --durations 5 tests/test_copy_order.py \
-            tests/test_memory.py tests/test_batched_io.py tests/test_io_actors.py \
-            tests/test_write_through.py tests/test_close_flush.py tests/test_host_copies.py
-        run copies-io-small ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 0.25 \
-            --threads 4 --blocks 2048 --dir "$DISK" --skip-latency --profile --write \
-            --tag copies-256k ${IO_ARGS:-}
-        run copies-io ${IO_S:-240} python3 -m bench.io --machine h200 --block-mib 2 \
-            --threads 4 --blocks 512 --dir "$DISK" --model 8b-class --model-layers 4 \
-            --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --write --tag copies-2m \
-            ${COPIES_PROFILE_STEPS---profile-steps} ${IO_ARGS:-} ;;
+        tests/test_close_flush.py tests/test_host_copies.py ;;
     io) run io ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 --write ${IO_ARGS:-} ;;

@@ -226,9 +226,6 @@ class CacheAPI:
         return self._scheduler.is_ready(request_id)
 
     def block_table(self, request_id: str) -> tuple[PageId, ...]:
-        """The request's GPU pages in order; on a GPU, work enqueued afterwards on the compute
-        stream waits for the copies that touched them (and for no other copy): take it for
-        the step that uses them (Scheduler.block_table)."""
         return self._scheduler.block_table(request_id)
 
     def obtainable_gpu_blocks(self) -> int:

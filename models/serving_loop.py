@@ -451,11 +451,7 @@ class ServingLoop:
         total = 0
         for run in self._running.values():
             final = len(run.req.prompt) + run.req.max_new_tokens
-            # The count, not the block table: taking a table orders the compute stream after
-            # the copies into its pages, which a request that is not in the step (parked)
-            # must not make the step wait for.
-            held = self.cache.request_status(run.req.request_id).num_blocks
-            total += self._blocks_for(final) - held
+            total += self._blocks_for(final) - len(self.cache.block_table(run.req.request_id))
         return total
 
     def _admit(self, now: float) -> None:

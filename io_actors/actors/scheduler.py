@@ -42,7 +42,7 @@ import trio
 from io_actors.actors.reader_pool import ReaderPool, ReadJob, SlotReader
 from io_actors.actors.worker_threads import PoolStatistics
 from io_actors.actors.writer_pool import SlotWriter, WriteJob, WriterPool
-from io_actors.memory.pools import CopyEngineStatistics, KVPools
+from io_actors.memory.pools import KVPools
 from io_actors.storage.interfaces import CopyEngine, Fence, RetentionStore, SlotStore
 from io_actors.storage.posix import SlotStoreStatistics
 from io_actors.storage.posix_open import Recovery
@@ -124,9 +124,6 @@ class SystemStatistics:
     without a shared tier)."""
     fetcher: dict[str, int] | None = None
     """The shared tier's fetcher: lookups, blocks found, fetched, failed by status."""
-    copies: CopyEngineStatistics | None = None
-    """The copy engine's counters (its copy path, batches, the compute-stream waits steps
-    needed), when the engine keeps them."""
 
 
 @attrs.frozen(kw_only=True)
@@ -356,23 +353,8 @@ class Scheduler:
             return self._core.has_request(request_id)
 
     def block_table(self, request_id: str) -> tuple[PageId, ...]:
-        """The request's GPU pages, in order, ready for the compute stream: later work there
-        waits for the copies that touched these pages (the copy engine's
-        ``order_pages_before_compute``), and for no other copy.
-
-        Why here: the block table is the one way to the pages a step reads and writes, and
-        it is taken after the copies that fill them were enqueued -- the core issues a
-        request's host -> GPU copies in the call that makes its blocks usable (add_request,
-        or the completion that un-parks it, which the caller learns of through is_ready
-        before it asks for the table), under this lock.  Copies enqueued after the table
-        was handed out never touch its pages while the request holds them: the core copies
-        into free pages only, and out of a held page only full blocks, which the step
-        reads and never writes (and the copy stream waits for the compute stream first).
-        """
         with self._lock:
-            table = self._core.block_table(request_id)
-            self._copies.order_pages_before_compute(table)
-            return table
+            return self._core.block_table(request_id)
 
     def request_status(self, request_id: str) -> RequestStatus:
         with self._lock:
@@ -392,13 +374,7 @@ class Scheduler:
             retention_backlog=self._retention_backlog(),
             publisher=self._remote.publisher.statistics() if self._remote else None,
             fetcher=self._remote.fetcher.statistics() if self._remote else None,
-            copies=self._copy_statistics(),
         )
-
-    def _copy_statistics(self) -> CopyEngineStatistics | None:
-        read = getattr(self._copies, "statistics", None)
-        found = read() if read is not None else None
-        return found if isinstance(found, CopyEngineStatistics) else None
 
     def _retention_backlog(self) -> int:
         with self._lock:
@@ -557,6 +533,7 @@ class Scheduler:
         if self._recorder is not None:
             self._recorder.commands(self._clock(), commands)
         copies = self._copies
+        copied = False
         fence = None
         inline: list[WriteJob | ReadJob] = []
         retention: list[RetentionRecord] = []
@@ -573,6 +550,7 @@ class Scheduler:
                 run_to_gpu = to_gpu
                 run.append((cmd.host_page, cmd.gpu_page) if to_gpu
                            else (cmd.gpu_page, cmd.host_page))
+                copied = True
                 fence = None
                 continue
             if run:
@@ -612,9 +590,8 @@ class Scheduler:
                 self._fetches_busy += 1
         if run:
             copies.copy_pages(run, to_gpu=run_to_gpu)
-        # The compute stream is not made to wait here: a step waits for the copies of its own
-        # pages when it takes their block table (block_table), so that a spill's GPU -> host
-        # copy or another request's copies never delay it.
+        if copied:
+            copies.order_before_compute()
         journal = self._journal
         if retention and journal is not None:
             if self._inline is not None:

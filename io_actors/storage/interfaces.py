@@ -72,10 +72,6 @@ class CopyEngine(Protocol):
     def order_before_compute(self) -> None:
         """Make later work on the compute stream wait for every copy enqueued so far."""
 
-    def order_pages_before_compute(self, gpu_pages: Sequence[PageId]) -> None:
-        """Make later work on the compute stream wait for the copies enqueued so far that
-        touched `gpu_pages` (a step's pages), and for no other copy."""
-
 
 class SlotStore(Protocol):
     """Disk slots: one block's KV per slot, behind a self-describing header."""
