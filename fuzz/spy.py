@@ -41,7 +41,8 @@ from statekv.messages import (
 )
 
 SPIED = ("add_request", "append_tokens", "allocate_nowait", "commit", "release", "handle",
-         "take_commands", "prefetch", "report_disk_read", "report_prefill")
+         "take_commands", "prefetch", "report_disk_read", "report_prefill",
+         "stop_write_through_retries")
 """The manager methods whose calls change its state or report what it asked for."""
 
 

@@ -223,6 +223,7 @@ class ReferenceCache:
         self.keep_host: set[int] = set()
         self.staged: dict[int, tuple[BlockHash, float | None, int, int]] = {}
         self.wt_backlog: dict[BlockHash, None] = {}
+        self.wt_retries = True
         self.reads: dict[int, MBlock] = {}
         self.prefetch_reads: dict[int, MBlock] = {}
         self.fetches: dict[int, MBlock] = {}
@@ -520,7 +521,14 @@ class ReferenceCache:
                 assert t.key is not None
                 self.wt_backlog[t.key] = None
 
+    def stop_write_through_retries(self) -> None:
+        """A close began: the backlog is dropped, and nothing is retried from now on."""
+        self.wt_retries = False
+        self.wt_backlog.clear()
+
     def _retry_write_throughs(self) -> None:
+        if not self.wt_retries:
+            return
         for key in list(self.wt_backlog):
             t = self.entries.get(key)
             outcome = "ignored" if t is None else self._write_through_one(t)

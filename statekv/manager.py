@@ -188,6 +188,8 @@ class KVCacheManager:
         self._has_disk = config.disk_blocks > 0
         self._shared = config.shared_tier
         self._write_through = config.retention_write_through and config.disk_blocks > 0
+        self._retry_write_throughs = True
+        """Cleared at a close (stop_write_through_retries)."""
         self._publish_on_release = config.shared_tier and config.publish_on == "release"
         self._counters = counters = Counters()
         self._outbox = outbox = Outbox()
@@ -519,6 +521,15 @@ class KVCacheManager:
         self._advance(now)
         disk.restore(blocks, slots, now)
 
+    def stop_write_through_retries(self) -> None:
+        """A close began: no write of the write-through backlog starts from now on, as the
+        writes in flight complete.  The close writes retained content down itself
+        (flush_retained, within its bound and reported) or, without a drain, drops the work;
+        a retry started after the writer queue closed would be neither written nor
+        counted."""
+        self._retry_write_throughs = False
+        self._eviction.write_backlog.clear()
+
     def flush_retained(self, *, now: float) -> tuple[int, int]:
         """For a clean close: start writing down every released block whose TTL runs and
         that is on no disk yet (GPU -> host -> disk), as far as host pages and slots allow
@@ -629,7 +640,7 @@ class KVCacheManager:
                 disk.write_landed(write, now)
             else:
                 disk.write_failed(write)
-            if self._write_through:
+            if self._write_through and self._retry_write_throughs:
                 self._eviction.retry_write_throughs(self._index, now)
         else:
             self._onboarding.complete(event, now)

@@ -791,6 +791,7 @@ class Scheduler:
         retained_left = 0
         with self._lock:
             self._refusing = True
+            self._core.stop_write_through_retries()
             spills_before = self._core.statistics().spills
         if drain and self._writer is not None:
             with trio.move_on_after(timeout):
