@@ -266,3 +266,23 @@ def test_retention_heap_behaves_like_a_sorted_list(ops: list[tuple[str, int, int
     while len(heap):
         drained.append(heap.pop())
     assert drained == model
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.data())
+def test_priority_lru_pop_run_returns_what_as_many_pops_would(
+        priorities: list[int], data: st.DataObject) -> None:
+    """pop_run(n) unlinks the next n victims across levels, in order, as n pops do."""
+    runs, pops = PriorityLRU(4), PriorityLRU(4)
+    for age, priority in enumerate(priorities):
+        runs.push(Block(BlockId(age), priority=priority))
+        pops.push(Block(BlockId(age), priority=priority))
+    while len(pops):
+        count = data.draw(st.integers(1, len(pops)))
+        run = runs.pop_run(count)
+        assert ids(run) == ids(pops.pop() for _ in range(count))
+        assert all(b.prev is None and b.next is None for b in run)
+        runs.check()
+        assert ids(runs) == ids(pops)
+    with pytest.raises(IndexError):
+        runs.pop_run(1)
