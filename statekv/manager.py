@@ -362,7 +362,11 @@ class KVCacheManager:
     def append_tokens(self, request_id: RequestId | str, token_ids: Sequence[int]) -> None:
         """Append generated tokens to a request's sequence."""
         req = self._requests.get(request_id)
-        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        # (A list first: the ABC check of Sequence costs more than the rest of a decode step's
+        # append.)
+        if type(token_ids) is not list and (
+            isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence)
+        ):
             raise UsageError("token_ids", "must be a sequence of integer token ids")
         capacity = self.config.gpu_blocks * self._block_size
         if req.num_tokens + len(token_ids) > capacity:
@@ -382,7 +386,8 @@ class KVCacheManager:
         records = self._records
         now = check_now(now, records.now)
         req = self._requests.get(request_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        if type(num_tokens) is not int and (  # an int first: once per decode step
+                isinstance(num_tokens, bool) or not isinstance(num_tokens, int)):
             raise UsageError("num_tokens", f"must be an integer, got {num_tokens!r}")
         if not req.num_computed <= num_tokens <= req.num_tokens:
             raise UsageError(
@@ -391,12 +396,13 @@ class KVCacheManager:
                 f"({req.num_tokens}) token counts of request {req.id!r}, got {num_tokens}",
             )
         needed = blocks_for_tokens(num_tokens, self._block_size) - len(req.blocks)
+        if needed <= 0:  # most decode steps: the last block has room
+            self._advance(now)
+            return
         obtainable = self._gpu.obtainable()
         if needed > obtainable:
             raise OutOfBlocks(req.id, needed, obtainable)
         self._advance(now)
-        if needed <= 0:
-            return
         records.cause = req.id
         try:
             blocks, pages = req.blocks, req.pages
@@ -423,7 +429,7 @@ class KVCacheManager:
         now = check_now(now, self._records.now)
         req = self._requests.get(request_id)
         n = num_computed_tokens
-        if isinstance(n, bool) or not isinstance(n, int):
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, int)):
             raise UsageError("num_computed_tokens", f"must be an integer, got {n!r}")
         limit = min(req.num_tokens, len(req.blocks) * self._block_size)
         if not req.num_computed <= n <= limit:
