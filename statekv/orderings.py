@@ -225,6 +225,29 @@ class PriorityLRU:
             self._mask &= ~(1 << level)
         self.size -= 1
 
+    def remove_all(self, blocks: list[Block]) -> None:
+        """remove for each of `blocks` (the evictable ones of a prefix hit), in one call."""
+        levels = self._levels
+        mask = self._mask
+        for block in blocks:
+            level = block.priority
+            lst = levels[level]
+            prev, nxt = block.prev, block.next
+            if prev is None:
+                lst.head = nxt
+            else:
+                prev.next = nxt
+            if nxt is None:
+                lst.tail = prev
+            else:
+                nxt.prev = prev
+            block.prev = block.next = None
+            lst.size -= 1
+            if lst.size == 0:
+                mask &= ~(1 << level)
+        self._mask = mask
+        self.size -= len(blocks)
+
     def peek(self) -> Block | None:
         """The next victim, or None when empty."""
         mask = self._mask
