@@ -23,7 +23,8 @@ VLLM_TORCH := 2.13.0+cpu
 VLLM_TEST_TOOLS := pytest hypothesis pytest-trio
 CROSSHAIR_TIMEOUT ?= 4
 
-.PHONY: test demo lint typecheck spec crosshair pytest pytest-vllm bench-core clean fuzz fuzz-ci fuzz-gpu
+.PHONY: test demo lint typecheck spec crosshair pytest pytest-vllm bench-core bench-blockpool clean \
+	fuzz fuzz-ci fuzz-gpu
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,6 +78,10 @@ demo: $(STAMP)
 
 bench-core: $(STAMP)
 	$(BIN)/python -m bench.core
+
+# The core's bookkeeping against vLLM's own BlockPool: it imports vLLM, so it runs in .venv-vllm.
+bench-blockpool: $(VLLM_STAMP)
+	$(VBIN)/python -m bench.blockpool
 
 # Race fuzzing (fuzz/README.md).  `make test` runs the CI profile through pytest
 # (tests/test_fuzz_machines.py); `make fuzz` soaks every machine with new seeds until

@@ -74,15 +74,17 @@ class Eviction:
         rid = req.id
         priority = req.priority
         cached: list[Block] = []
+        on_gpu = _S.ON_GPU  # a local: this loop runs once per block of every release
         for block in reversed(blocks):
             state = block.state
-            if state is not _S.ON_GPU and rid in block.waiters:
+            if state is not on_gpu and rid in block.waiters:
                 block.waiters.remove(rid)
-            block.ref_count -= 1
-            if block.ref_count:
+            refs = block.ref_count - 1
+            block.ref_count = refs
+            if refs:
                 continue
             block.priority = priority
-            if state is _S.ON_GPU:
+            if state is on_gpu:
                 if block.key is not None:
                     cached.append(block)
                 else:
@@ -188,6 +190,38 @@ class Eviction:
         return _WRITTEN
 
     # ------------------------------------------------------------------ finding pages
+
+    def take_gpu_pages(self, count: int, now: float) -> list[PageId]:
+        """`count` empty GPU pages for one allocation, evicting as `count` take_gpu_page
+        calls would (the same victims, pages, records and transitions, in the same order).
+
+        Callers check `obtainable()` first.  Empty pages go first, taken as one slice; with
+        no host tier every victim is dropped (no host copy, no disk copy either: both need a
+        host tier), so the victims are popped as one run and dropped in one pass.  With a
+        host tier each victim's way down depends on the host pages the one before it left,
+        so they go one at a time.
+        """
+        empty = self.gpu.empty
+        have = min(count, len(empty))
+        pages = empty[len(empty) - have:]
+        del empty[len(empty) - have:]
+        pages.reverse()  # the order of `have` pops from the stack's end
+        rest = count - have
+        if not rest:
+            return pages
+        if self.has_host:
+            take = self.take_gpu_page
+            pages += [take(now) for _ in range(rest)]
+            return pages
+        victims = self.gpu.evictable.pop_run(rest)
+        for victim in victims:
+            page = victim.gpu_page
+            assert page is not None
+            pages.append(page)
+            victim.gpu_page = None
+        self.counters.gpu_evictions += rest
+        self.records.discard_all(victims, _E.DROPPED)
+        return pages
 
     def take_gpu_page(self, now: float) -> PageId:
         """An empty GPU page, evicting the coldest cached block if need be.

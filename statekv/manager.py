@@ -240,11 +240,12 @@ class KVCacheManager:
         # Capacity: every matched block that is not already on GPU needs a GPU page.
         needs_page = remote
         released_hits = 0
+        released, on_gpu = _S.RELEASED, _S.ON_GPU  # locals: once per matched block
         for block in matched:
             state = block.state
-            if state is _S.RELEASED:
+            if state is released:
                 released_hits += 1
-            elif state is not _S.ON_GPU and state is not _S.ONBOARDING and (
+            elif state is not on_gpu and state is not _S.ONBOARDING and (
                 state is not _S.FETCHING
             ):
                 needs_page += 1
@@ -363,7 +364,11 @@ class KVCacheManager:
     def append_tokens(self, request_id: RequestId | str, token_ids: Sequence[int]) -> None:
         """Append generated tokens to a request's sequence."""
         req = self._requests.get(request_id)
-        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        # (A list first: the ABC check of Sequence costs more than the rest of a decode step's
+        # append.)
+        if type(token_ids) is not list and (
+            isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence)
+        ):
             raise UsageError("token_ids", "must be a sequence of integer token ids")
         capacity = self.config.gpu_blocks * self._block_size
         if req.num_tokens + len(token_ids) > capacity:
@@ -383,7 +388,8 @@ class KVCacheManager:
         records = self._records
         now = check_now(now, records.now)
         req = self._requests.get(request_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        if type(num_tokens) is not int and (  # an int first: once per decode step
+                isinstance(num_tokens, bool) or not isinstance(num_tokens, int)):
             raise UsageError("num_tokens", f"must be an integer, got {num_tokens!r}")
         if not req.num_computed <= num_tokens <= req.num_tokens:
             raise UsageError(
@@ -392,21 +398,22 @@ class KVCacheManager:
                 f"({req.num_tokens}) token counts of request {req.id!r}, got {num_tokens}",
             )
         needed = blocks_for_tokens(num_tokens, self._block_size) - len(req.blocks)
+        if needed <= 0:  # most decode steps: the last block has room
+            self._advance(now)
+            return
         obtainable = self._gpu.obtainable()
         if needed > obtainable:
             raise OutOfBlocks(req.id, needed, obtainable)
         self._advance(now)
-        if needed <= 0:
-            return
         records.cause = req.id
         try:
             blocks, pages = req.blocks, req.pages
             # Pages first: an eviction that drops content also frees its record.
-            empty = self._gpu.empty
-            take_gpu_page = self._eviction.take_gpu_page
-            new_pages = [empty.pop() if empty else take_gpu_page(now) for _ in range(needed)]
+            new_pages = self._eviction.take_gpu_pages(needed, now)
             free_records = records.free
-            fresh = [free_records.pop() for _ in range(needed)]
+            fresh = free_records[len(free_records) - needed:]
+            del free_records[len(free_records) - needed:]
+            fresh.reverse()  # the order of `needed` pops from the free stack's end
             records.move_all(fresh, _E.ALLOCATED)
             depth = len(blocks)
             for block, page in zip(fresh, new_pages, strict=True):
@@ -424,7 +431,7 @@ class KVCacheManager:
         now = check_now(now, self._records.now)
         req = self._requests.get(request_id)
         n = num_computed_tokens
-        if isinstance(n, bool) or not isinstance(n, int):
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, int)):
             raise UsageError("num_computed_tokens", f"must be an integer, got {n!r}")
         limit = min(req.num_tokens, len(req.blocks) * self._block_size)
         if not req.num_computed <= n <= limit:
@@ -444,20 +451,21 @@ class KVCacheManager:
             return
         prefix_index = self._index
         prefix_index.extend_keys(req, full)
-        # PrefixIndex.add, inlined: commit indexes every block a prefill computed.
+        # PrefixIndex.add, inlined: commit indexes every block a prefill computed, walking
+        # the run's keys, blocks and parent keys side by side.
         index, children = prefix_index.blocks, prefix_index.children
-        keys, blocks = req.keys, req.blocks
-        for i in range(req.committed, full):
-            key = keys[i]
-            if key in index:
-                continue  # the same content was committed meanwhile: ours stays private
-            block = blocks[i]
-            parent = keys[i - 1] if i else req.root
-            block.key = key
-            block.parent_key = parent
-            block.depth = i
-            index[key] = block
-            children[parent] = children.get(parent, 0) + 1
+        keys, start = req.keys, req.committed
+        parent = keys[start - 1] if start else req.root
+        depth = start
+        for key, block in zip(keys[start:full], req.blocks[start:full], strict=True):
+            if key not in index:  # else the same content was committed meanwhile: ours
+                block.key = key   # stays private
+                block.parent_key = parent
+                block.depth = depth
+                index[key] = block
+                children[parent] = children.get(parent, 0) + 1
+            parent = key
+            depth += 1
         req.committed = full
 
     def release(self, request_id: RequestId | str, *, now: float) -> None:

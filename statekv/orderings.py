@@ -225,6 +225,29 @@ class PriorityLRU:
             self._mask &= ~(1 << level)
         self.size -= 1
 
+    def remove_all(self, blocks: list[Block]) -> None:
+        """remove for each of `blocks` (the evictable ones of a prefix hit), in one call."""
+        levels = self._levels
+        mask = self._mask
+        for block in blocks:
+            level = block.priority
+            lst = levels[level]
+            prev, nxt = block.prev, block.next
+            if prev is None:
+                lst.head = nxt
+            else:
+                prev.next = nxt
+            if nxt is None:
+                lst.tail = prev
+            else:
+                nxt.prev = prev
+            block.prev = block.next = None
+            lst.size -= 1
+            if lst.size == 0:
+                mask &= ~(1 << level)
+        self._mask = mask
+        self.size -= len(blocks)
+
     def peek(self) -> Block | None:
         """The next victim, or None when empty."""
         mask = self._mask
@@ -253,6 +276,38 @@ class PriorityLRU:
         lst.size -= 1
         self.size -= 1
         return block
+
+    def pop_run(self, count: int) -> list[Block]:
+        """Remove and return the next `count` victims, in eviction order (what `count` pops
+        return), unlinking each level's run at once: one allocation evicts a run of blocks."""
+        if count > self.size:
+            raise IndexError(f"pop_run({count}) from a PriorityLRU of {self.size}")
+        out: list[Block] = []
+        levels = self._levels
+        mask = self._mask
+        left = count
+        while left:
+            level = (mask & -mask).bit_length() - 1
+            lst = levels[level]
+            block = lst.head
+            take = min(left, lst.size)
+            for _ in range(take):
+                assert block is not None
+                out.append(block)
+                nxt = block.next
+                block.prev = block.next = None
+                block = nxt
+            lst.head = block
+            lst.size -= take
+            if block is None:
+                lst.tail = None
+                mask &= ~(1 << level)
+            else:
+                block.prev = None
+            left -= take
+        self._mask = mask
+        self.size -= count
+        return out
 
     def __iter__(self) -> Iterator[Block]:
         """Blocks in eviction order."""

@@ -92,3 +92,20 @@ class PrefixIndex:
         else:
             del self.children[parent]
         block.key = block.parent_key = None
+
+    def remove_all(self, blocks: list[Block]) -> None:
+        """remove for a run of blocks (GPU victims evicted by one allocation), in one pass."""
+        index, children = self.blocks, self.children
+        for block in blocks:
+            key = block.key
+            if key is None:
+                continue
+            del index[key]
+            parent = block.parent_key
+            assert parent is not None
+            left = children[parent] - 1
+            if left:
+                children[parent] = left
+            else:
+                del children[parent]
+            block.key = block.parent_key = None

@@ -50,6 +50,11 @@ class RequestTable:
         self.parked = 0
 
     def get(self, request_id: str) -> Request:
+        if type(request_id) is str:  # the common case first: every step looks a request up
+            # (a str is a RequestId here; RequestId() would cost a call)
+            req: Request | None = self.live.get(request_id)  # type: ignore[call-overload]
+            if req is not None:
+                return req
         if not isinstance(request_id, str):
             raise UsageError("request_id", f"must be a string, got {request_id!r}")
         req = self.live.get(RequestId(request_id))

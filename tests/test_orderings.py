@@ -266,3 +266,45 @@ def test_retention_heap_behaves_like_a_sorted_list(ops: list[tuple[str, int, int
     while len(heap):
         drained.append(heap.pop())
     assert drained == model
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.data())
+def test_priority_lru_pop_run_returns_what_as_many_pops_would(
+        priorities: list[int], data: st.DataObject) -> None:
+    """pop_run(n) unlinks the next n victims across levels, in order, as n pops do."""
+    runs, pops = PriorityLRU(4), PriorityLRU(4)
+    for age, priority in enumerate(priorities):
+        runs.push(Block(BlockId(age), priority=priority))
+        pops.push(Block(BlockId(age), priority=priority))
+    while len(pops):
+        count = data.draw(st.integers(1, len(pops)))
+        run = runs.pop_run(count)
+        assert ids(run) == ids(pops.pop() for _ in range(count))
+        assert all(b.prev is None and b.next is None for b in run)
+        runs.check()
+        assert ids(runs) == ids(pops)
+    with pytest.raises(IndexError):
+        runs.pop_run(1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=40))
+def test_priority_lru_remove_all_leaves_what_removing_each_would(
+        members: list[tuple[int, bool]]) -> None:
+    """remove_all(some) unlinks them from their levels as one remove call each would."""
+    together, one_by_one = PriorityLRU(4), PriorityLRU(4)
+    leaving: tuple[list[Block], list[Block]] = ([], [])
+    for age, (priority, leaves) in enumerate(members):
+        for lru, out in ((together, leaving[0]), (one_by_one, leaving[1])):
+            block = Block(BlockId(age), priority=priority)
+            lru.push(block)
+            if leaves:
+                out.append(block)
+    together.remove_all(leaving[0])
+    for block in leaving[1]:
+        one_by_one.remove(block)
+    together.check()
+    assert ids(together) == ids(one_by_one)
+    assert all(b.prev is None and b.next is None for b in leaving[0])
+    assert (together.peek() is None) == (one_by_one.peek() is None)
