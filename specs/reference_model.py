@@ -1034,7 +1034,7 @@ class ReferenceCache:
             raise UsageError("transfer", "unknown")
         self._advance(now)
         self._write_done(tid, ok, now)
-        if self.cfg.retention_write_through and self.cfg.disk_blocks:
+        if ok and self.cfg.retention_write_through and self.cfg.disk_blocks:
             self._retry_write_throughs()
 
     def _write_done(self, tid: int, ok: bool, now: float) -> None:

@@ -646,10 +646,12 @@ class KVCacheManager:
             write = disk.writes.pop(event.transfer)
             if isinstance(event, SlotWritten):
                 disk.write_landed(write, now)
+                # Only after a write that landed: a disk failing every write must not be
+                # handed the backlog one block after another.
+                if self._write_through and self._retry_write_throughs:
+                    self._eviction.retry_write_throughs(self._index, now)
             else:
                 disk.write_failed(write)
-            if self._write_through and self._retry_write_throughs:
-                self._eviction.retry_write_throughs(self._index, now)
         else:
             self._onboarding.complete(event, now)
 
