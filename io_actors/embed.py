@@ -363,7 +363,7 @@ async def open_cache(
         writer = reader = None
         if store is not None and inline is None:
             writer = WriterPool(
-                store, pools.host_page, host_crcs=pools.host_crcs, workers=config.writers,
+                store, pools.host_page, checksums=pools.host_checksums, workers=config.writers,
                 queue_depth=config.write_queue_depth, gate=gate,
                 report=scheduler.report_completion,
             )
@@ -373,7 +373,7 @@ async def open_cache(
                 queue_depth=max(1, core_config.gpu_blocks + core_config.host_blocks
                                 + core_config.reserved_host_blocks),
                 gate=gate, report=scheduler.report_completion, host_page=pools.host_page,
-                measured=scheduler.report_disk_read,
+                checksums=pools.host_checksums, measured=scheduler.report_disk_read,
             )
         cache = AsyncCache(scheduler, pools)
         async with trio.open_nursery() as nursery:

@@ -25,6 +25,7 @@ from io_actors.actors.reader_pool import ReadJob, SlotReader
 from io_actors.actors.worker_threads import WorkerCrashed, WorkerThreads
 from io_actors.actors.writer_pool import WriteJob, WriterPool
 from io_actors.embed import BlockingCache, resolve_device
+from io_actors.memory.host_checksums import HostChecksums
 from io_actors.storage.buffers import host_view, page_aligned_buffer
 from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.storage.index_journal import INDEX_FILE
@@ -386,12 +387,12 @@ class _Done:
 
 
 def _as_int32(crc: int) -> int:
-    """How KVPools.host_crcs holds an unsigned 32-bit checksum (a signed int32 entry)."""
+    """How HostChecksums.table holds an unsigned 32-bit checksum (a signed int32 entry)."""
     return crc - 2**32 if crc >= 2**31 else crc
 
 
 def test_the_writer_stores_the_checksum_computed_by_the_copy(tmp_path: Path) -> None:
-    """With CUDA, the copy that fills a host page also computes its checksum (host_crcs):
+    """With CUDA, the copy that fills a host page also computes its checksum (HostChecksums):
     the writer must store that value, not compute its own.  A wrong one makes the slot fail
     its check when read back -- so a slot written with a deliberately wrong value proves
     which one was stored."""
@@ -406,15 +407,16 @@ def test_the_writer_stores_the_checksum_computed_by_the_copy(tmp_path: Path) -> 
         crcs.append(payload_checksum(host_view(page)))
     # One checksum of each sign as an int32, and a wrong one for the last page.
     assert min(crcs[:2]) < 2**31 <= max(crcs[:2]), crcs
-    host_crcs = torch.tensor([_as_int32(crcs[0]), _as_int32(crcs[1]),
-                              _as_int32(crcs[2] ^ 0x1)], dtype=torch.int32)
+    checksums = HostChecksums(torch.tensor([_as_int32(crcs[0]), _as_int32(crcs[1]),
+                                            _as_int32(crcs[2] ^ 0x1)], dtype=torch.int32))
+    checksums.computed([PageId(0), PageId(1), PageId(2)])
     keys = [BlockHash(bytes([i + 1]) * 32) for i in range(3)]
     reported: list[Completion] = []
 
     async def report(completion: Completion) -> None:
         reported.append(completion)
 
-    pool = WriterPool(store, lambda page: pages[page], host_crcs=host_crcs, workers=1,
+    pool = WriterPool(store, lambda page: pages[page], checksums=checksums, workers=1,
                       queue_depth=1, gate=OpenGate(), report=report)
     command = WriteSlots(writes=tuple(
         WriteSlot(transfer=TransferId(10 + i), block=BlockId(i), key=keys[i],
@@ -437,6 +439,58 @@ def test_the_writer_stores_the_checksum_computed_by_the_copy(tmp_path: Path) -> 
             assert torch.equal(back, pages[i])
         with pytest.raises(TransferFailed, match="checksum"):
             store.read(SlotId(2), keys[2], page_aligned_buffer(store.payload_len))
+    finally:
+        store.close()
+
+
+def test_a_page_a_prefetch_filled_is_written_with_its_own_checksum(tmp_path: Path) -> None:
+    """A host page a prefetch read filled holds bytes no copy checksummed: its entry is the
+    earlier content's.  Content prefetched, recalled with a host copy, evicted back onto it
+    and spilled once its disk copy is displaced is written from that page; the slot must read
+    back (the entry trusted there writes a header that disagrees with the payload)."""
+    core = small_config(tmp_path).core_config()
+    store = PosixSlotStore(tmp_path / "slots", core, direct_io=False)
+    n = store.payload_len
+    hosts = [page_aligned_buffer(n)]
+    earlier = torch.arange(n, dtype=torch.int64).remainder(241).to(torch.uint8)
+    hosts[0].copy_(earlier)      # what a GPU -> host copy brought, and checksummed
+    checksums = HostChecksums(torch.tensor([_as_int32(payload_checksum(host_view(earlier)))],
+                                           dtype=torch.int32))
+    checksums.computed([PageId(0)])
+    data = torch.arange(n, dtype=torch.int64).remainder(251).to(torch.uint8)
+    key = BlockHash(b"k" * 32)
+    store.write(SlotId(3), key, data)
+    reader = SlotReader(store, lambda page: hosts[page], lambda blocks: page_aligned_buffer(
+        blocks * n), torch.device("cpu"), 1, host_page=lambda page: hosts[page],
+        checksums=checksums)
+    reported: list[Completion] = []
+
+    async def report(completion: Completion) -> None:
+        reported.append(completion)
+
+    pool = WriterPool(store, lambda page: hosts[page], checksums=checksums, workers=1,
+                      queue_depth=1, gate=OpenGate(), report=report)
+    spill = WriteSlots(writes=(WriteSlot(transfer=TransferId(2), block=BlockId(7), key=key,
+                                         host_page=PageId(0), slot=SlotId(5), retained=False),))
+
+    async def write_back() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run)
+            await pool.submit(WriteJob(spill, _Done()))
+            pool.close_queue(drop_queued=False)
+
+    try:
+        prefetch = PrefetchSlots(reads=(PrefetchSlot(
+            transfer=TransferId(1), block=BlockId(7), key=key, slot=SlotId(3),
+            host_page=PageId(0)),))
+        assert outcomes(reader.execute(ReadJob(prefetch, _Done()))) == (
+            SlotRead(transfer=TransferId(1)),)
+        assert torch.equal(hosts[0], data)
+        trio.run(write_back)
+        assert [outcomes(c) for c in reported] == [(SlotWritten(transfer=TransferId(2)),)]
+        back = page_aligned_buffer(n)
+        store.read(SlotId(5), key, back)
+        assert torch.equal(back, data)
     finally:
         store.close()
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from io_actors.embed import BlockingCache
+from statekv.ids import BlockHash
 from statekv.lifecycle import BlockState
 from statekv.messages import CopyGpuToHost, CopyHostToGpu, PublishBlock, WriteSlot
 from tests.harness import Executor, block_keys, fresh_tokens, make
-from tests.io_helpers import check_pages, compute, small_config, wait_quiet, wait_ready
+from tests.io_helpers import check_pages, compute, serve, small_config, wait_quiet, wait_ready
+from tests.test_prefetch_actors import wait_prefetched
 
 
 def _cache(**overrides: object) -> Executor:
@@ -191,3 +193,58 @@ def test_a_block_evicted_onto_its_host_copy_is_served_its_own_bytes(tmp_path: Pa
         compute(cache, "c", prompt)
         cache.release("c")
         cache.check_invariants()
+
+
+def test_content_prefetched_then_spilled_from_its_host_copy_reads_back(tmp_path: Path) -> None:
+    """A block recalled from PREFETCHED keeps, as its host copy, a page a disk read filled.
+    Evicted back onto it, its disk copy displaced while it sits on host, it is spilled from
+    that page: the slot must read back as the block's bytes (on CUDA the copy engine's
+    checksum of that page is of its earlier content, and trusting it wrote a slot whose
+    every read failed its checksum)."""
+    cfg = small_config(tmp_path, gpu=8, host=16, reserved_host=0, disk=10)
+    bs = cfg.block_size
+    prompt = list(range(3 * bs + 1))                 # three full blocks and one token
+    with BlockingCache(cfg) as cache:
+        serve(cache, "first", prompt)
+        keys = {b.key for b in cache.cached_blocks()}   # the prompt's three blocks
+        assert len(keys) == 3
+        for i in range(6):                           # prompt -> disk
+            serve(cache, f"churn{i}", [10_000 + 100 * i + t for t in range(17)])
+            wait_quiet(cache)
+        assert _states(cache, keys) == {("ON_DISK", False, False)}
+        for _ in range(20):                          # host room comes back as spills land
+            if cache.prefetch("q", prompt).started_tokens == 3 * bs:
+                break
+            wait_quiet(cache)
+        wait_prefetched(cache, 3)
+        match = cache.add_request("q", prompt)
+        assert match.host_tokens == 3 * bs and match.ready
+        compute(cache, "q", prompt)
+        cache.release("q")
+        # Recalled from PREFETCHED: a host copy (the read's page) and a disk copy each.
+        assert _states(cache, keys) == {("RELEASED", True, True)}
+        seen: set[tuple[str, bool, bool]] = set()
+        for i in range(30):
+            serve(cache, f"x{i}", [90_000 + 100 * i + t for t in range(9)])
+            wait_quiet(cache)
+            seen |= _states(cache, keys)
+            if _states(cache, keys) == {("ON_DISK", False, False)}:
+                break
+        # On host with no disk copy (displaced), then spilled from the page again.
+        assert ("ON_HOST", False, False) in seen, seen
+        assert _states(cache, keys) == {("ON_DISK", False, False)}
+        stats = cache.statistics().cache
+        assert stats.offloads_saved_by_host_copy >= 3
+        match = cache.add_request("z", prompt)
+        assert match.disk_tokens == 3 * bs
+        wait_ready(cache, "z")
+        assert cache.statistics().cache.io_errors == 0
+        check_pages(cache, "z", prompt, 3)           # the bytes it was computed with
+        cache.release("z")
+        cache.check_invariants()
+
+
+def _states(cache: BlockingCache, keys: set[BlockHash]) -> set[tuple[str, bool, bool]]:
+    """(tier, has a disk copy, has a host copy) of each of `keys` still cached."""
+    return {(b.state.name, b.has_disk_copy, b.has_host_copy)
+            for b in cache.cached_blocks() if b.key in keys}

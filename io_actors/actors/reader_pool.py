@@ -35,6 +35,7 @@ import torch
 
 from io_actors.actors.gate import CompletionGate
 from io_actors.actors.worker_threads import WorkerThreads
+from io_actors.memory.host_checksums import HostChecksums
 from io_actors.storage.interfaces import BatchOutcome, Fence, SlotIO, SlotStore
 from statekv.ids import PageId
 from statekv.messages import (
@@ -69,11 +70,13 @@ class SlotReader:
         self, store: SlotStore, gpu_page: Callable[[PageId], torch.Tensor],
         new_staging: Callable[[int], torch.Tensor], device: torch.device, batch_blocks: int,
         *, host_page: Callable[[PageId], torch.Tensor] | None = None,
+        checksums: HostChecksums | None = None,
         measured: Measured | None = None,
     ) -> None:
         self._store = store
         self._gpu_page = gpu_page
         self._host_page = host_page
+        self._checksums = checksums
         self._measured = measured
         self._cuda = device.type == "cuda"
         self._stream: torch.cuda.Stream | None = None
@@ -103,6 +106,11 @@ class SlotReader:
         if host_page is None:
             raise RuntimeError("this reader has no host pool: it cannot prefetch")
         job.fence.wait()
+        if self._checksums is not None:
+            # The pages' checksums were their earlier bytes': a spill from one of these pages
+            # (a host copy of a block recalled from PREFETCHED, once its disk copy was
+            # displaced) checksums it on the CPU.  Before the read, which may land in part.
+            self._checksums.overwritten([cmd.host_page for cmd in reads])
         return self._timed_read([SlotIO(cmd.slot, cmd.key, host_page(cmd.host_page))
                                  for cmd in reads])
 
@@ -172,13 +180,14 @@ class ReaderPool(WorkerThreads[ReadJob]):
         gate: CompletionGate,
         report: Callable[[Completion], Awaitable[None]],
         host_page: Callable[[PageId], torch.Tensor] | None = None,
+        checksums: HostChecksums | None = None,
         measured: Measured | None = None,
     ) -> None:
         super().__init__(
             "reader", workers=workers, queue_depth=queue_depth,
             make_worker=lambda _index: SlotReader(
                 store, gpu_page, new_staging, device, batch_blocks, host_page=host_page,
-                measured=measured,
+                checksums=checksums, measured=measured,
             ),
             gate=gate, report=report,
         )

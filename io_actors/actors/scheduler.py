@@ -179,13 +179,15 @@ class InlineIO:
         if isinstance(job, WriteJob):
             if self._writer is None:
                 self._writer = SlotWriter(self._store, self._pools.host_page,
-                                          self._pools.host_crcs)
+                                          self._pools.host_checksums)
             return self._writer.execute(job)
         if self._reader is None:
             self._reader = SlotReader(self._store, self._pools.gpu_page,
                                       self._pools.new_staging_buffer, self._device,
                                       self._pools.config.max_batch_blocks,
-                                      host_page=self._pools.host_page, measured=self.measured)
+                                      host_page=self._pools.host_page,
+                                      checksums=self._pools.host_checksums,
+                                      measured=self.measured)
         return self._reader.execute(job)
 
 

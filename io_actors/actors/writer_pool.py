@@ -21,6 +21,7 @@ import torch
 
 from io_actors.actors.gate import CompletionGate
 from io_actors.actors.worker_threads import WorkerThreads
+from io_actors.memory.host_checksums import HostChecksums
 from io_actors.storage.interfaces import Fence, SlotIO, SlotStore
 from io_actors.storage.slot_format import SlotMeta
 from statekv.ids import PageId
@@ -59,22 +60,22 @@ class SlotWriter:
 
     def __init__(
         self, store: SlotStore, host_page: Callable[[PageId], torch.Tensor],
-        host_crcs: torch.Tensor | None = None,
+        checksums: HostChecksums | None = None,
     ) -> None:
         self._store = store
         self._host_page = host_page
-        # KVPools.host_crcs, read after the fence (the kernel that wrote an entry ran on the
-        # copy stream before it): no CPU pass over the payload.
-        self._crcs = None if host_crcs is None else host_crcs.numpy()
+        # KVPools.host_checksums, read after the fence (the kernel that wrote an entry ran on
+        # the copy stream before it): no CPU pass over the payload where an entry is current.
+        self._checksums = checksums
 
     def execute(self, job: WriteJob) -> Completion:
         writes = job.command.writes
         page = self._host_page
         job.fence.wait()
-        crcs = self._crcs
+        checksums = self._checksums
         results = self._store.write_many([
             SlotIO(cmd.slot, cmd.key, page(cmd.host_page),
-                   None if crcs is None else int(crcs[cmd.host_page]) & 0xFFFFFFFF,
+                   None if checksums is None else checksums.of(cmd.host_page),
                    slot_meta(cmd))
             for cmd in writes
         ])
@@ -100,7 +101,7 @@ class WriterPool(WorkerThreads[WriteJob]):
         store: SlotStore,
         host_page: Callable[[PageId], torch.Tensor],
         *,
-        host_crcs: torch.Tensor | None = None,
+        checksums: HostChecksums | None = None,
         workers: int,
         queue_depth: int,
         gate: CompletionGate,
@@ -108,6 +109,6 @@ class WriterPool(WorkerThreads[WriteJob]):
     ) -> None:
         super().__init__(
             "writer", workers=workers, queue_depth=queue_depth,
-            make_worker=lambda _index: SlotWriter(store, host_page, host_crcs),
+            make_worker=lambda _index: SlotWriter(store, host_page, checksums),
             gate=gate, report=report,
         )

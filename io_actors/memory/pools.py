@@ -22,6 +22,7 @@ from typing import Final
 import attrs
 import torch
 
+from io_actors.memory.host_checksums import HostChecksums
 from io_actors.storage.buffers import page_aligned_buffer
 from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
 from io_actors.storage.interfaces import Fence
@@ -120,7 +121,7 @@ class KVPools:
         self.gpu: Final = self._allocate_gpu()
         self.host_pinned: bool = False
         self.host: Final = self._allocate_host()
-        self.host_crcs: torch.Tensor | None = self._allocate_host_crcs()
+        self.host_checksums: HostChecksums | None = self._allocate_host_checksums()
         """The payload checksum of each host page's content, computed on the GPU by the copy
         that filled it (one kernel per batch of copies), so that a spill writes it into the
         slot header without a CPU pass over the bytes.  None where that cannot run (no CUDA,
@@ -172,13 +173,13 @@ class KVPools:
             ) from None
         return flat.view(self.dtype).view(shape)
 
-    def _allocate_host_crcs(self) -> torch.Tensor | None:
+    def _allocate_host_checksums(self) -> HostChecksums | None:
         if self.device.type != "cuda" or not self.host_pinned or self.host_pages == 0:
             return None
         if not have_kernel():
             return None
         warm_up(self.block_nbytes, self.device)
-        return torch.zeros(self.host_pages, dtype=torch.int32, pin_memory=True)
+        return HostChecksums(torch.zeros(self.host_pages, dtype=torch.int32, pin_memory=True))
 
     def gpu_page(self, page: PageId) -> torch.Tensor:
         """One GPU page as a 1-D uint8 view of its block_nbytes bytes."""
@@ -305,7 +306,7 @@ class TorchCopyEngine:
         self._non_blocking = self._async and pools.host_pinned
 
     def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
-        if self._pools.host_crcs is not None:
+        if self._pools.host_checksums is not None:
             # The page's checksum must be recorded with it: the batched path does that.
             self.copy_pages([(gpu_page, host_page)], to_gpu=False)
             return
@@ -376,11 +377,14 @@ class TorchCopyEngine:
                     for s0, d0, n in runs:
                         dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
                                                     non_blocking=self._non_blocking)
-                    if not to_gpu and pools.host_crcs is not None:
+                    checksums = pools.host_checksums
+                    if not to_gpu and checksums is not None:
                         # The host pages' checksums, from the GPU pages they were copied
                         # from, behind the copies on the same stream (fences cover it).
+                        hosts = [dst for _src, dst in pairs]
                         checksums_into([pools.gpu_page(src) for src, _dst in pairs],
-                                       pools.host_crcs, [dst for _src, dst in pairs])
+                                       checksums.table, hosts)
+                        checksums.computed(hosts)
                 self._pending_for_compute = True
             if to_gpu:
                 self._copies_to_gpu += len(pairs)
