@@ -60,7 +60,6 @@ import platform
 import pstats
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -440,10 +439,9 @@ def main() -> int:
     if args.write:
         import vllm
 
-        from bench.results_files import write_new_results
+        from bench.results_files import source_commit, write_new_results
 
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = source_commit()
         today = dt.date.today()
         shape_names = {"per_token": "decoding one token per step",
                        "per_chunk": "each answer in one step"}

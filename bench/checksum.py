@@ -27,7 +27,6 @@ import argparse
 import datetime as dt
 import os
 import platform
-import subprocess
 import tempfile
 import threading
 import time
@@ -37,7 +36,7 @@ from collections.abc import Callable
 import crc32c
 
 from bench.disk_limits import raw_write_rate
-from bench.results_files import write_new_results
+from bench.results_files import source_commit, write_new_results
 from io_actors.storage.slot_format import HEADER_SIZE, align_up
 
 Checksum = Callable[[bytes], int]
@@ -127,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"crc32c_over_zlib_{kib}k"] = {
             "value": round(single["crc32c"] / single["zlib_crc32"], 2), "unit": "x"}
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = source_commit()
         today = dt.date.today()
         result = {
             "bench": "checksum", "machine": args.machine, "date": today.isoformat(),

@@ -27,11 +27,11 @@ import datetime as dt
 import gc
 import json
 import platform
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.results_files import source_commit
 from statekv import CacheConfig, KVCacheManager
 from statekv.hashing import chain_key, root_key, token_bytes
 
@@ -201,8 +201,7 @@ def main() -> int:
     print(f"is_ready 1M / 1k: {flat:.2f}x")
 
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = source_commit()
         today = dt.date.today()
         figures: dict[str, dict[str, object]] = {}
         for phase, us in phases.items():

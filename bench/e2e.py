@@ -34,6 +34,7 @@ from typing import Any
 
 from bench.disk_limits import raw_read_rate
 from bench.plots import load_results
+from bench.results_files import source_commit
 from bench.serving import (
     CONFIGS,
     NAMES,
@@ -44,7 +45,6 @@ from bench.serving import (
     budgets_for,
     chat_config,
     full_reuse_capacity,
-    git_commit,
     int_at_least,
     pool_blocks,
     positive_number,
@@ -206,7 +206,7 @@ def main() -> int:
     today = dt.date.today()
     png = args.out / f"e2e-{args.machine}-{today:%Y%m%d}.png"
     if plot({"bench": "e2e", "machine": args.machine, "date": today.isoformat(),
-             "commit": git_commit(), "summaries": summaries}, png):
+             "commit": source_commit(), "summaries": summaries}, png):
         print(f"wrote {png}")
     if args.write:
         figures: dict[str, dict[str, object]] = {}
@@ -239,7 +239,7 @@ def main() -> int:
                     "ratio": round(s["queued_on_disk_reading_s"] / s["queued_on_disk_s"], 3)}
         figures["disk_read_raw"] = {"value": round(disk.gb_per_s, 3), "unit": "GB/s"}
         figures["prefill_rate"] = {"value": round(tps, 1), "unit": "tok/s"}
-        commit = git_commit()
+        commit = source_commit()
         out = args.out / f"e2e-{args.machine}-{today:%Y%m%d}.json"
         out.write_text(json.dumps({
             "bench": "e2e", "machine": args.machine, "date": today.isoformat(),

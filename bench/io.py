@@ -26,7 +26,6 @@ import datetime as dt
 import json
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import attrs
 import torch
 
 from bench.disk_limits import pinned_h2d_rate, raw_read_rate, raw_write_rate
+from bench.results_files import source_commit
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
 from io_actors.memory.pools import KVPools, TorchCopyEngine
@@ -428,8 +428,7 @@ def main() -> int:
                     "disk_gb_per_s_while_saturated": round(
                         latency["saturated_disk_gb_per_s"], 3),
                 }
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = source_commit()
         today = dt.date.today()
         tag = f"-{args.tag}" if args.tag else ""
         out = Path(__file__).parent / "results" / f"io-{args.machine}-{today:%Y%m%d}{tag}.json"

@@ -22,6 +22,11 @@ touch "$OUT/.started"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "${SITE:=/tmp/site}" .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
+# The tree copied here has no git metadata of its own (a git found above it names another
+# tree): the caller sends the commit it copied, written before the call with
+#   echo "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty)" > .whl/COMMIT
+if [ -f .whl/COMMIT ]; then export STATEKV_COMMIT=$(cat .whl/COMMIT); fi
+echo "commit measured: ${STATEKV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DISK=${DISK:-/tmp/statekv-disk}
 mkdir -p "$DISK"

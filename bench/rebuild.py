@@ -31,11 +31,10 @@ import hashlib
 import os
 import platform
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
-from bench.results_files import write_new_results
+from bench.results_files import source_commit, write_new_results
 from io_actors.embed import restore_from_disk
 from io_actors.storage.index_journal import INDEX_FILE, RECORD_SIZE
 from io_actors.storage.posix import PosixSlotStore
@@ -184,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError):
         shutil.rmtree(args.dir)
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = source_commit()
         today = dt.date.today()
         result = {
             "bench": "rebuild", "machine": args.machine, "date": today.isoformat(),

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.redis_cluster import running_cluster
+from bench.results_files import source_commit
 from io_actors.storage.redis_store import RedisClusterStore, RemoteIO
 from io_actors.storage.slot_format import HEADER_SIZE
 from statekv.config import CacheConfig, KVLayout
@@ -188,8 +189,7 @@ def main() -> int:
     print(f"ratio: {ratio:.2f}")
 
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = source_commit()
         today = dt.date.today()
         command = (f"python -m bench.remote --block-kib {args.block_kib} --blocks {args.blocks} "
                    f"--batch {args.batch} --threads {args.threads} --seconds {args.seconds} "

@@ -97,11 +97,11 @@ from bench.replica_process import (
     Submit,
     replica_main,
 )
+from bench.results_files import source_commit
 from bench.serving import (
     OneLineParser,
     chat_config,
     full_reuse_capacity,
-    git_commit,
     int_at_least,
     mean_prompt_tokens,
     positive_number,
@@ -786,7 +786,7 @@ def run_benchmark(args: argparse.Namespace, argv: Sequence[str],
         capacity = args.replicas * full_reuse_capacity(shape, prefill)
         doc: dict[str, Any] = {
             "bench": "replicas", "machine": machine, "date": today.isoformat(),
-            "commit": git_commit(), "command": "python -m bench.replicas " + " ".join(argv),
+            "commit": source_commit(), "command": "python -m bench.replicas " + " ".join(argv),
             "replicas": args.replicas, "move_probability": args.move_probability,
             "model": f"{args.model}-x{args.layers}-{args.dtype}-v{vocab}",
             "kv_bytes_per_token": readies[0].kv_bytes_per_token,

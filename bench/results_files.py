@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,3 +25,15 @@ def write_new_results(bench: str, machine: str, day: dt.date, result: dict[str, 
         run += 1
     out.write_text(json.dumps(result, indent=2) + "\n")
     return out
+
+
+def source_commit() -> str:
+    """The commit of the code a run measured, for its results file: ``STATEKV_COMMIT`` where
+    the tree was copied without its git metadata (bench/on_gpu.sh sets it from the COMMIT file
+    the caller sent with the tree: the device's copy has no .git of its own, and a git found
+    above it names some other tree), else ``git rev-parse HEAD``."""
+    named = os.environ.get("STATEKV_COMMIT", "").strip()
+    if named:
+        return named
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=False, cwd=RESULTS.parent.parent).stdout.strip()

@@ -13,7 +13,6 @@ import argparse
 import math
 import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -391,11 +390,6 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
 
 
 # ---------------------------------------------------------------------- results files
-
-
-def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=False).stdout.strip()
 
 
 def pyplot() -> ModuleType | None:

@@ -110,6 +110,7 @@ import attrs
 from tqdm import tqdm
 
 from bench.plots import load_results
+from bench.results_files import source_commit
 from bench.serving import (
     CONFIGS,
     NAMES,
@@ -119,7 +120,6 @@ from bench.serving import (
     budgets_for,
     chat_config,
     full_reuse_capacity,
-    git_commit,
     int_at_least,
     mean_prompt_tokens,
     pool_blocks,
@@ -859,7 +859,7 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                 f"argument --disk-gib: a prepared tier and its copy need "
                 f"{2 * args.disk_gib:g} GiB; {str(disk_dir)!r} has {free / 2**30:.1f} GiB free")
     call = {"started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "command": "python -m bench.sweep " + " ".join(argv), "commit": git_commit(),
+            "command": "python -m bench.sweep " + " ".join(argv), "commit": source_commit(),
             "deadline_s": args.deadline_s, "points": args.points, "cut_short": None,
             "measured": 0}
     if args.resume is not None:

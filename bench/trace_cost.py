@@ -34,12 +34,12 @@ import gc
 import json
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.results_files import source_commit
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
 from io_actors.tracing.recorder import RecordKind, TraceRecorder
@@ -301,8 +301,7 @@ def main() -> int:
         print(f"{name:<30}{ratio:>33.4f}x")
 
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = source_commit()
         today = dt.date.today()
         names = ["core_recording_off_estimated", "core_recording_on",
                  "serving_calls_recording_off_estimated", "serving_calls_recording_on"]
