@@ -219,3 +219,40 @@ def test_copying_pages_to_host_records_their_checksums_on_the_gpu() -> None:
         assert checksums.of(h) == expected
     # Pages no copy filled have no current checksum: a writer computes theirs.
     assert checksums.of(PageId(2)) is None and checksums.of(PageId(4)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_host_page_filled_twice_in_one_batch_keeps_the_last_copys_checksum() -> None:
+    """A batch of GPU -> host copies may fill one host page twice (the first victim's page
+    freed again in the same decision and handed to the next): the page ends with the last
+    copy's bytes, so its checksum must be the last copy's -- the kernel's blocks write their
+    entries in no defined order, so one entry per page is computed."""
+    from io_actors.memory.pools import KVPools, TorchCopyEngine
+    from io_actors.storage.gpu_checksum import have_kernel
+    from statekv.config import CacheConfig
+    from statekv.ids import PageId
+
+    pools = KVPools(CacheConfig(block_size=8, gpu_blocks=16, host_blocks=4,
+                                layout=config().layout), "cuda")
+    if not have_kernel():
+        pytest.skip("needs cupy")
+    checksums = pools.host_checksums
+    assert checksums is not None
+    gen = torch.Generator().manual_seed(11)
+    for page in range(16):
+        pools.gpu_page(PageId(page)).copy_(
+            torch.randint(0, 256, (pools.block_nbytes,), dtype=torch.uint8, generator=gen))
+    engine = TorchCopyEngine(pools)
+    for trial in range(8):
+        # Fifteen copies into host page 1, the last from GPU page `last`, around others.
+        last = 15 - trial
+        pairs = [(PageId(g), PageId(1)) for g in range(16) if g != last]
+        pairs = [(PageId(trial), PageId(0)), *pairs, (PageId(last), PageId(1)),
+                 (PageId(trial + 1), PageId(2))]
+        engine.copy_pages(pairs, to_gpu=False)
+        engine.fence().wait()
+        for h in (0, 1, 2):
+            expected = crc32c.crc32c(pools.host_page(PageId(h)).numpy().tobytes())
+            assert checksums.of(PageId(h)) == expected, (trial, h)
+        assert torch.equal(pools.host_page(PageId(1)), pools.gpu_page(PageId(last)).cpu())

@@ -381,8 +381,14 @@ class TorchCopyEngine:
                     if not to_gpu and checksums is not None:
                         # The host pages' checksums, from the GPU pages they were copied
                         # from, behind the copies on the same stream (fences cover it).
-                        hosts = [dst for _src, dst in pairs]
-                        checksums_into([pools.gpu_page(src) for src, _dst in pairs],
+                        # One entry per host page, of the last copy into it: a batch may
+                        # fill a page twice (a GPU victim's page freed again within the
+                        # same decision -- it left host at once with its disk copy kept --
+                        # and handed to the next victim), and the kernel's blocks write
+                        # their entries in no defined order.
+                        last = dict((dst, src) for src, dst in pairs)
+                        hosts = list(last)
+                        checksums_into([pools.gpu_page(src) for src in last.values()],
                                        checksums.table, hosts)
                         checksums.computed(hosts)
                 self._pending_for_compute = True
