@@ -165,6 +165,30 @@ def _steps(turns: list[Turn], chunk: int) -> list[list[Step]]:
     return [[p[k] for p in plans if k < len(p)] for k in range(width)]
 
 
+class _TimedRegion:
+    """The timed region of both sides: garbage collected and then gc off, `profile` (when
+    given) on, and the calling thread's CPU time from entering to leaving it in `elapsed`."""
+
+    def __init__(self, profile: cProfile.Profile | None) -> None:
+        self.profile = profile
+        self.elapsed = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> _TimedRegion:
+        gc.collect()
+        gc.disable()
+        if self.profile is not None:
+            self.profile.enable()
+        self._start = time.thread_time()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.elapsed = time.thread_time() - self._start
+        if self.profile is not None:
+            self.profile.disable()
+        gc.enable()
+
+
 # ---------------------------------------------------------------------- statekv's side
 
 def statekv_keys(trace: Trace) -> dict[bytes, list[BlockHash]]:
@@ -195,37 +219,30 @@ def run_statekv(trace: Trace, keys: dict[bytes, list[BlockHash]] | None,
     append, release = cache.append_tokens, cache.release
     matched = 0
     now = 0.0
-    gc.collect()
-    gc.disable()
-    if profile is not None:
-        profile.enable()
-    start = time.thread_time()
     try:
-        for turns, steps in zip(trace.batches, trace.steps, strict=True):
-            for t in turns:
-                matched += add(t.rid, t.prompt, now=now, cache_salt=salts[t.user]).matched_tokens
-                n = len(t.prompt)
-                allocate(t.rid, n, now=now)
-                commit(t.rid, n, now=now)
-                append(t.rid, t.answer[:1])
-            for step in steps:
-                now += 1.0
-                for s in step:
-                    rid = turns[s.index].rid
-                    if s.extra:
-                        append(rid, s.extra)
-                    allocate(rid, s.total, now=now)
-                    commit(rid, s.total, now=now)
-                    append(rid, s.sampled)
-                    if s.last:
-                        release(rid, now=now)
-        elapsed = time.thread_time() - start
+        with _TimedRegion(profile) as timed:
+            for turns, steps in zip(trace.batches, trace.steps, strict=True):
+                for t in turns:
+                    matched += add(t.rid, t.prompt, now=now,
+                                   cache_salt=salts[t.user]).matched_tokens
+                    n = len(t.prompt)
+                    allocate(t.rid, n, now=now)
+                    commit(t.rid, n, now=now)
+                    append(t.rid, t.answer[:1])
+                for step in steps:
+                    now += 1.0
+                    for s in step:
+                        rid = turns[s.index].rid
+                        if s.extra:
+                            append(rid, s.extra)
+                        allocate(rid, s.total, now=now)
+                        commit(rid, s.total, now=now)
+                        append(rid, s.sampled)
+                        if s.last:
+                            release(rid, now=now)
     finally:
-        if profile is not None:
-            profile.disable()
-        gc.enable()
         namespace["extend_chain"] = saved
-    return elapsed, matched
+    return timed.elapsed, matched
 
 
 # ---------------------------------------------------------------------- vLLM's side
@@ -293,12 +310,7 @@ class VllmSide:
         new_step, free = manager.new_step_starts, manager.free
         running = self.running
         matched = 0
-        gc.collect()
-        gc.disable()
-        if profile is not None:
-            profile.enable()
-        start = time.thread_time()
-        try:
+        with _TimedRegion(profile) as timed:
             for turns, steps in zip(trace.batches, trace.steps, strict=True):
                 new_step()
                 reqs = []
@@ -326,12 +338,7 @@ class VllmSide:
                         req.append_output_token_ids(s.sampled_id)
                         if s.last:
                             free(req)
-            elapsed = time.thread_time() - start
-        finally:
-            if profile is not None:
-                profile.disable()
-            gc.enable()
-        return elapsed, matched
+        return timed.elapsed, matched
 
 
 # ---------------------------------------------------------------------- the comparison

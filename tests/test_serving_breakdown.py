@@ -15,16 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.serving import breakdown_line, breakdown_summary
-from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
 from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.storage.posix import PosixSlotStore
 from models.config import preset
 from models.model import PagedDecoder
 from models.serving_loop import RequestResult, ServeRequest, ServingLoop
-from tests.io_helpers import wait_quiet
+from tests.test_serving_prefetch import PROMPT, push_prompt_to_disk, serving_config
 
-PROMPT = tuple(range(13))  # three full blocks of 4
 DISK_TOKENS = 12
 ROUNDING = 1e-9
 """Parts are differences of one clock's readings: they add up to the TTFT up to float
@@ -64,21 +62,10 @@ def _until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
         time.sleep(0.001)
 
 
-def _config(tmp_path: Path, model: PagedDecoder, *, disk: bool) -> StateKVConfig:
-    return StateKVConfig(
-        layout=model.config.kv_layout(), block_size=4, gpu=24,
-        host=6 if disk else 0, reserved_host=2 if disk else 0, disk=64 if disk else 0,
-        disk_dir=tmp_path, device="cpu", model_fingerprint=model.config.fingerprint(),
-        # Every disk hit is read back (whatever the measured rates), and GPU evictions spill
-        # host content before they take a waiting request's prefetched pages.
-        cost_aware_onboarding=False, reclaim_prefetched_first=False,
-    )
-
-
 @contextmanager
 def _disk_cache(tmp_path: Path, model: PagedDecoder, held: HeldReads
                 ) -> Iterator[BlockingCache]:
-    config = _config(tmp_path, model, disk=True)
+    config = serving_config(tmp_path, model)
     rank_dir = config.rank_directory()
     assert rank_dir is not None
     plan = FaultPlan(rules=(FaultRule(op=Op.READ, fault=Fault.SLOW, nth=1, onward=True),))
@@ -91,18 +78,6 @@ def _disk_cache(tmp_path: Path, model: PagedDecoder, held: HeldReads
                 held.release()  # before the close, which waits for reads in flight
     finally:
         store.close()
-
-
-def _push_prompt_to_disk(loop: ServingLoop, cache: BlockingCache) -> None:
-    loop.submit(ServeRequest(request_id="first", prompt=PROMPT, max_new_tokens=2))
-    loop.drain()
-    for i in range(8):
-        fresh = (100 + i, *((13 * t + 7 * i) % 300 + 150 for t in range(59)))
-        loop.submit(ServeRequest(request_id=f"churn{i}", prompt=fresh, max_new_tokens=1))
-        loop.drain()
-        wait_quiet(cache)
-    on_disk = sum(1 for b in cache.cached_blocks() if b.state.name == "ON_DISK")
-    assert on_disk >= DISK_TOKENS // 4
 
 
 def _requests(salted: bool) -> list[ServeRequest]:
@@ -134,7 +109,7 @@ def test_a_request_parked_on_a_slow_read_holds_back_no_other_request(tmp_path: P
     held = HeldReads()
     with _disk_cache(tmp_path, model, held) as cache:
         loop = ServingLoop(model, cache, max_running=4)
-        _push_prompt_to_disk(loop, cache)
+        push_prompt_to_disk(loop, cache, min_on_disk=DISK_TOKENS // 4)
         held.hold()
         for req in _requests(salted=False):
             loop.submit(req)
@@ -170,7 +145,7 @@ def test_a_queued_request_prefetches_at_once_and_the_disk_reads_while_it_waits(
     held = HeldReads()
     with _disk_cache(tmp_path, model, held) as cache:
         loop = ServingLoop(model, cache, max_running=1, prefetch_ahead=2)
-        _push_prompt_to_disk(loop, cache)
+        push_prompt_to_disk(loop, cache, min_on_disk=DISK_TOKENS // 4)
         before = loop.statistics()
         held.hold()
         loop.submit(ServeRequest(request_id="long", prompt=tuple(range(460, 500)),
@@ -211,11 +186,11 @@ def test_breakdown_summary_shows_disk_time_only_where_there_are_disk_hits(
     held = HeldReads()
     with _disk_cache(tmp_path / "disk", model, held) as cache:
         loop = ServingLoop(model, cache, max_running=4, prefetch_ahead=2)
-        _push_prompt_to_disk(loop, cache)
+        push_prompt_to_disk(loop, cache, min_on_disk=DISK_TOKENS // 4)
         for req in _requests(salted=False):
             loop.submit(req)
         disk_tier = loop.drain(timeout=60)
-    with BlockingCache(_config(tmp_path / "none", model, disk=False)) as cache:
+    with BlockingCache(serving_config(tmp_path / "none", model, disk=False)) as cache:
         loop = ServingLoop(model, cache, max_running=4, prefetch_ahead=2)
         for req in _requests(salted=True):
             loop.submit(req)
