@@ -178,11 +178,23 @@ class EngineHarness:
         self.host.clear()
         self.now += later
         self.tiers = EngineTiers(self.config, write_through=self.write_through)
+        # As the store's index rebuild does (io_actors.storage.posix_open): one slot per key,
+        # the newer write.  Two can hold one key: a slot whose content was displaced by a
+        # write that the restart lost still holds its old header, and that content may have
+        # been written again elsewhere meanwhile.
+        newest: dict[BlockHash, tuple[int, SlotImage]] = {}
+        for slot, img in sorted(self.disk.items()):
+            if img.forgotten:
+                continue
+            kept = newest.get(img.key)
+            if kept is None or (kept[1].written_at, kept[1].sequence) < (img.written_at,
+                                                                          img.sequence):
+                newest[img.key] = (slot, img)
         self.tiers.restore(
             [RestoredBlock(key=img.key, parent_key=img.parent, slot=SlotId(slot),
                            depth=img.depth, reuse_count=0, expiry=img.expiry,
                            written_at=img.written_at, sequence=img.sequence)
-             for slot, img in sorted(self.disk.items()) if not img.forgotten],
+             for slot, img in sorted(newest.values(), key=lambda kept: kept[0])],
             now=self.now,
         )
         self.run()
