@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from io_actors.memory.host_checksums import HostChecksums
-from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.buffers import page_aligned_buffer, pinned_page_aligned_buffer
 from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
 from io_actors.storage.interfaces import Fence
 from statekv.config import CacheConfig
@@ -154,7 +154,8 @@ class KVPools:
         shape = (self.host_pages, *self.page_shape)
         if torch.cuda.is_available() and self.host_pages > 0:
             try:
-                pinned = torch.zeros(shape, dtype=self.dtype, pin_memory=True)
+                pinned = pinned_page_aligned_buffer(
+                    self.host_pages * self.block_nbytes).zero_().view(self.dtype).view(shape)
             except RuntimeError as exc:
                 _log.warning(
                     "host pool: pinning %d bytes failed (%s); using pageable memory, host "
@@ -196,7 +197,7 @@ class KVPools:
         """
         nbytes = blocks * self.block_nbytes
         if self.host_pinned:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return pinned_page_aligned_buffer(nbytes)
         return page_aligned_buffer(nbytes)
 
 

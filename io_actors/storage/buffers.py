@@ -27,6 +27,30 @@ def page_aligned_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
+def aligned_within(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The `nbytes` of the uint8 tensor `raw` that start at its first page boundary (`raw`
+    holds at least ``nbytes + PAGE - 1`` bytes); the view keeps `raw`'s storage alive."""
+    offset = -raw.data_ptr() % mmap.PAGESIZE
+    if raw.numel() < offset + nbytes:
+        raise ValueError(f"{raw.numel()} bytes cannot hold {nbytes} page-aligned bytes")
+    return raw[offset : offset + nbytes]
+
+
+def pinned_page_aligned_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialized pinned uint8 host tensor whose first byte is page aligned.
+
+    torch's pinned allocator does not promise page alignment: on the H200 machine a host pool
+    allocated after other pinned tensors of the process started 2,560 bytes past a page
+    boundary, and O_DIRECT cannot transfer into or out of such a buffer -- every spill and
+    prefetch of its pages then went through the store's bounce buffer, one slot per call.
+    One page more is allocated and the aligned part handed out.
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, pin_memory=True)
+    raw = torch.empty(nbytes + mmap.PAGESIZE - 1, dtype=torch.uint8, pin_memory=True)
+    return aligned_within(raw, nbytes)
+
+
 def host_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy).
 
