@@ -30,6 +30,8 @@ from fuzz.system_machine import SystemMachine
 from io_actors.actors.reader_pool import SlotReader
 from io_actors.actors.scheduler import Scheduler
 from io_actors.storage import posix
+from io_actors.storage.buffers import host_view
+from io_actors.storage.slot_format import payload_checksum
 from statekv.block import Block
 from statekv.disk_tier import DiskTier
 from statekv.eviction import Eviction
@@ -185,6 +187,23 @@ def checksum_not_verified() -> AbstractContextManager[None]:
             setattr(posix, name, original)
 
     return planted()
+
+
+def header_checksum_of_other_bytes() -> AbstractContextManager[None]:
+    """A spill's header carries a checksum the copy engine computed beside the copy, not one
+    of the bytes written (on the GPU machine: a host page filled twice in one batch kept the
+    earlier copy's checksum, and a page a prefetch read filled kept its earlier content's).
+    Here every write stores a checksum one bit off its payload's: such a slot can never be
+    read back, and nothing injected a fault into it."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def write_many(self: posix.PosixSlotStore, writes: Any) -> Any:
+            stale = [attrs.evolve(item, crc=payload_checksum(host_view(item.buffer)) ^ 1)
+                     for item in writes]
+            return original(self, stale)
+        return write_many
+
+    return _wrapped(posix.PosixSlotStore, "write_many", make)
 
 
 def failed_read_published() -> AbstractContextManager[None]:
@@ -481,6 +500,8 @@ PLANTED = {
         Planted("displaced-copy-kept-system", displaced_copy_kept, SystemMachine, 1000),
         Planted("checksum-not-verified", checksum_not_verified, SystemMachine, 1000),
         Planted("failed-read-published", failed_read_published, SystemMachine, 1000),
+        Planted("header-checksum-of-other-bytes", header_checksum_of_other_bytes,
+                SystemMachine, 1000),
         Planted("release-during-onboard-system", release_during_onboard, SystemMachine, 1000),
         Planted("scheduler-waits-for-writes", scheduler_waits_for_writes, SystemMachine, 1000),
         Planted("feeder-pops-a-cleared-backlog", feeder_pops_a_cleared_backlog, SystemMachine,

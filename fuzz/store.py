@@ -212,9 +212,8 @@ class FuzzStore:
                 self._inner.read(slot, key, dst)
             else:
                 self._faulty(Op.READ, fault, call).read(slot, key, dst)
-        except TransferFailed:
-            with self._lock:
-                self.read_errors += 1
+        except TransferFailed as exc:
+            self._check_failed_read(slot, key, fault, before, exc)
             raise
         finally:
             self._notify()
@@ -244,13 +243,29 @@ class FuzzStore:
         with self._lock:
             before = [self.truth.get(item.slot) for item in items]
         out = self._many(Op.READ, items, begun, self._inner.read_many)
-        for item, outcome, prior in zip(items, out, before, strict=True):
+        for item, outcome, prior, (fault, _d, _c) in zip(items, out, before, begun,
+                                                          strict=True):
             if outcome is not None:
-                with self._lock:
-                    self.read_errors += 1
+                self._check_failed_read(item.slot, item.key, fault, prior, outcome)
             else:
                 self._check_read(item.slot, item.key, item.buffer, prior)
         return out
+
+    def _check_failed_read(
+        self, slot: SlotId, key: BlockHash, fault: Fault | None,
+        before: tuple[BlockHash, Truth] | None, error: TransferFailed,
+    ) -> None:
+        """A read fails only where something made it fail: a fault injected into it, or bytes
+        the store knows are not what was written.  A read of a slot last written intact for
+        `key`, with no fault of its own, that fails anyway means the write stored a header
+        its payload disagrees with (as a wrong checksum computed beside the copy did) or the
+        read path spoiled the bytes: recorded as a violation."""
+        with self._lock:
+            self.read_errors += 1
+            if fault is None and before == (key, Truth.INTACT):
+                self.violations.append(
+                    f"slot {slot}: a read of the intact bytes written for key "
+                    f"{key.hex()[:12]} failed with no fault injected: {error}")
 
     def _many(
         self, op: Op, items: list[SlotIO], begun: list[tuple[Fault | None, float, int]],

@@ -262,6 +262,23 @@ def test_a_flipped_bit_is_never_served() -> None:
     fails_when_planted(planted.checksum_not_verified, scenario)
 
 
+def test_a_read_of_an_intact_slot_fails_only_where_a_fault_was_injected() -> None:
+    """A slot written whole under a header whose checksum is of other bytes (the GPU
+    checksum path's two bugs) is never served -- its read fails -- but nothing injected that
+    failure: the fuzz store counts it as a violation, not as a tolerated fault."""
+
+    def scenario() -> None:
+        with system() as run:
+            run.to_disk()
+            run("add_request", spec=RequestSpec(PROMPT))
+            stats = run("drain")
+            assert stats.onboard_failures == 0
+
+    scenario()
+    error = fails_when_planted(planted.header_checksum_of_other_bytes, scenario)
+    assert "failed with no fault injected" in str(error), error
+
+
 @pytest.mark.parametrize("plant", [planted.checksum_not_verified,
                                    planted.failed_read_published],
                          ids=lambda p: p.__name__)
