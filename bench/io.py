@@ -133,8 +133,12 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         onboard_s = time.perf_counter() - start
         assert match.disk_tokens == n * args.block_size, match
         out["onboard_gb_per_s"] = n * block_bytes / onboard_s / 1e9
-        stats = cache.statistics().cache
+        system = cache.statistics()
+        stats = system.cache
         assert stats.io_errors == 0 and stats.writes_in_flight == 0, stats
+        # Transfers the store could not hand to O_DIRECT as they were (a host page or
+        # staging buffer off a page boundary): each went through its bounce buffer.
+        out["bounced_transfers"] = float(system.store.bounced) if system.store else 0.0
         cache.release("again")
         if args.backend == "kvikio":
             out["kvikio_gb_per_s"] = kvikio_own_rate(config, n)
@@ -396,6 +400,9 @@ def main() -> int:
     for name, value, limit, limit_name in rows:
         print(f"{name:<20}{value:8.2f} GB/s  vs {limit:8.2f} GB/s {limit_name:<20} "
               f"= {value / limit:5.2f}x")
+    bounced = int(phases["bounced_transfers"])
+    print(f"transfers through the store's bounce buffer (spill and onboard): {bounced}"
+          + (" -- buffers off a page boundary" if bounced else ""))
     if latency:
         print(f"step p50 idle {latency['idle_p50_ms']:.2f} ms, saturated "
               f"{latency['saturated_p50_ms']:.2f} ms; p99 idle {latency['idle_p99_ms']:.2f} ms, "
@@ -439,6 +446,9 @@ def main() -> int:
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                 if k not in ("write", "dir", "skip_latency", "tag") and v is not None),
             "figures": figures,
+            # A count, not a figure: transfers of the spill and onboard phases that went
+            # through the store's bounce buffer (0 when every buffer was page aligned).
+            "bounced_transfers": int(phases["bounced_transfers"]),
         }, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
