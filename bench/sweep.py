@@ -1156,6 +1156,11 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         f"{s['measured_requests']} measured [{s['seconds']:.1f} s + {setup:.1f} s setup]")
     if s.get("breakdown_requests"):
         tqdm.write("    " + breakdown_line(s))
+    if s.get("io_errors"):
+        # No injected faults here: every failed transfer is a fault of the disk or a bug,
+        # and the point's figure includes the recomputation it cost.
+        tqdm.write(f"    {s['io_errors']} disk transfers failed in this run (each logged above"
+                   f"); its figure includes the recomputing they caused")
 
 
 def write_results(path: Path, header: dict[str, Any], cases: list[dict[str, Any]],
