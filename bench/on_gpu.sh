@@ -13,8 +13,10 @@
 # limit, keeping what it measured in bench/results/sweep-h200-<date>-<shape>-p<P>-h<H>.json
 # (copied to $OUT/results).  A cell longer than one call goes on in the next: put that file
 # back under bench/results/ and run again with SWEEP_RESUME=<that path> (the same SWEEP_*
-# values), or SWEEP_RESUME=auto for the newest file of the cell there.  The plots are drawn
-# afterwards where matplotlib is: python -m bench.sweep --plot FILE.
+# values), or SWEEP_RESUME=auto for the newest file of the cell there; SWEEP_REMEASURE=d
+# with SWEEP_REMEASURE_WHY="..." searches those configurations of the resumed file again from
+# the start (their old points stay in it, with the reason).  The plots are drawn afterwards
+# where matplotlib is: python -m bench.sweep --plot FILE.
 set -uo pipefail
 OUT=${OUT:-/tmp/statekv-gpu-out}
 mkdir -p "$OUT"
@@ -76,7 +78,9 @@ for step in "$@"; do
         --layers "${SWEEP_LAYERS:-2}" --gpu-gib "${SWEEP_POOL_GIB:-0.5}" \
         --host-gib "${SWEEP_POOL_GIB:-0.5}" --block-size "${SWEEP_BLOCK:-128}" \
         --disk-gib "${SWEEP_DISK_GIB:-8}" --rounds 3 --duration-s 8 --deadline-s 530 \
-        --progress never ${resume:+--resume "$resume"} ${SWEEP_ARGS:-} ;;
+        --progress never ${resume:+--resume "$resume"} \
+        ${SWEEP_REMEASURE:+--remeasure "$SWEEP_REMEASURE" --remeasure-why "${SWEEP_REMEASURE_WHY:-}"} \
+        ${SWEEP_ARGS:-} ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     # The whole gpu profile runs past one call's 10 minutes on the H200 (its system machine
     # alone did not finish 300 examples in 7.5 minutes): FUZZ_MACHINES=system in one call,

@@ -78,7 +78,10 @@ the same flags are required (one line naming the first that differs; ``--seeds``
 adding seeds to every search), the calibration of
 the first call is kept (so a rate and a seed give the same arrivals), every point measured is
 read back, not rerun, and each search continues where it stopped; the file is extended in
-place.  Each call's own calibration is recorded beside it.
+place.  Each call's own calibration is recorded beside it.  ``--remeasure CONFIGS`` (with
+``--remeasure-why TEXT``) searches those configurations again from the start: their earlier
+points move to the case's ``dropped_runs`` with the reason and the call that dropped them
+(the file stays the history of what was measured), for points a bug since fixed spoiled.
 
 **Rates** are multiples of the case's *recompute capacity*, calibrated in the first call: the
 model's prefill rate at the case's context over the tokens of a request computed in full
@@ -119,6 +122,7 @@ from bench.serving import (
     breakdown_line,
     budgets_for,
     chat_config,
+    config_letters,
     full_reuse_capacity,
     int_at_least,
     mean_prompt_tokens,
@@ -581,6 +585,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "--resume)")
     p.add_argument("--resume", type=Path, default=None, metavar="RESULTS_JSON",
                    help="go on with the sweep of this results file, extending it")
+    p.add_argument("--remeasure", type=config_letters, default=None, metavar="CONFIGS",
+                   help="with --resume: search these configurations again from the start "
+                        "(their earlier points stay in the file, under dropped_runs, with "
+                        "the reason given as --remeasure-why)")
+    p.add_argument("--remeasure-why", default=None, metavar="TEXT",
+                   help="why --remeasure drops the configurations' points (kept in the file)")
     p.add_argument("--slo-ttft-p99", type=positive_number, default=2.0,
                    help="goodput's SLO: TTFT p99 in seconds")
     p.add_argument("--disk-probe-mib", type=positive_number, default=2048.0,
@@ -829,6 +839,18 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     today = dt.date.today()
     slo: float = args.slo_ttft_p99
     drain: float = args.drain_s if args.drain_s is not None else 2 * slo
+    if args.remeasure is not None:
+        if args.resume is None:
+            raise SweepError("argument --remeasure: only with --resume (a new sweep measures "
+                             "every configuration anyway)")
+        if set(args.remeasure) - set(args.configs):
+            raise SweepError(f"argument --remeasure: {args.remeasure!r} names a configuration "
+                             f"--configs {args.configs!r} does not measure")
+        if not (args.remeasure_why or "").strip():
+            raise SweepError("argument --remeasure-why: say why the points are dropped (the "
+                             "file keeps the reason beside them)")
+    elif args.remeasure_why is not None:
+        raise SweepError("argument --remeasure-why: only with --remeasure")
     if drain <= slo:
         raise SweepError(f"argument --drain-s: must be above --slo-ttft-p99 ({slo:g} s), so "
                          f"that a request cut off by the drain is a certain miss; got {drain:g}")
@@ -871,6 +893,16 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
         header["signature"] = signature(args)
         header["method"]["seeds"] = args.seeds
         cases: list[dict[str, Any]] = doc["cases"]
+        if args.remeasure is not None:
+            call["remeasured"] = {"configs": args.remeasure, "why": args.remeasure_why}
+            for case in cases:
+                for key in args.remeasure:
+                    dropped = case.get("runs", {}).get(key) or []
+                    if dropped:
+                        case.setdefault("dropped_runs", []).append(
+                            {"config": key, "why": args.remeasure_why,
+                             "dropped_by_call": len(header["calls"]), "runs": dropped})
+                    case.setdefault("runs", {})[key] = []
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         tag = f"-{args.tag}" if args.tag else ""

@@ -463,6 +463,42 @@ def test_a_small_sweep_cut_short_and_resumed(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000
 
 
+def test_a_resumed_sweep_measures_a_configuration_again_keeping_its_old_points(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--remeasure: a configuration whose points a bug spoiled is searched again from the
+    start in the same file; its earlier points stay there, with the reason."""
+    out, disk = tmp_path / "results", tmp_path / "disk"
+    argv = [*TINY, "--seeds", "1", "--out", str(out), "--dir", str(disk)]
+    assert main(argv) == 0
+    (path,) = out.glob("sweep-cpu-*.json")
+    first = json.loads(path.read_text())
+    old_d = first["cases"][0]["runs"]["d"]
+    old_c = first["cases"][0]["runs"]["c"]
+    assert old_d and old_c
+    why = "its reads failed their checksum (a bug since fixed)"
+    assert main([*argv, "--resume", str(path), "--remeasure", "d",
+                 "--remeasure-why", why]) == 0
+    results = json.loads(path.read_text())
+    (case,) = results["cases"]
+    assert case["runs"]["c"] == old_c                    # untouched, not measured again
+    assert case["dropped_runs"] == [{"config": "d", "why": why, "dropped_by_call": 2,
+                                     "runs": old_d}]
+    new_d = case["runs"]["d"]
+    assert len(new_d) == len(old_d) and all(r not in old_d for r in new_d)
+    assert results["calls"][1]["remeasured"] == {"configs": "d", "why": why}
+    assert results["calls"][1]["measured"] == len(new_d)
+    # The flag's misuses: one line each.
+    for extra, words in ((["--remeasure", "d", "--remeasure-why", why], "only with --resume"),
+                         (["--resume", str(path), "--remeasure", "d"], "--remeasure-why"),
+                         (["--resume", str(path), "--remeasure-why", why],
+                          "only with --remeasure")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, *extra])
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+        assert words in err, err
+
+
 def test_a_resume_of_another_sweep_is_one_line(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "r.json"
