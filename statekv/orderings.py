@@ -61,17 +61,7 @@ class BlockList:
         self.size += 1
 
     def remove(self, block: Block) -> None:
-        prev, nxt = block.prev, block.next
-        if prev is None:
-            self.head = nxt
-        else:
-            prev.next = nxt
-        if nxt is None:
-            self.tail = prev
-        else:
-            nxt.prev = prev
-        block.prev = block.next = None
-        self.size -= 1
+        _unlink(self, block)
 
     def popleft(self) -> Block:
         block = self.head
@@ -171,9 +161,9 @@ class DiskList:
 def _unlink(lst: BlockList, block: Block) -> bool:
     """Unlink `block` from the level list `lst`; True when that leaves the level empty.
 
-    BlockList.remove plus the emptiness test, shared by PriorityLRU.remove and remove_all.
-    A module function rather than a call of BlockList.remove, which costs a method lookup
-    more: remove runs once per GPU prefix hit, remove_all's loop once per block of a hit.
+    BlockList.remove, and the emptiness test PriorityLRU.remove and remove_all need.  A
+    module function, which PriorityLRU calls directly: a method lookup more per call would
+    cost remove once per GPU prefix hit and remove_all's loop once per block of a hit.
     """
     prev, nxt = block.prev, block.next
     if prev is None:

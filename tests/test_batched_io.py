@@ -16,12 +16,16 @@ import crc32c
 import pytest
 import torch
 
+from io_actors.memory.host_checksums import HostChecksums
+from io_actors.memory.pools import KVPools, TorchCopyEngine
 from io_actors.storage.buffers import page_aligned_buffer
+from io_actors.storage.gpu_checksum import have_kernel
 from io_actors.storage.interfaces import SlotIO
 from io_actors.storage.posix import PosixSlotStore
 from io_actors.storage.slot_format import HEADER_SIZE
+from statekv.config import CacheConfig
 from statekv.errors import TransferFailed, UsageError
-from statekv.ids import SlotId
+from statekv.ids import PageId, SlotId
 from tests.test_posix_store import UNALIGNED, config, key, payload
 
 
@@ -191,25 +195,28 @@ def test_the_batched_gpu_checksum_is_the_host_checksum_of_both_versions(length: 
     assert payload_checksums_cuda([p.cuda() for p in pages], version=2) == old
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_copying_pages_to_host_records_their_checksums_on_the_gpu() -> None:
-    from io_actors.memory.pools import KVPools, TorchCopyEngine
-    from io_actors.storage.gpu_checksum import have_kernel
-    from statekv.config import CacheConfig
-    from statekv.ids import PageId
-
-    pools = KVPools(CacheConfig(block_size=8, gpu_blocks=6, host_blocks=6,
+def _cuda_pools_with_random_pages(
+        gpu_blocks: int, host_blocks: int, seed: int,
+) -> tuple[KVPools, TorchCopyEngine, HostChecksums]:
+    """CUDA pools whose GPU pages hold seeded random bytes, their copy engine, and the host
+    checksums it fills (skips without cupy, whose kernel computes them)."""
+    pools = KVPools(CacheConfig(block_size=8, gpu_blocks=gpu_blocks, host_blocks=host_blocks,
                                 layout=config().layout), "cuda")
     if not have_kernel():
         pytest.skip("needs cupy")
     checksums = pools.host_checksums
     assert checksums is not None
-    gen = torch.Generator().manual_seed(7)
-    for page in range(6):
+    gen = torch.Generator().manual_seed(seed)
+    for page in range(gpu_blocks):
         pools.gpu_page(PageId(page)).copy_(
             torch.randint(0, 256, (pools.block_nbytes,), dtype=torch.uint8, generator=gen))
-    engine = TorchCopyEngine(pools)
+    return pools, TorchCopyEngine(pools), checksums
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copying_pages_to_host_records_their_checksums_on_the_gpu() -> None:
+    pools, engine, checksums = _cuda_pools_with_random_pages(6, 6, seed=7)
     pairs = [(PageId(g), PageId(h)) for g, h in [(0, 5), (1, 0), (2, 1), (4, 3)]]
     engine.copy_pages(pairs, to_gpu=False)
     engine.fence().wait()
@@ -228,22 +235,7 @@ def test_a_host_page_filled_twice_in_one_batch_keeps_the_last_copys_checksum() -
     freed again in the same decision and handed to the next): the page ends with the last
     copy's bytes, so its checksum must be the last copy's -- the kernel's blocks write their
     entries in no defined order, so one entry per page is computed."""
-    from io_actors.memory.pools import KVPools, TorchCopyEngine
-    from io_actors.storage.gpu_checksum import have_kernel
-    from statekv.config import CacheConfig
-    from statekv.ids import PageId
-
-    pools = KVPools(CacheConfig(block_size=8, gpu_blocks=16, host_blocks=4,
-                                layout=config().layout), "cuda")
-    if not have_kernel():
-        pytest.skip("needs cupy")
-    checksums = pools.host_checksums
-    assert checksums is not None
-    gen = torch.Generator().manual_seed(11)
-    for page in range(16):
-        pools.gpu_page(PageId(page)).copy_(
-            torch.randint(0, 256, (pools.block_nbytes,), dtype=torch.uint8, generator=gen))
-    engine = TorchCopyEngine(pools)
+    pools, engine, checksums = _cuda_pools_with_random_pages(16, 4, seed=11)
     for trial in range(8):
         # Fifteen copies into host page 1, the last from GPU page `last`, around others.
         last = 15 - trial
