@@ -316,6 +316,7 @@ def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
         "requests": len(results),
         "seconds": run.seconds,
         "io_errors": run.cache.cache.io_errors,
+        "bounced_transfers": bounced_transfers(run),
         "queued_on_disk_s": run.loop.queued_on_disk_seconds,
         "queued_on_disk_reading_s": run.loop.queued_on_disk_reading_seconds,
         **breakdown_summary(results),
@@ -385,8 +386,17 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
         "no_first_token": censored,
         "seconds": run.seconds,
         "io_errors": run.cache.cache.io_errors,
+        "bounced_transfers": bounced_transfers(run),
         **breakdown_summary(measured),
     }
+
+
+def bounced_transfers(run: RunResult) -> int:
+    """Disk transfers of the run that went through the store's bounce buffer (a host page
+    or staging buffer off a page boundary, which O_DIRECT cannot use); 0 without a disk
+    tier, which moves none."""
+    store = run.cache.store
+    return 0 if store is None else store.bounced
 
 
 # ---------------------------------------------------------------------- results files
