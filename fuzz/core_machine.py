@@ -280,6 +280,7 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.next_token = 0
         self.served: list[list[int]] = []
         self.queued: list[tuple[str, list[int]]] = []
+        self.queued_tokens: dict[str, tuple[int, ...]] = {}
         self.cluster: set[BlockHash] = set()
         """Keys the emulated shared tier holds (this cache's publishes and other replicas')."""
         self.fetches: dict[TransferId, BlockHash] = {}
@@ -439,22 +440,38 @@ class CoreVsSpec(RuleBasedStateMachine):
     def _prefetch(self, prompt: list[int]) -> str | None:
         rid = f"r{self.next_id}"
         self.next_id += 1
-        got = self.both(lambda: self.core.prefetch(rid, prompt, now=self.now),
-                        lambda: self.model.prefetch(rid, prompt, now=self.now))
+        # One tuple for every call of this queued request, as a serving loop keeps it: a
+        # repeat call with the same tuple takes the record of the first (QueuedRecord).
+        tokens = tuple(prompt)
+        got = self.both(lambda: self.core.prefetch(rid, tokens, now=self.now),
+                        lambda: self.model.prefetch(rid, tokens, now=self.now))
         if got is None:
             return None
         assert (got.started_tokens, got.shared_tokens, got.cached_tokens,
                 got.unfetched_tokens) == self.model.last_prefetch
         self.queued.append((rid, prompt))
+        self.queued_tokens[rid] = tokens
         return rid
+
+    def _prefetch_again(self, rid: str) -> None:
+        """A queued request asks again (each step, in a serving loop) with its tuple."""
+        tokens = self.queued_tokens[rid]
+        got = self.both(lambda: self.core.prefetch(rid, tokens, now=self.now),
+                        lambda: self.model.prefetch(rid, tokens, now=self.now))
+        if got is not None:
+            assert (got.started_tokens, got.shared_tokens, got.cached_tokens,
+                    got.unfetched_tokens) == self.model.last_prefetch
 
     def _admit(self, rid: str, prompt: list[int]) -> None:
         self.queued.remove((rid, prompt))
         if self._add(prompt, None, 0, None, rid=rid) is None:
             self.queued.append((rid, prompt))  # not admitted: still queued, nothing changed
+        else:
+            del self.queued_tokens[rid]
 
     def _leave(self, rid: str, prompt: list[int]) -> None:
         self.queued.remove((rid, prompt))
+        del self.queued_tokens[rid]
         self.both(lambda: self.core.release(rid, now=self.now),
                   lambda: self.model.release(rid, now=self.now))
 
@@ -547,11 +564,14 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.complete(tid, completion, ok)
 
     @precondition(lambda self: self.queued)
-    @fuzz_rule(pick=st.integers(0, 7))
+    @fuzz_rule(pick=st.integers(0, 11))
     def queued_request_moves(self, pick: int) -> None:
-        """A queued request is admitted (even pick) or leaves the queue (odd pick)."""
-        rid, prompt = self.queued[(pick // 2) % len(self.queued)]
-        if pick % 2:
+        """A queued request is admitted, leaves the queue, or asks again for its blocks
+        (pick modulo 3)."""
+        rid, prompt = self.queued[(pick // 3) % len(self.queued)]
+        if pick % 3 == 2:
+            self._prefetch_again(rid)
+        elif pick % 3:
             self._leave(rid, prompt)
         else:
             self._admit(rid, prompt)
@@ -716,6 +736,7 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.contract.slot_content = {b.slot: b.key for b in blocks}
         self.live.clear()
         self.queued.clear()
+        self.queued_tokens.clear()
         self.fetches.clear()
         self.both(lambda: self.core.restore(blocks, now=self.now),
                   lambda: self.model.restore(blocks, now=self.now))

@@ -408,7 +408,7 @@ def prefetch_page_freed_on_leave() -> AbstractContextManager[None]:
 
     def make(original: Callable[..., None]) -> Callable[..., None]:
         def end_prefetch(self: Onboarding, rid: Any, now: float) -> None:
-            asked = [b for b in self.queued.get(rid, []) if rid in b.prefetchers]
+            asked = [b for b in self.queued.get(rid, {}) if rid in b.prefetchers]
             original(self, rid, now)
             for block in asked:
                 if (block.state is BlockState.PREFETCHING and not block.prefetchers

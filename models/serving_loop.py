@@ -220,6 +220,9 @@ class _Running:
 class _Prefetch:
     """A waiting request that prefetches."""
 
+    tokens: tuple[int, ...]
+    """Its prompt, as the one tuple every prefetch call passes: the cache then checks,
+    encodes and keys it once, not at every step's call (statekv.requests.QueuedRecord)."""
     asked_all: bool = False
     """Every disk block of its prefix is asked for (the loop stops asking again each step)."""
     reading_since: float | None = None
@@ -419,9 +422,10 @@ class ServingLoop:
             rid = req.request_id
             prefetch = self._prefetching.get(rid)
             if (prefetch is None or not prefetch.asked_all) and len(req.prompt) <= capacity:
-                got = cache.prefetch(rid, req.prompt, cache_salt=req.cache_salt)
+                tokens = prefetch.tokens if prefetch is not None else tuple(req.prompt)
+                got = cache.prefetch(rid, tokens, cache_salt=req.cache_salt)
                 if prefetch is None:
-                    prefetch = self._prefetching[rid] = _Prefetch()
+                    prefetch = self._prefetching[rid] = _Prefetch(tokens)
                 prefetch.asked_all = got.unfetched_tokens == 0
             if prefetch is None:
                 continue  # too long to ever be admitted: it asks for nothing

@@ -234,3 +234,6 @@ def check_invariants(
     host.evictable.check()
     disk.slots.check()
     eviction.prefetched.check()
+    unqueued = set(onboarding.queued_records) - set(onboarding.queued)
+    if unqueued:
+        raise InvariantViolation(f"prefetch records kept for requests not queued: {unqueued}")

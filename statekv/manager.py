@@ -83,7 +83,7 @@ from statekv.policies import Policies
 from statekv.pools import HostPagePool, PagePool
 from statekv.prefix_index import PrefixIndex
 from statekv.records import BlockRecords
-from statekv.requests import RequestTable
+from statekv.requests import QueuedRecord, RequestTable
 from statekv.stats import CacheStatistics, Counters, snapshot
 from statekv.trace import TraceSink
 
@@ -317,14 +317,19 @@ class KVCacheManager:
         records = self._records
         now = check_now(now, records.now)
         rid = self._requests.check_new_id(request_id)
-        req = self._requests.new_record(rid, token_ids, cache_salt, lora_id, None, 0)
-        matched = self._index.lookup(req)
+        onboarding = self._onboarding
+        known = onboarding.queued_records.get(rid)
+        if known is None or not known.same_call(token_ids, cache_salt, lora_id):
+            req = self._requests.new_record(rid, token_ids, cache_salt, lora_id, None, 0)
+            known = QueuedRecord(token_ids, cache_salt, lora_id, req)
+        matched = self._index.lookup(known.request)
         self._advance(now)
         records.cause = rid
         try:
-            started, shared, cached, unfetched = self._onboarding.prefetch(rid, matched, now)
+            started, shared, cached, unfetched = onboarding.prefetch(rid, matched, now)
         finally:
             records.cause = None
+        onboarding.queued_records[rid] = known
         bs = self._block_size
         return PrefetchStarted(
             request_id=rid, started_tokens=started * bs, shared_tokens=shared * bs,

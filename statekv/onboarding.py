@@ -33,7 +33,7 @@ from statekv.outbox import Outbox
 from statekv.pools import HostPagePool, PagePool
 from statekv.prefix_index import PrefixIndex
 from statekv.records import BlockRecords
-from statekv.requests import Request, RequestTable
+from statekv.requests import QueuedRecord, Request, RequestTable
 from statekv.stats import Counters
 
 _S = BlockState
@@ -45,7 +45,7 @@ class Onboarding:
 
     __slots__ = ("block_bytes", "block_size", "cost_aware", "costs", "counters", "disk",
                  "eviction", "fetches", "gpu", "host", "index", "outbox", "prefetch_reads",
-                 "queued", "reads", "records", "requests")
+                 "queued", "queued_records", "reads", "records", "requests")
 
     def __init__(self, config: CacheConfig, records: BlockRecords, index: PrefixIndex,
                  requests: RequestTable, eviction: Eviction, disk: DiskTier, outbox: Outbox,
@@ -68,7 +68,12 @@ class Onboarding:
         # asked for (the PREFETCHED ones are in the eviction's order: their pages are the
         # host tier's to reclaim).
         self.prefetch_reads: dict[TransferId, Block] = {}
-        self.queued: dict[RequestId, list[Block]] = {}
+        # A request's blocks as an insertion-ordered set: a block reclaimed (or failed) and
+        # prefetched again by a later call of the same request is listed once.
+        self.queued: dict[RequestId, dict[Block, None]] = {}
+        # The record each queued request's last prefetch call made (its keys), for its next
+        # call with the same arguments (QueuedRecord); gone with its `queued` entry.
+        self.queued_records: dict[RequestId, QueuedRecord] = {}
         # The shared tier: fetches in flight.
         self.fetches: dict[TransferId, Block] = {}
 
@@ -322,7 +327,7 @@ class Onboarding:
         Returns the blocks (started, shared, cached, unfetched), as PrefetchStarted counts
         them.
         """
-        blocks = self.queued.setdefault(rid, [])
+        blocks = self.queued.setdefault(rid, {})
         started = shared = cached = unfetched = 0
         disk = self.disk
         for i, block in enumerate(matched):
@@ -331,7 +336,7 @@ class Onboarding:
                 shared += 1  # asked for by an earlier call of this request
             elif state is _S.PREFETCHING or state is _S.PREFETCHED:
                 block.prefetchers.append(rid)
-                blocks.append(block)
+                blocks[block] = None
                 shared += 1
             elif state is _S.ON_DISK:
                 # Out of the displacement order first: finding a host page may spill a
@@ -344,7 +349,7 @@ class Onboarding:
                     break
                 self.start_prefetch(block, page)
                 block.prefetchers.append(rid)
-                blocks.append(block)
+                blocks[block] = None
                 started += 1
             elif state is _S.FREE or state is _S.ERROR:
                 break  # dropped by the evictions above: the chain ends here
@@ -371,6 +376,7 @@ class Onboarding:
         """The queued request `rid` was admitted or left: it no longer wants its prefetched
         blocks.  A PREFETCHED block nobody else wants goes back to disk only; one whose read
         is in flight keeps its page until the read lands (then goes back the same way)."""
+        self.queued_records.pop(rid, None)
         for block in reversed(self.queued.pop(rid)):
             prefetchers = block.prefetchers
             if rid not in prefetchers:

@@ -54,7 +54,7 @@ def _forget_prefetchers(m: KVCacheManager) -> None:
     """The queued request forgets its blocks and they forget it: a PREFETCHED orphan."""
     for block in m._onboarding.queued[RequestId("q")]:
         block.prefetchers.clear()
-    m._onboarding.queued[RequestId("q")] = []
+    m._onboarding.queued[RequestId("q")] = {}
 
 
 def prefetching() -> Executor:
@@ -229,6 +229,10 @@ CORRUPTIONS: list[tuple[str, Callable[[], Executor], Callable[[Any], object], st
     ("prefetching host page on the free list", prefetching,
      lambda m: m._host.empty.append(blocks(m, BlockState.PREFETCHING)[0].host_page),
      r"host page \d+ owned by 'host-free'"),
+    ("prefetch record of a request no longer queued", prefetching,
+     lambda m: m._onboarding.queued_records.__setitem__(
+         RequestId("gone"), next(iter(m._onboarding.queued_records.values()))),
+     "prefetch records kept for requests not queued"),
     ("queued request also admitted", prefetching,
      lambda m: m._requests.live.__setitem__(RequestId("q"),
                                             next(iter(m._requests.live.values()), None)

@@ -8,6 +8,7 @@ accounting fails on any host page or slot that is leaked or owned twice.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 
@@ -107,6 +108,27 @@ def test_host_pressure_reclaims_the_newest_prefetched_page_first() -> None:
     assert (match.host_tokens, match.disk_tokens) == (2, 2)
 
 
+def test_a_block_reclaimed_and_asked_for_again_is_listed_once() -> None:
+    """The host tier reclaimed a queued request's prefetched block; the request's next call
+    prefetches it again.  The request lists the block once (the invariants compare each
+    block's prefetchers with the requests that list it), and leaving gives it back once."""
+    ex, doc = on_disk()
+    ex.prefetch("q", doc)
+    ex.land_prefetch()
+    ex.land_prefetch()
+    ex.serve("o", fresh_tokens(3))
+    ex.churn("c")                             # reclaims the newest prefetched page
+    assert ex.tiers(doc) == ["PREFETCHED", "ON_DISK"]
+    for _ in range(3):                        # asks again (a serving loop does, each step)
+        ex.prefetch("q", doc)
+        ex.drain()
+    listed = ex.cache._onboarding.queued["q"]
+    assert len(listed) == len(set(listed)) <= 2
+    ex.release("q")
+    assert ex.tiers(doc).count("PREFETCHED") == 0
+    ex.cache.check_invariants()
+
+
 def test_with_reclaim_last_host_victims_go_before_prefetched_pages() -> None:
     ex = make(gpu_blocks=4, host_blocks=2, disk_blocks=4, spill_mode="retained_only",
               reclaim_prefetched_first=False)
@@ -167,6 +189,43 @@ def test_a_second_call_starts_what_the_first_could_not() -> None:
     ex.release("q")
     assert ex.tiers(doc) == ["ON_DISK", "ON_DISK"]
     assert ex.stats().host_free_pages == 2
+
+
+def test_a_repeat_call_with_the_same_tuple_checks_and_keys_the_prompt_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving loop asks again each step for the reads that could not start: with the same
+    tuple (immutable, checked at the first call) the cache does not check, encode and key
+    the prompt again; any other argument is checked anew, and the record ends with the
+    queued request."""
+    from statekv import requests
+    from statekv.hashing import token_bytes
+
+    encoded: list[int] = []
+
+    def counting(tokens: Sequence[int]) -> bytes:
+        encoded.append(len(tokens))
+        return token_bytes(tokens)
+
+    ex, doc = on_disk()
+    monkeypatch.setattr(requests, "token_bytes", counting)
+    prompt = tuple(doc)
+    assert ex.prefetch("q", prompt).started_tokens == 4 and len(encoded) == 1
+    ex.drain()
+    assert ex.prefetch("q", prompt).shared_tokens == 4 and len(encoded) == 1  # not again
+    assert ex.prefetch("q", list(prompt)).shared_tokens == 4 and len(encoded) == 2
+    with pytest.raises(UsageError) as info:  # a list is checked again: a bool is refused
+        ex.cache.prefetch("q", [True, *prompt[1:]], now=ex.now)
+    assert info.value.field == "token_ids"
+    assert ex.prefetch("q", prompt).shared_tokens == 4 and len(encoded) == 4
+    assert ex.prefetch("q", prompt).shared_tokens == 4 and len(encoded) == 4
+    salted = ex.cache.prefetch("q", prompt, now=ex.now, cache_salt="tenant")
+    assert salted.started_tokens == 0 and len(encoded) == 5  # another tenant's: not cached
+    assert ex.prefetch("q", prompt).shared_tokens == 4 and len(encoded) == 6
+    match = ex.add("q", prompt)               # admitted: the record goes with the queue entry
+    assert match.host_tokens == 4 and len(encoded) == 7
+    assert not ex.cache._onboarding.queued_records
+    ex.release("q")
+    ex.cache.check_invariants()
 
 
 def test_two_queued_requests_share_a_prefetch() -> None:
