@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import pytest
 
 from statekv import UsageError
+from statekv.ids import RequestId
 from statekv.messages import CopyHostToGpu, FreeSlot, PrefetchSlot, ReadSlot
 from tests.harness import Executor, fresh_tokens, make
 
@@ -122,7 +123,7 @@ def test_a_block_reclaimed_and_asked_for_again_is_listed_once() -> None:
     for _ in range(3):                        # asks again (a serving loop does, each step)
         ex.prefetch("q", doc)
         ex.drain()
-    listed = ex.cache._onboarding.queued["q"]
+    listed = ex.cache._onboarding.queued[RequestId("q")]
     assert len(listed) == len(set(listed)) <= 2
     ex.release("q")
     assert ex.tiers(doc).count("PREFETCHED") == 0
