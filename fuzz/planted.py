@@ -252,46 +252,70 @@ def scheduler_waits_for_writes() -> AbstractContextManager[None]:
     return _wrapped(Scheduler, "add_request", make)
 
 
-def feeder_pops_a_cleared_backlog() -> AbstractContextManager[None]:
-    """Found by this suite (not the seed): closing without draining cleared the spill backlog
-    while the spill feeder waited in submit() on a full writer queue; the feeder then popped
-    the empty backlog, crashed the scheduler's nursery, the pools lost count of their jobs,
-    and close() waited for them forever.  This is the feeder as it was before the fix."""
+def _feeder_keeping_its_job_in_the_backlog(
+    *, pop_checked: bool, count_feeding_once: bool,
+) -> Iterator[None]:
+    """The spill feeder as it was: the job it submits stays at the backlog's head until
+    submit() returns.  `pop_checked`: pop it only if it is still there (else pop whatever
+    is, as the first feeder did).  `count_feeding_once`: ``statistics()`` subtracts that job
+    from the backlog (else it is counted both there and as the pool's)."""
+    feeding: dict[int, object] = {}  # id(scheduler) -> the job its feeder is submitting
 
-    def make(_fixed: Callable[..., Any]) -> Callable[..., Any]:
+    def make_feeder(_fixed: Callable[..., Any]) -> Callable[..., Any]:
         async def _feed_spills(self: Scheduler) -> None:
             writer = self._writer
             assert writer is not None
             while True:
                 while self._spill_backlog:
                     job = self._spill_backlog[0]
-                    # Counted as the fixed feeder does (the pool's, while submitted), so that
-                    # only the pop of a cleared backlog is put back.
-                    self._feeding = job
-                    await writer.submit(job)
-                    self._feeding = None
-                    self._spill_backlog.popleft()
+                    feeding[id(self)] = job
+                    try:
+                        await writer.submit(job)
+                    finally:
+                        feeding.pop(id(self), None)
+                    if not pop_checked or (self._spill_backlog
+                                           and self._spill_backlog[0] is job):
+                        self._spill_backlog.popleft()
                 if self._closed and not self._handover:
                     return
                 self._spill_wakeup = trio.Event()
                 await self._spill_wakeup.wait()
         return _feed_spills
 
-    return _wrapped(Scheduler, "_feed_spills", make)
+    def make_backlog(_fixed: Callable[..., int]) -> Callable[..., int]:
+        def _backlog(self: Scheduler) -> int:
+            backlog = self._spill_backlog
+            if not count_feeding_once:
+                return len(backlog)
+            return len(backlog) - bool(backlog and backlog[0] is feeding.get(id(self)))
+        return _backlog
+
+    with _wrapped(Scheduler, "_feed_spills", make_feeder), \
+            _wrapped(Scheduler, "_backlog", make_backlog):
+        yield
+
+
+def feeder_pops_a_cleared_backlog() -> AbstractContextManager[None]:
+    """Found by this suite (not the seed): closing without draining cleared the spill backlog
+    while the spill feeder waited in submit() on a full writer queue; the feeder then popped
+    the empty backlog, crashed the scheduler's nursery, the pools lost count of their jobs,
+    and close() waited for them forever.  This is the feeder as it was before that fix, its
+    job counted once in ``statistics()`` (so that only the pop of a cleared backlog is put
+    back)."""
+    return contextmanager(_feeder_keeping_its_job_in_the_backlog)(
+        pop_checked=False, count_feeding_once=True)
 
 
 def feeders_job_counted_twice() -> AbstractContextManager[None]:
-    """Found by this suite (not the seed): the job the spill feeder is submitting was counted
-    both as the writer pool's (queued) and as the backlog's in ``statistics()`` (and, before
-    the close report counted block transfers from the core, one write too many "finished
-    during close" there too).  This is the count as it was before the fix."""
-
-    def make(_fixed: Callable[..., int]) -> Callable[..., int]:
-        def _backlog(self: Scheduler) -> int:
-            return len(self._spill_backlog)
-        return _backlog
-
-    return _wrapped(Scheduler, "_backlog", make)
+    """Found by this suite (not the seed): the job the spill feeder is submitting stayed in
+    the backlog until submit() returned, and was counted both as the writer pool's (queued)
+    and as the backlog's in ``statistics()``.  The same job was also counted twice by a
+    close without draining (found by the thread soak): a worker can start and finish it
+    before the feeder runs again, and the close counted it dropped (in the backlog) and
+    finished (the core had applied it).  The fix takes the job off the backlog before
+    submit(); this is the feeder as it was."""
+    return contextmanager(_feeder_keeping_its_job_in_the_backlog)(
+        pop_checked=True, count_feeding_once=False)
 
 
 def waiters_woken_only_on_slot_read() -> AbstractContextManager[None]:

@@ -14,8 +14,10 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+import trio
 
 from io_actors.embed import BlockingCache
 from io_actors.storage.interfaces import BatchOutcome, SlotIO, SlotStore
@@ -126,6 +128,71 @@ def test_close_counts_the_job_in_the_feeders_submit_once(tmp_path: Path) -> None
         assert report.reads_dropped == report.reads_finished_during_close == 0
         assert not report.drained
     finally:
+        store.go_on()
+        cache.close(drain=False)
+        store.close()
+
+
+def test_a_spill_that_landed_before_its_feeder_resumed_is_not_counted_dropped(
+    tmp_path: Path,
+) -> None:
+    """Once the feeder's submit() has put a job in the queue, a worker may start it and even
+    finish it before the feeder task runs again (trio orders ready tasks as it likes).  A
+    close in that window counts the job as landed; it must not count it as dropped too."""
+    config = small_config(tmp_path, gpu=8, host=3, reserved_host=2, writers=1, readers=1,
+                          write_queue_depth=1, max_batch_blocks=1)
+    directory = config.rank_directory()
+    assert directory is not None
+    store = StalledStore(PosixSlotStore(directory, config.core_config(), direct_io=False))
+    cache = BlockingCache(config, store=store)
+    writer = cache._scheduler._writer
+    assert writer is not None
+    # The window, held open: the submit that waited for room in the queue (the fourth: one
+    # job in the thread, one held by the pool's pump, one in the queue) returns only when
+    # the test lets it.
+    feeder_may_resume = threading.Event()
+    submits_done = 0
+    submit = writer.submit
+
+    async def submit_then_wait(job: Any) -> None:
+        nonlocal submits_done
+        await submit(job)
+        submits_done += 1
+        while submits_done == 4 and not feeder_may_resume.is_set():
+            await trio.sleep(0.001)
+
+    writer.submit = submit_then_wait  # type: ignore[method-assign]
+    try:
+        for i in range(6):
+            tokens = [1000 + 100 * i + t for t in range(31)]
+            cache.add_request(f"r{i}", tokens)
+            compute(cache, f"r{i}", tokens)
+            cache.release(f"r{i}")
+        spills = config.core_config().host_blocks + config.core_config().reserved_host_blocks
+        _until("spills backed up behind the stalled write", lambda: (
+            cache.statistics().cache.writes_in_flight == spills and store.writes_started == 1))
+        # Every job but the last lands; the feeder's first submit has returned and the
+        # feeder is held in the window, with the last job still behind it.
+        store.go_on()
+        _until("all but one spill landed", lambda: (
+            (s := cache.statistics()).cache.spills_completed == spills - 1
+            and s.writer is not None and s.writer.in_flight == s.writer.queued == 0))
+        assert submits_done == 4
+
+        closing: list[object] = []
+        closer = threading.Thread(target=lambda: closing.append(cache.close(drain=False)))
+        closer.start()
+        _until("the close under way", lambda: cache._scheduler._closed)
+        feeder_may_resume.set()
+        closer.join(WAIT)
+        assert not closer.is_alive(), "the close hung"
+        report = cache.close_report
+        assert report is not None and closing == [report]
+        after = cache.statistics().cache
+        assert after.writes_in_flight == 1  # the backlog's last job, never submitted
+        assert report.writes_dropped == after.writes_in_flight
+    finally:
+        feeder_may_resume.set()
         store.go_on()
         cache.close(drain=False)
         store.close()

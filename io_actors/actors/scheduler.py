@@ -229,7 +229,6 @@ class Scheduler:
         self._lock = threading.Lock()
         self._handover: collections.deque[WriteJob | ReadJob] = collections.deque()
         self._spill_backlog: collections.deque[WriteJob] = collections.deque()
-        self._feeding: WriteJob | None = None
         """The backlog's first job while the spill feeder waits in the writer's submit():
         the pool counts it as queued already (see `_backlog`)."""
         self._spill_wakeup = trio.Event()
@@ -686,12 +685,8 @@ class Scheduler:
                 self._reader.submit_nowait(job)
 
     def _backlog(self) -> int:
-        """Spills handed over that the writer pool has not counted yet: the backlog, less
-        the job the feeder is submitting (which the pool counts as queued from the start of
-        submit())."""
-        backlog = self._spill_backlog
-        # close() may have cleared the backlog under the feeder: then nothing is subtracted.
-        return len(backlog) - bool(backlog and backlog[0] is self._feeding)
+        """Spills handed over that the writer pool has not counted yet."""
+        return len(self._spill_backlog)
 
     async def _feed_spills(self) -> None:
         """Trio task: move spills into the writer queue, waiting while it is full."""
@@ -699,18 +694,19 @@ class Scheduler:
         assert writer is not None
         while True:
             while self._spill_backlog:
-                job = self._spill_backlog[0]
-                self._feeding = job
+                # Taken off the backlog before the hand-over, not after: once submit() has
+                # put the job in the queue, a worker may start it before this task runs
+                # again, and a close in between would count it dropped (from the backlog)
+                # and landed (from the thread) at once.  From the start of submit() the pool
+                # counts it as queued, and a close that drops the queue finds it there.
+                job = self._spill_backlog.popleft()
                 try:
                     await writer.submit(job)
                 except trio.ClosedResourceError:
-                    return  # closed without draining: close() counted the backlog as dropped
-                finally:
-                    self._feeding = None
-                # close() may have cleared the backlog while this task waited for room in a
-                # full queue: then the job is no longer the backlog's to pop.
-                if self._spill_backlog and self._spill_backlog[0] is job:
-                    self._spill_backlog.popleft()
+                    # Handed over after close() counted the backlog: back into it, where
+                    # close() counts what is left once the threads are done.
+                    self._spill_backlog.appendleft(job)
+                    return
             if self._closed and not self._handover:
                 return
             self._spill_wakeup = trio.Event()
@@ -822,11 +818,8 @@ class Scheduler:
         if self._writer is not None:
             dropped = self._writer.close_queue(drop_queued=True)
             writes_dropped += sum(len(job.command.writes) for job in dropped)
-            # The feeder may be waiting in submit() with the backlog's first job: draining the
-            # full queue let that job in, and close_queue dropped it already.
-            taken = {id(job) for job in dropped}
-            writes_dropped += sum(len(job.command.writes) for job in self._spill_backlog
-                                  if id(job) not in taken)
+            # No job is in both: the feeder takes a job off the backlog before submitting it.
+            writes_dropped += sum(len(job.command.writes) for job in self._spill_backlog)
         self._spill_backlog.clear()
         if self._reader is not None:
             reads_dropped += sum(
@@ -837,6 +830,9 @@ class Scheduler:
         while ((self._writer and self._writer.busy) or (self._reader and self._reader.busy)
                or self._fetches_busy):
             await trio.sleep(0.001)
+        # A spill handed over after the count above (the feeder found the queue closed).
+        writes_dropped += sum(len(job.command.writes) for job in self._spill_backlog)
+        self._spill_backlog.clear()
         if self._remote is not None:
             publisher = self._remote.publisher
             if not drain:
