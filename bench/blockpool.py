@@ -52,7 +52,6 @@ than 1%.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import datetime as dt
 import gc
@@ -68,6 +67,7 @@ from typing import Any
 import attrs
 
 import statekv.prefix_index as prefix_index_module
+from bench.flags import OneLineParser, fraction, int_at_least
 from statekv import CacheConfig, KVCacheManager
 from statekv.hashing import extend_chain, root_key, token_bytes
 from statekv.ids import BlockHash
@@ -398,14 +398,15 @@ def _profile_statekv(trace: Trace, hashed: bool) -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, default=20261202)
-    parser.add_argument("--users", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--pool-fraction", type=float, default=0.5)
-    parser.add_argument("--repeats", type=int, default=21)
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m bench.blockpool",
+                           description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int_at_least(0), default=20261202)
+    parser.add_argument("--users", type=int_at_least(1), default=48)
+    parser.add_argument("--rounds", type=int_at_least(1), default=6)
+    parser.add_argument("--batch", type=int_at_least(1), default=8)
+    parser.add_argument("--pool-fraction", type=fraction, default=0.5)
+    parser.add_argument("--repeats", type=int_at_least(1), default=21)
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append",
                         help="only these trace shapes (default: all)")
     parser.add_argument("--statekv-only", action="store_true",
@@ -417,7 +418,7 @@ def main() -> int:
                              "this checkout's (a before-and-after run)")
     parser.add_argument("--write", action="store_true",
                         help="write bench/results/blockpool-cpu-<date>.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     traces = {
         shape: chat_trace(seed=args.seed, users=args.users, rounds=args.rounds,
                           batch=args.batch, pool_fraction=args.pool_fraction, chunk=chunk)

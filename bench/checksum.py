@@ -36,6 +36,7 @@ from collections.abc import Callable
 import crc32c
 
 from bench.disk_limits import raw_write_rate
+from bench.flags import OneLineParser, existing_directory, int_at_least, positive_number
 from bench.results_files import source_commit, write_new_results
 from io_actors.storage.slot_format import HEADER_SIZE, align_up
 
@@ -79,16 +80,16 @@ def rate(function: Checksum, size: int, threads: int, seconds: float, pool_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.checksum", description=__doc__,
+    parser = OneLineParser(prog="python -m bench.checksum", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[256, 2048, 4096])
-    parser.add_argument("--seconds", type=float, default=1.0)
-    parser.add_argument("--repeat", type=int, default=3, help="best of this many runs")
-    parser.add_argument("--pool-mib", type=int, default=64,
+    parser.add_argument("--sizes-kib", type=int_at_least(1), nargs="+", default=[256, 2048, 4096])
+    parser.add_argument("--seconds", type=positive_number, default=1.0)
+    parser.add_argument("--repeat", type=int_at_least(1), default=3, help="best of this many runs")
+    parser.add_argument("--pool-mib", type=int_at_least(1), default=64,
                         help="buffer bytes each thread cycles through")
-    parser.add_argument("--dir", default=tempfile.gettempdir(),
+    parser.add_argument("--dir", type=existing_directory, default=tempfile.gettempdir(),
                         help="where the raw write's scratch file goes")
-    parser.add_argument("--write-mib", type=int, default=1024,
+    parser.add_argument("--write-mib", type=int_at_least(1), default=1024,
                         help="bytes written per raw write run")
     parser.add_argument("--machine", default="cpu")
     parser.add_argument("--write", action="store_true", help="write bench/results/*.json")

@@ -22,7 +22,6 @@ cost at 1M over its cost at 1k (flat = 1.0).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import gc
 import json
@@ -31,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.flags import OneLineParser, int_at_least
 from bench.results_files import source_commit
 from statekv import CacheConfig, KVCacheManager
 from statekv.hashing import chain_key, root_key, token_bytes
@@ -176,14 +176,14 @@ def is_ready_us(blocks_held: int, calls: int = 200_000) -> float:
     return best
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks-per-request", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--repeat", type=int, default=3)
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m bench.core", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks-per-request", type=int_at_least(1), default=64)
+    parser.add_argument("--requests", type=int_at_least(1), default=400)
+    parser.add_argument("--repeat", type=int_at_least(1), default=3)
     parser.add_argument("--write", action="store_true",
                         help="write bench/results/core-cpu-<date>.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     phases = per_block_phases(args.blocks_per_request, args.requests, args.repeat)
     floor = key_floor_us()

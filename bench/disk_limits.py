@@ -18,7 +18,6 @@ Rates are decimal GB/s (1e9 bytes per second), as DEVICE.md reports them.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import mmap
@@ -33,6 +32,7 @@ from typing import Final
 import attrs
 import torch
 
+from bench.flags import OneLineParser, existing_directory, int_at_least, positive_number
 from io_actors.storage.slot_format import ALIGN, align_up
 from statekv.errors import UsageError
 
@@ -231,11 +231,12 @@ def measure_limits(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--block-mib", type=float, default=4.0)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--total-mib", type=int, default=1024)
+    parser = OneLineParser(prog="python -m bench.disk_limits",
+                           description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--dir", type=existing_directory, default=tempfile.gettempdir())
+    parser.add_argument("--block-mib", type=positive_number, default=4.0)
+    parser.add_argument("--threads", type=int_at_least(1), nargs="+", default=[1, 4])
+    parser.add_argument("--total-mib", type=int_at_least(1), default=1024)
     args = parser.parse_args(argv)
     limits = measure_limits(
         args.dir,

@@ -33,21 +33,23 @@ from pathlib import Path
 from typing import Any
 
 from bench.disk_limits import raw_read_rate
+from bench.flags import (
+    OneLineParser,
+    int_at_least,
+    positive_number,
+)
 from bench.plots import load_results
 from bench.results_files import source_commit
 from bench.serving import (
     CONFIGS,
     NAMES,
     SYNCHRONOUS_IO,
-    OneLineParser,
     add_run_flags,
     breakdown_line,
     budgets_for,
     chat_config,
     full_reuse_capacity,
-    int_at_least,
     pool_blocks,
-    positive_number,
     prefill_rate,
     pyplot,
     run_config,

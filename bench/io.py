@@ -35,6 +35,14 @@ import attrs
 import torch
 
 from bench.disk_limits import pinned_h2d_rate, raw_read_rate, raw_write_rate
+from bench.flags import (
+    OneLineParser,
+    existing_directory,
+    int_at_least,
+    positive_number,
+    results_tag,
+    shape_preset,
+)
 from bench.results_files import source_commit
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
@@ -343,28 +351,30 @@ def _percentile(values: list[float], pct: float) -> float:
     return ordered[index]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--block-mib", type=float, default=2.0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=4)
-    parser.add_argument("--blocks", type=int, default=256)
-    parser.add_argument("--dir", type=Path, default=None)
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m bench.io", description=__doc__.split("\n\n")[0])
+    n0, n1 = int_at_least(0), int_at_least(1)
+    parser.add_argument("--block-mib", type=positive_number, default=2.0)
+    parser.add_argument("--block-size", type=n1, default=16)
+    parser.add_argument("--threads", type=n1, default=4)
+    parser.add_argument("--blocks", type=n1, default=256)
+    parser.add_argument("--dir", type=existing_directory, default=None,
+                        help="where the scratch directory goes (it must exist)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--model-layers", type=int, default=0)
-    parser.add_argument("--decoders", type=int, default=8)
-    parser.add_argument("--decode-steps", type=int, default=200)
-    parser.add_argument("--loop-gpu-blocks", type=int, default=512)
+    parser.add_argument("--model", type=shape_preset, default="tiny")
+    parser.add_argument("--model-layers", type=n0, default=0)
+    parser.add_argument("--decoders", type=n1, default=8)
+    parser.add_argument("--decode-steps", type=n1, default=200)
+    parser.add_argument("--loop-gpu-blocks", type=n1, default=512)
     parser.add_argument("--backend", default="posix", choices=("posix", "kvikio"))
-    parser.add_argument("--batch-blocks", type=int, default=16,
+    parser.add_argument("--batch-blocks", type=n1, default=16,
                         help="max_batch_blocks: blocks per disk batch (1: one at a time)")
     parser.add_argument("--machine", default="cpu", help="cpu, h200 or h200x2 (file name)")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--write", action="store_true")
-    parser.add_argument("--tag", default="",
+    parser.add_argument("--tag", type=results_tag, default=None,
                         help="suffix of the results file name (several runs a day)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     base = Path(args.dir) if args.dir else None
     with tempfile.TemporaryDirectory(prefix="statekv-bench-io-", dir=base) as tmp:

@@ -88,7 +88,7 @@ for step in "$@"; do
     fuzz) run fuzz ${FUZZ_S:-120} python3 -m fuzz --profile gpu \
         ${FUZZ_MACHINES:+--machines "$FUZZ_MACHINES"} ;;
     rebuild) run rebuild ${REBUILD_S:-300} python3 -m bench.rebuild --machine h200 \
-        --slots ${REBUILD_SLOTS:-100000} --dir "$DISK/rebuild" --write ;;
+        --slots ${REBUILD_SLOTS:-100000} --dir "$DISK" --write ;;
     *) echo "unknown step $step" ;;
     esac
 done

@@ -19,21 +19,22 @@ permitted), so every header or journal record comes from the device; "warm" runs
 once.  The journal is first written by an open that scans the populated file, as a cache's
 first open after an upgrade would.
 
-    python -m bench.rebuild --slots 100000 --dir /tmp/statekv-rebuild --write
+    python -m bench.rebuild --slots 100000 [--dir /tmp] --write
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import hashlib
 import os
 import platform
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
+from bench.flags import OneLineParser, existing_directory, int_at_least, positive_number
 from bench.results_files import source_commit, write_new_results
 from io_actors.embed import restore_from_disk
 from io_actors.storage.index_journal import INDEX_FILE, RECORD_SIZE
@@ -55,8 +56,8 @@ def make_config(slots: int, block_mib: float) -> CacheConfig:
 
 
 def populate(directory: Path, config: CacheConfig) -> int:
-    """A sparse data file whose every slot holds a valid, restorable header."""
-    shutil.rmtree(directory, ignore_errors=True)
+    """A sparse data file whose every slot holds a valid, restorable header, in the empty
+    `directory`."""
     store = PosixSlotStore(directory, config, preallocate=False, persist=False)
     path, slot_bytes, fingerprint = store.path, store.slot_bytes, store.config_fingerprint
     payload_len = store.payload_len
@@ -129,59 +130,61 @@ def rebuild(directory: Path, config: CacheConfig, source: str) -> tuple[float, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.rebuild", description=__doc__,
+    parser = OneLineParser(prog="python -m bench.rebuild", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--slots", type=int, default=PER)
-    parser.add_argument("--block-mib", type=float, default=2.0)
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/statekv-rebuild"))
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--slots", type=int_at_least(1), default=PER)
+    parser.add_argument("--block-mib", type=positive_number, default=2.0)
+    parser.add_argument("--dir", type=existing_directory, default=Path(tempfile.gettempdir()),
+                        help="where the scratch directory goes (made and removed inside it)")
+    parser.add_argument("--repeat", type=int_at_least(1), default=3)
     parser.add_argument("--machine", default="cpu")
     parser.add_argument("--write", action="store_true", help="write bench/results/*.json")
     args = parser.parse_args(argv)
-    if args.slots < 1 or args.repeat < 1:
-        parser.error("--slots and --repeat must be >= 1")
     config = make_config(args.slots, args.block_mib)
-    print(f"populating {args.slots:,} slots of {config.block_bytes / 2**20:.2f} MiB in "
-          f"{args.dir} (sparse)")
-    slot_bytes = populate(args.dir, config)
-    data = args.dir / next(p for p in os.listdir(args.dir) if p.startswith("slots."))
-    journal = args.dir / INDEX_FILE
-    runs: dict[tuple[str, str], list[tuple[float, float]]] = {
-        (source, kind): [] for source in ("journal", "scan") for kind in ("cold", "warm")
-    }
-    dropped = False
-    for _ in range(args.repeat):
-        for source in ("journal", "scan"):
-            for kind in ("cold", "warm"):
-                if source == "scan":
-                    journal.unlink()  # the open's rewrite puts it back
-                if kind == "cold":
-                    dropped = evict(data, *([journal] if journal.exists() else []))
-                opened, restore, restored = rebuild(args.dir, config, source)
-                assert restored == args.slots, (restored, args.slots)
-                runs[source, kind].append((opened, restore))
-    scale = PER / args.slots
-    figures: dict[str, dict[str, object]] = {}
-    for (source, kind), samples in runs.items():
-        best = min(samples, key=sum)
-        per = sum(best) * scale
-        print(f"{source} {kind}: open {best[0]:.3f} s + restore {best[1]:.3f} s for "
-              f"{args.slots:,} slots = {per:.3f} s per 100k slots (best of {len(samples)}; "
-              "all: " + ", ".join(f"{sum(s) * scale:.3f}" for s in samples) + ")")
-        # The journal is what an open uses: its figures keep the plain names.
-        name = kind if source == "journal" else f"scan_{kind}"
-        figures[f"rebuild_{name}_per_100k_slots"] = {
-            "value": round(per, 3), "unit": "s", "limit": 1.0,
-            "limit_name": "target: 1 s per 100k slots", "ratio": round(per, 3),
+    # A directory of its own inside --dir: only that one is removed afterwards.
+    scratch = Path(tempfile.mkdtemp(prefix="statekv-bench-rebuild-", dir=args.dir))
+    try:
+        print(f"populating {args.slots:,} slots of {config.block_bytes / 2**20:.2f} MiB in "
+              f"{scratch} (sparse)")
+        slot_bytes = populate(scratch, config)
+        data = scratch / next(p for p in os.listdir(scratch) if p.startswith("slots."))
+        journal = scratch / INDEX_FILE
+        runs: dict[tuple[str, str], list[tuple[float, float]]] = {
+            (source, kind): [] for source in ("journal", "scan") for kind in ("cold", "warm")
         }
-        figures[f"open_{name}_per_100k_slots"] = {"value": round(best[0] * scale, 3),
-                                                  "unit": "s"}
-        figures[f"restore_{name}_per_100k_slots"] = {"value": round(best[1] * scale, 3),
-                                                     "unit": "s"}
-    print(f"page cache dropped system-wide before cold runs: {dropped} "
-          "(else only this file was evicted)")
-    with contextlib.suppress(OSError):
-        shutil.rmtree(args.dir)
+        dropped = False
+        for _ in range(args.repeat):
+            for source in ("journal", "scan"):
+                for kind in ("cold", "warm"):
+                    if source == "scan":
+                        journal.unlink()  # the open's rewrite puts it back
+                    if kind == "cold":
+                        dropped = evict(data, *([journal] if journal.exists() else []))
+                    opened, restore, restored = rebuild(scratch, config, source)
+                    assert restored == args.slots, (restored, args.slots)
+                    runs[source, kind].append((opened, restore))
+        scale = PER / args.slots
+        figures: dict[str, dict[str, object]] = {}
+        for (source, kind), samples in runs.items():
+            best = min(samples, key=sum)
+            per = sum(best) * scale
+            print(f"{source} {kind}: open {best[0]:.3f} s + restore {best[1]:.3f} s for "
+                  f"{args.slots:,} slots = {per:.3f} s per 100k slots (best of {len(samples)}; "
+                  "all: " + ", ".join(f"{sum(s) * scale:.3f}" for s in samples) + ")")
+            # The journal is what an open uses: its figures keep the plain names.
+            name = kind if source == "journal" else f"scan_{kind}"
+            figures[f"rebuild_{name}_per_100k_slots"] = {
+                "value": round(per, 3), "unit": "s", "limit": 1.0,
+                "limit_name": "target: 1 s per 100k slots", "ratio": round(per, 3),
+            }
+            figures[f"open_{name}_per_100k_slots"] = {"value": round(best[0] * scale, 3),
+                                                      "unit": "s"}
+            figures[f"restore_{name}_per_100k_slots"] = {"value": round(best[1] * scale, 3),
+                                                         "unit": "s"}
+        print(f"page cache dropped system-wide before cold runs: {dropped} "
+              "(else only this file was evicted)")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if args.write:
         commit = source_commit()
         today = dt.date.today()

@@ -21,7 +21,6 @@ bytes.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime as dt
 import io
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench.flags import OneLineParser, int_at_least, positive_number
 from bench.redis_cluster import running_cluster
 from bench.results_files import source_commit
 from io_actors.storage.redis_store import RedisClusterStore, RemoteIO
@@ -124,21 +124,16 @@ def benchmark_get_rate(cli_dir: str, port: int, *, value_bytes: int, connections
                             connections=connections, pipeline=pipeline, requests=requests)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--block-kib", type=int, default=256)
-    parser.add_argument("--blocks", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=5.0)
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m bench.remote", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--block-kib", type=int_at_least(1), default=256)
+    parser.add_argument("--blocks", type=int_at_least(1), default=256)
+    parser.add_argument("--batch", type=int_at_least(1), default=16)
+    parser.add_argument("--threads", type=int_at_least(1), default=2)
+    parser.add_argument("--seconds", type=positive_number, default=5.0)
     parser.add_argument("--write", action="store_true",
                         help="write bench/results/remote-cpu-<date>.json")
-    args = parser.parse_args()
-    for name in ("block_kib", "blocks", "batch", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not args.seconds > 0:
-        parser.error("--seconds must be > 0")
+    args = parser.parse_args(argv)
 
     config = config_for(args.block_kib)
     value_bytes = HEADER_SIZE + config.block_bytes

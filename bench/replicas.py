@@ -84,6 +84,13 @@ from typing import Any, Final
 import attrs
 from tqdm import tqdm
 
+from bench.flags import (
+    OneLineParser,
+    int_at_least,
+    positive_number,
+    results_tag,
+    shape_preset,
+)
 from bench.redis_cluster import LocalRedisCluster, find_redis_tools, running_cluster
 from bench.replica_process import (
     EndRun,
@@ -99,14 +106,9 @@ from bench.replica_process import (
 )
 from bench.results_files import source_commit
 from bench.serving import (
-    OneLineParser,
     chat_config,
     full_reuse_capacity,
-    int_at_least,
     mean_prompt_tokens,
-    positive_number,
-    results_tag,
-    shape_preset,
 )
 from bench.sweep import goodput, goodput_row
 from models.chat_run import percentile

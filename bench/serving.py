@@ -10,19 +10,17 @@ single-load comparison measure the same thing the same way.
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
 
 import torch
 
+from bench.flags import int_at_least, positive_number
 from models.chat_run import Budgets, RunResult, percentile, run_workload, ttft_summary
-from models.config import PRESETS, ModelConfig
+from models.config import ModelConfig
 from models.model import Chunk, PagedDecoder
 from models.serving_loop import RequestResult, TTFTBreakdown
 from models.workloads import ChatWorkload, ChatWorkloadConfig, OpenChatWorkload
@@ -42,51 +40,6 @@ RESERVED_HOST_BLOCKS = 64
 
 
 # ---------------------------------------------------------------------- flags
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with its errors on one line: `prog: error: message (see prog --help)`."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def shape_preset(text: str) -> str:
-    """A layer shape of models/config.py's presets."""
-    if text not in PRESETS:
-        raise argparse.ArgumentTypeError(f"unknown shape {text!r} (known: {sorted(PRESETS)})")
-    return text
-
-
-def results_tag(text: str) -> str:
-    """A tag that is safe inside a results file's name."""
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
-        raise argparse.ArgumentTypeError(
-            f"must be 1 to 64 letters, digits, '.', '_' or '-', got {text!r}")
-    return text
-
-
-def positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
 
 
 def config_letters(text: str) -> str:

@@ -112,28 +112,30 @@ from typing import Any, Final
 import attrs
 from tqdm import tqdm
 
+from bench.flags import (
+    OneLineParser,
+    int_at_least,
+    positive_number,
+    results_tag,
+    shape_preset,
+)
 from bench.plots import load_results
 from bench.results_files import source_commit
 from bench.serving import (
     CONFIGS,
     NAMES,
-    OneLineParser,
     add_run_flags,
     breakdown_line,
     budgets_for,
     chat_config,
     config_letters,
     full_reuse_capacity,
-    int_at_least,
     mean_prompt_tokens,
     pool_blocks,
-    positive_number,
     prefill_rate,
     pyplot,
     recompute_capacity,
-    results_tag,
     run_config,
-    shape_preset,
     steady_summary,
     window_ttfts,
 )

@@ -1,0 +1,74 @@
+"""The benchmarks' command-line flag types: a bad value is one line naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from models.config import PRESETS
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line: `prog: error: message (see prog --help)`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def shape_preset(text: str) -> str:
+    """A layer shape of models/config.py's presets."""
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown shape {text!r} (known: {sorted(PRESETS)})")
+    return text
+
+
+def results_tag(text: str) -> str:
+    """A tag that is safe inside a results file's name."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to 64 letters, digits, '.', '_' or '-', got {text!r}")
+    return text
+
+
+def positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = positive_number(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def existing_directory(text: str) -> Path:
+    """A directory that exists already (a benchmark makes its own scratch space inside)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a directory" if path.exists() else f"{text!r} does not exist")
+    return path

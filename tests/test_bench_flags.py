@@ -1,0 +1,92 @@
+"""The benchmarks' command lines: a bad flag is one line naming it, before anything is
+measured or written (the scratch directory a benchmark makes inside --dir included), and a
+benchmark removes only what it made."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench import blockpool, checksum, core, disk_limits, rebuild, remote
+from bench.io import main
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--block-mib", "0"], "--block-mib"),
+    (["--block-mib", "nan"], "--block-mib"),
+    (["--block-size", "0"], "--block-size"),
+    (["--threads", "0"], "--threads"),
+    (["--threads", "four"], "--threads"),
+    (["--blocks", "-3"], "--blocks"),
+    (["--model", "huge"], "--model"),
+    (["--model-layers", "-1"], "--model-layers"),
+    (["--decoders", "0"], "--decoders"),
+    (["--decode-steps", "0"], "--decode-steps"),
+    (["--loop-gpu-blocks", "0"], "--loop-gpu-blocks"),
+    (["--batch-blocks", "0"], "--batch-blocks"),
+    (["--backend", "nfs"], "--backend"),
+    (["--tag", "a/b"], "--tag"),
+])
+def test_bad_flags_get_one_line_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert flag in err and "Traceback" not in err
+
+
+def test_a_dir_that_does_not_exist_is_one_line_and_is_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for path, says in ((missing, "does not exist"), (a_file, "is not a directory")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--dir", str(path)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--dir" in err and says in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize(("bench", "argv", "flag"), [
+    (blockpool.main, ["--users", "0"], "--users"),
+    (blockpool.main, ["--pool-fraction", "1.5"], "--pool-fraction"),
+    (blockpool.main, ["--seed", "-1"], "--seed"),
+    (checksum.main, ["--sizes-kib", "256", "0"], "--sizes-kib"),
+    (checksum.main, ["--seconds", "inf"], "--seconds"),
+    (checksum.main, ["--dir", "/nonexistent/statekv"], "--dir"),
+    (core.main, ["--requests", "0"], "--requests"),
+    (disk_limits.main, ["--threads", "1", "x"], "--threads"),
+    (disk_limits.main, ["--dir", "/nonexistent/statekv"], "--dir"),
+    (rebuild.main, ["--slots", "0"], "--slots"),
+    (rebuild.main, ["--dir", "/nonexistent/statekv"], "--dir"),
+    (remote.main, ["--block-kib", "0"], "--block-kib"),
+    (remote.main, ["--seconds", "-1"], "--seconds"),
+])
+def test_every_benchmark_names_a_bad_flag_in_one_line(
+    bench: Callable[[list[str]], object], argv: list[str], flag: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        bench(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert flag in err and "Traceback" not in err
+
+
+def test_the_rebuild_benchmark_leaves_what_was_in_its_dir(tmp_path: Path) -> None:
+    """Its --dir is a place to work in, not one to empty: it once removed the directory
+    it was given, with whatever the user kept there."""
+    kept = tmp_path / "kept.txt"
+    kept.write_text("the user's")
+    assert rebuild.main(["--slots", "64", "--repeat", "1", "--dir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
+    assert kept.read_text() == "the user's"
