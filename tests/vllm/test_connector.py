@@ -5,12 +5,14 @@ compute, and the connector's statistics.
 
 Each engine is made, used and shut down inside one test; restarts are a new engine on the same
 directory.  The engine keeps stepping only while it has work, and a finished request's save
-runs in the step after it finished (FACTS.md): `flush` gives it that step.
+runs in the step after it finished (FACTS.md): `flush` gives it that step, and steps on
+until the disk writes it issued have reported.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +66,22 @@ def prometheus_value(name: str, model_dir: Path) -> float | None:
     return value
 
 
-def flush(llm: Any) -> None:
-    """A few more steps, so the last requests' saves run (and their writes report)."""
+def flush(llm: Any, within_s: float = 120.0, *, in_process: bool = True) -> None:
+    """More steps, so the last requests' saves run, until every disk write issued reported.
+
+    Two steps issue the saves (a finished request's save runs in the step after it finished);
+    the writes themselves run on the worker's threads and report in whichever later step
+    finds them done, so a fixed count of steps would race the disk (a loaded machine took
+    longer than two).  A write that never reports fails here, naming what was in flight.
+    An engine in its own process (`in_process=False`) shows no statistics: only the steps."""
     for _ in range(2):
+        engine.generate(llm, [[1, 2, 3]], max_tokens=2)
+    if not in_process:
+        return
+    deadline = time.monotonic() + within_s
+    while (in_flight := stats(llm).writes_in_flight) > 0:
+        assert time.monotonic() < deadline, f"{in_flight} disk writes unreported after {within_s} s"
+        time.sleep(0.01)
         engine.generate(llm, [[1, 2, 3]], max_tokens=2)
 
 
@@ -186,7 +201,7 @@ def test_the_connector_in_vllms_default_multiprocess_mode(
     kv = statekv(tmp_path / "kv")
     with engine.running_llm(model_dir, kv_transfer=kv, in_process=False) as llm:
         out = engine.generate(llm, [PROMPT_A], max_tokens=8)
-        flush(llm)
+        flush(llm, in_process=False)   # the shutdown waits for the writes in flight
     assert out.token_ids == [reference["a"]]
     with engine.running_llm(model_dir, kv_transfer=kv, in_process=False) as llm:
         after = engine.generate(llm, [PROMPT_A], max_tokens=8)
