@@ -9,6 +9,9 @@ thread count (bench.disk_limits):
                  checksums and headers included) vs raw O_DIRECT sequential write;
 * onboard        disk -> GPU through the cache (reader pool, staging, H2D, checksum,
                  publish) vs raw O_DIRECT read (and, with kvikio, vs kvikio's own rate);
+* store alone    the same host pages written by the slot store itself, from as many threads
+                 in the same batches, to consecutive and to scattered slots (no cache, no
+                 actors) vs the same raw write: where the spill's gap to the disk lies;
 * recall         host -> GPU through the copy engine vs a plain pinned H2D copy;
 * step latency   p50 / p99 of a serving loop's decode step while another tenant keeps the
                  disk saturated through the same cache, vs the same loop with no disk
@@ -24,9 +27,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import mmap
 import platform
+import random
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,9 +53,13 @@ from bench.results_files import source_commit
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
 from io_actors.memory.pools import KVPools, TorchCopyEngine
+from io_actors.storage.buffers import aligned_within, host_view
+from io_actors.storage.interfaces import SlotIO, SlotStore
+from io_actors.storage.open_store import open_slot_store
+from io_actors.storage.slot_format import payload_checksum
 from statekv.config import KVLayout
 from statekv.errors import OutOfBlocks
-from statekv.ids import PageId
+from statekv.ids import BlockHash, PageId, SlotId
 
 
 def layout_for(block_mib: float, block_size: int) -> KVLayout:
@@ -84,20 +94,24 @@ def _fill(cache: BlockingCache, rid: str, first_token: int, blocks: int,
     return tokens
 
 
-def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, float]:
-    """Spill and onboard rates through the cache, in GB/s."""
+def _transfer_config(args: argparse.Namespace, directory: Path) -> StateKVConfig:
     n = args.blocks
-    layout = layout_for(args.block_mib, args.block_size)
-    config = StateKVConfig(
-        layout=layout, block_size=args.block_size, gpu=2 * n + 1, host=n, reserved_host=n,
-        disk=2 * n, disk_dir=directory, writers=args.threads, readers=args.threads,
-        write_queue_depth=max(64, n), device=args.device, spill_mode="retained_only",
-        backend=args.backend, max_batch_blocks=args.batch_blocks,
-        model_fingerprint="bench-io-transfer",
+    return StateKVConfig(
+        layout=layout_for(args.block_mib, args.block_size), block_size=args.block_size,
+        gpu=2 * n + 1, host=n, reserved_host=n, disk=2 * n, disk_dir=directory,
+        writers=args.threads, readers=args.threads, write_queue_depth=max(64, n),
+        device=args.device, spill_mode="retained_only", backend=args.backend,
+        max_batch_blocks=args.batch_blocks, model_fingerprint="bench-io-transfer",
         # The spill path alone (host -> disk on eviction): req1's retained blocks must not
         # be written through at their release, before the timed phase.
         retention_write_through=False,
     )
+
+
+def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, float]:
+    """Spill and onboard rates through the cache, in GB/s."""
+    n = args.blocks
+    config = _transfer_config(args, directory)
     block_bytes = config.block_bytes
     out: dict[str, float] = {}
     # The write-through (the default): a retained request's blocks written to disk from the
@@ -151,6 +165,65 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         if args.backend == "kvikio":
             out["kvikio_gb_per_s"] = kvikio_own_rate(config, n)
     out["block_bytes"] = block_bytes
+    return out
+
+
+def _timed_writes(store: SlotStore, slots: list[int], pages: list[torch.Tensor],
+                  crcs: list[int], *, batch: int, threads: int) -> float:
+    """Seconds for `threads` threads to write page i to slot slots[i], `batch` at a time."""
+    jobs = [list(range(i, min(i + batch, len(pages)))) for i in range(0, len(pages), batch)]
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                job = jobs.pop()
+            outcome = store.write_many([SlotIO(
+                slot=SlotId(slots[i]), key=BlockHash(i.to_bytes(32, "little")),
+                buffer=pages[i], crc=crcs[i]) for i in job])
+            failures.extend(o for o in outcome if o is not None)
+
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    start = time.perf_counter()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    elapsed = time.perf_counter() - start
+    assert not failures, failures[:3]
+    return elapsed
+
+
+def store_write_rates(config: StateKVConfig, directory: Path, blocks: int) -> dict[str, float]:
+    """The slot store alone, same run: `blocks` host pages written through the cache's store
+    (its backend, headers, index journal) by `config.writers` threads, in batches of
+    `config.max_batch_blocks`, payload checksums given (as the GPU copies supply them), no
+    cache, no actors.  Once to consecutive slots, once to slots scattered over the disk (as
+    a churned free list hands them out).  Between the spill's rate and these lies what the
+    pipeline above the store costs; between these and the raw write, what the store costs."""
+    core = config.core_config()
+    nbytes = core.block_bytes
+    pinned = torch.cuda.is_available()
+    raw = torch.empty(blocks * nbytes + mmap.PAGESIZE, dtype=torch.uint8, pin_memory=pinned)
+    pool = aligned_within(raw, blocks * nbytes)
+    pool.random_(0, 256)
+    pages = [pool[i * nbytes : (i + 1) * nbytes] for i in range(blocks)]
+    crcs = [payload_checksum(host_view(page)) for page in pages]
+    store = open_slot_store(config.backend, directory, core, persist=config.persist)
+    batch = max(1, core.max_batch_blocks)
+    out: dict[str, float] = {}
+    try:
+        scattered = random.Random(0).sample(range(core.disk_blocks), blocks)
+        for name, slots in (("store_consecutive", list(range(blocks))),
+                            ("store_scattered", scattered)):
+            elapsed = _timed_writes(store, slots, pages, crcs, batch=batch,
+                                    threads=max(1, config.writers))
+            out[f"{name}_gb_per_s"] = blocks * nbytes / elapsed / 1e9
+    finally:
+        store.close()
     return out
 
 
@@ -387,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         raw_read = raw_read_rate(directory, block_bytes=block_bytes, threads=args.threads,
                                  total_bytes=total)
         phases = transfer_phases(args, directory / "cache")
+        store = store_write_rates(_transfer_config(args, directory / "store"), directory / "store",
+                                  args.blocks)
         recall = recall_rate(args)
         h2d = host_to_device_limit(total, resolve_device(args.device))
         latency = {} if args.skip_latency else step_latency(args, directory / "loop")
@@ -398,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("spill host->disk", phases["spill_gb_per_s"], raw_write.gb_per_s, "raw O_DIRECT write"),
         ("write-through", phases["write_through_gb_per_s"], raw_write.gb_per_s,
+         "raw O_DIRECT write"),
+        ("store alone, consec.", store["store_consecutive_gb_per_s"], raw_write.gb_per_s,
+         "raw O_DIRECT write"),
+        ("store alone, scatt.", store["store_scattered_gb_per_s"], raw_write.gb_per_s,
          "raw O_DIRECT write"),
         ("onboard disk->GPU", phases["onboard_gb_per_s"], raw_read.gb_per_s,
          "raw O_DIRECT read"),
@@ -424,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         figures: dict[str, dict[str, object]] = {}
         for key, (name, value, limit, limit_name) in zip(
-            ("spill_host_to_disk", "write_through_gpu_to_disk", "onboard_disk_to_gpu",
+            ("spill_host_to_disk", "write_through_gpu_to_disk", "store_write_consecutive_slots",
+             "store_write_scattered_slots", "onboard_disk_to_gpu",
              "recall_host_to_gpu", "onboard_vs_kvikio_alone")[: len(rows)], rows, strict=True,
         ):
             del name
