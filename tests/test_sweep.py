@@ -199,6 +199,16 @@ def test_a_ratio_is_claimed_only_beyond_the_spread() -> None:
     assert top is not None and top["lower_bound"]
 
 
+def test_one_seed_claims_no_ratio_beyond_a_spread_it_did_not_measure() -> None:
+    # Brackets far apart, but one search each: the resolution, not a spread.
+    one = ratio_row([_row(15.0, 16.0)], [_row(10.0, 10.9)])
+    assert one is not None and one["claim"] == "above, one seed: no spread measured"
+    low = ratio_row([_row(5.0, 5.4)], [_row(10.0, 10.9), _row(11.0, 12.0)])
+    assert low is not None and low["claim"] == "below, one seed: no spread measured"
+    near = ratio_row([_row(10.5, 11.5)], [_row(10.0, 10.9)])
+    assert near is not None and near["claim"] == "within spread"
+
+
 def _case(points: dict[str, list[tuple[int, float, str]]]) -> dict[str, Any]:
     """A case whose runs are (seed, multiple, verdict) points, capacity 10 requests/s."""
     return {
