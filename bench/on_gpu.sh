@@ -77,8 +77,10 @@ for step in "$@"; do
         # (1 MiB) blocks hold the same tokens and move the same block size as 4 layers with
         # 1 GiB and 64-token blocks, at twice the request rate: twice the requests per second
         # of device time.
+        # A resumed sweep goes on in its own file: --tag only for a new one.
+        tag=(--tag "$cell"); [ -n "$resume" ] && tag=()
         run sweep ${SWEEP_S:-560} python3 -m bench.sweep --machine h200 --dir "$DISK/sweep" \
-        --models "$SWEEP_MODELS" --tag "$cell" --histories "${SWEEP_HISTORIES:-4096}" \
+        --models "$SWEEP_MODELS" ${tag[@]+"${tag[@]}"} --histories "${SWEEP_HISTORIES:-4096}" \
         --pressure "${SWEEP_PRESSURE:-3}" --configs "${SWEEP_CONFIGS:-cd}" \
         --seeds "${SWEEP_SEEDS:-3}" ${SWEEP_RATES:+--rates "$SWEEP_RATES"} \
         --layers "${SWEEP_LAYERS:-2}" --gpu-gib "${SWEEP_POOL_GIB:-0.5}" \

@@ -862,6 +862,10 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                              "file keeps the reason beside them)")
     elif args.remeasure_why is not None:
         raise SweepError("argument --remeasure-why: only with --remeasure")
+    if args.resume is not None and args.tag is not None:
+        # It would name a file the resumed sweep never writes: it goes on in its own.
+        raise SweepError(f"argument --tag: a resumed sweep goes on in the file --resume names "
+                         f"({str(args.resume)!r}); leave --tag out")
     if drain <= slo:
         raise SweepError(f"argument --drain-s: must be above --slo-ttft-p99 ({slo:g} s), so "
                          f"that a request cut off by the drain is a certain miss; got {drain:g}")

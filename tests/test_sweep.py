@@ -541,6 +541,12 @@ def test_a_resume_of_another_sweep_is_one_line(tmp_path: Path,
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
     assert "--seeds" in err and "at least" in err, err
+    # A --tag would name a file the resumed sweep never writes: refused, not ignored.
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--tag", "again"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--tag" in err and "leave --tag out" in err, err
 
 
 def test_a_disk_tier_smaller_than_the_working_set_is_one_line(
