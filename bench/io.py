@@ -9,9 +9,15 @@ thread count (bench.disk_limits):
                  checksums and headers included) vs raw O_DIRECT sequential write;
 * onboard        disk -> GPU through the cache (reader pool, staging, H2D, checksum,
                  publish) vs raw O_DIRECT read (and, with kvikio, vs kvikio's own rate);
+* spill, twice   into fresh slots (a tier's first fill) vs raw O_DIRECT sequential write and
+                 vs the raw *first* write of a just-preallocated file (filesystems convert
+                 preallocated extents as they are first written); and into a data file
+                 whose slots were all written before (a tier that has wrapped) vs the raw
+                 write;
 * store alone    the same host pages written by the slot store itself, from as many threads
-                 in the same batches, to consecutive and to scattered slots (no cache, no
-                 actors) vs the same raw write: where the spill's gap to the disk lies;
+                 in the same batches, to fresh slots (vs the raw first write), then over
+                 them again in order and shuffled (vs the raw write), no cache, no actors:
+                 where the spill's gap to the disk lies;
 * recall         host -> GPU through the copy engine vs a plain pinned H2D copy;
 * step latency   p50 / p99 of a serving loop's decode step while another tenant keeps the
                  disk saturated through the same cache, vs the same loop with no disk
@@ -40,7 +46,12 @@ from typing import Any
 import attrs
 import torch
 
-from bench.disk_limits import pinned_h2d_rate, raw_read_rate, raw_write_rate
+from bench.disk_limits import (
+    pinned_h2d_rate,
+    raw_first_write_rate,
+    raw_read_rate,
+    raw_write_rate,
+)
 from bench.flags import (
     OneLineParser,
     existing_directory,
@@ -152,6 +163,7 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         stats = cache.statistics().cache
         assert stats.spills_completed >= n, stats
         out["spill_gb_per_s"] = n * block_bytes / spill_s / 1e9
+        assert stats.disk_empty_slots == n, stats   # req1's slots were fresh ones
 
         start = time.perf_counter()
         match = cache.add_request("again", first)
@@ -168,8 +180,45 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         cache.release("again")
         if args.backend == "kvikio":
             out["kvikio_gb_per_s"] = kvikio_own_rate(config, n)
+    # The spill again, into a data file whose every slot was written once before (the index
+    # lists none of them): the steady state of a tier that has wrapped, which overwrites.
+    steady = attrs.evolve(config, disk_dir=directory / "steady")
+    _write_every_slot(steady)
+    with BlockingCache(steady) as cache:
+        assert cache.statistics().cache.disk_empty_slots == steady.core_config().disk_blocks
+        _fill(cache, "req1", 0, n, ttl=3600.0)
+        _fill(cache, "req2", 10_000_000, 2 * n)
+        start = time.perf_counter()
+        _fill(cache, "req3", 20_000_000, n, write_bytes=False)
+        _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
+        spill_s = time.perf_counter() - start
+        stats = cache.statistics().cache
+        assert stats.spills_completed >= n and stats.io_errors == 0, stats
+        out["spill_written_gb_per_s"] = n * block_bytes / spill_s / 1e9
     out["block_bytes"] = block_bytes
     return out
+
+
+def _write_every_slot(config: StateKVConfig) -> None:
+    """Create `config`'s data file and write each of its slots once, with no restore
+    metadata (so the index journal names none: the cache opens on an empty tier whose
+    slots the filesystem has allocated)."""
+    core = config.core_config()
+    directory = config.rank_directory()
+    assert directory is not None
+    store = open_slot_store(config.backend, directory, core, persist=config.persist)
+    try:
+        batch = max(1, core.max_batch_blocks)
+        page = aligned_within(torch.zeros(core.block_bytes + mmap.PAGESIZE, dtype=torch.uint8),
+                              core.block_bytes)
+        for first in range(0, core.disk_blocks, batch):
+            slots = range(first, min(first + batch, core.disk_blocks))
+            outcome = store.write_many([
+                SlotIO(slot=SlotId(s), key=BlockHash(b"\xff" * 16 + s.to_bytes(16, "little")),
+                       buffer=page) for s in slots])
+            assert all(o is None for o in outcome), outcome
+    finally:
+        store.close()
 
 
 def _timed_writes(store: SlotStore, slots: list[int], pages: list[torch.Tensor],
@@ -205,9 +254,10 @@ def store_write_rates(config: StateKVConfig, directory: Path, blocks: int) -> di
     """The slot store alone, same run: `blocks` host pages written through the cache's store
     (its backend, headers, index journal) by `config.writers` threads, in batches of
     `config.max_batch_blocks`, payload checksums given (as the GPU copies supply them), no
-    cache, no actors.  Once to consecutive slots, once to slots scattered over the disk (as
-    a churned free list hands them out).  Between the spill's rate and these lies what the
-    pipeline above the store costs; between these and the raw write, what the store costs."""
+    cache, no actors.  Once to fresh slots, then over the same slots again, in order and
+    shuffled (as a churned free list hands them out).  Between the spill's rate and these
+    lies what the pipeline above the store costs; between these and the raw write, what the
+    store costs."""
     core = config.core_config()
     nbytes = core.block_bytes
     pinned = torch.cuda.is_available()
@@ -220,8 +270,10 @@ def store_write_rates(config: StateKVConfig, directory: Path, blocks: int) -> di
     batch = max(1, core.max_batch_blocks)
     out: dict[str, float] = {}
     try:
-        scattered = random.Random(0).sample(range(core.disk_blocks), blocks)
-        for name, slots in (("store_consecutive", list(range(blocks))),
+        # First into fresh slots, then over the same slots again, in order and shuffled.
+        written = list(range(blocks))
+        scattered = random.Random(0).sample(written, blocks)
+        for name, slots in (("store_fresh", written), ("store_consecutive", written),
                             ("store_scattered", scattered)):
             elapsed = _timed_writes(store, slots, pages, crcs, batch=batch,
                                     threads=max(1, config.writers))
@@ -461,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         total = args.blocks * block_bytes
         raw_write = raw_write_rate(directory, block_bytes=block_bytes, threads=args.threads,
                                    total_bytes=total)
+        raw_first = raw_first_write_rate(directory, block_bytes=block_bytes,
+                                         threads=args.threads, total_bytes=total)
         raw_read = raw_read_rate(directory, block_bytes=block_bytes, threads=args.threads,
                                  total_bytes=total)
         phases = transfer_phases(args, directory / "cache")
@@ -481,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         ("store alone, consec.", store["store_consecutive_gb_per_s"], raw_write.gb_per_s,
          "raw O_DIRECT write"),
         ("store alone, scatt.", store["store_scattered_gb_per_s"], raw_write.gb_per_s,
+         "raw O_DIRECT write"),
+        ("spill, fresh slots", phases["spill_gb_per_s"], raw_first.gb_per_s, "raw first write"),
+        ("store alone, fresh", store["store_fresh_gb_per_s"], raw_first.gb_per_s,
+         "raw first write"),
+        ("spill, written slots", phases["spill_written_gb_per_s"], raw_write.gb_per_s,
          "raw O_DIRECT write"),
         ("onboard disk->GPU", phases["onboard_gb_per_s"], raw_read.gb_per_s,
          "raw O_DIRECT read"),
@@ -508,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         figures: dict[str, dict[str, object]] = {}
         for key, (name, value, limit, limit_name) in zip(
             ("spill_host_to_disk", "write_through_gpu_to_disk", "store_write_consecutive_slots",
-             "store_write_scattered_slots", "onboard_disk_to_gpu",
+             "store_write_scattered_slots", "spill_fresh_vs_first_write",
+             "store_write_fresh_slots", "spill_over_written_slots", "onboard_disk_to_gpu",
              "recall_host_to_gpu", "onboard_vs_kvikio_alone")[: len(rows)], rows, strict=True,
         ):
             del name
