@@ -382,9 +382,12 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             backend=args.backend, max_batch_blocks=args.batch_blocks,
         )
         with BlockingCache(config) as cache:
-            tenant = _DiskTenant(cache, blocks=8, in_flight=4) if phase == "saturated" else None
+            tenant = (_DiskTenant(cache, blocks=args.tenant_blocks,
+                                  in_flight=args.tenant_in_flight)
+                      if phase == "saturated" else None)
             if tenant is not None:
-                tenant.prepare(rounds=3 * args.loop_gpu_blocks // 8)
+                # Three GPU pools' worth of content, so that most of it sits on disk.
+                tenant.prepare(rounds=max(1, 3 * args.loop_gpu_blocks // args.tenant_blocks))
             loop = ServingLoop(model, cache, max_step_tokens=4096, prefill_chunk=512,
                                max_running=args.decoders)
             for i in range(args.decoders):
@@ -495,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decoders", type=n1, default=8)
     parser.add_argument("--decode-steps", type=n1, default=200)
     parser.add_argument("--loop-gpu-blocks", type=n1, default=512)
+    parser.add_argument("--tenant-blocks", type=n1, default=8,
+                        help="blocks of each prefix the disk tenant reads back (latency phase)")
+    parser.add_argument("--tenant-in-flight", type=n1, default=4,
+                        help="the disk tenant's reads in flight at once (latency phase): "
+                             "raise both for more disk traffic")
     parser.add_argument("--backend", default="posix", choices=("posix", "kvikio"))
     parser.add_argument("--batch-blocks", type=n1, default=16,
                         help="max_batch_blocks: blocks per disk batch (1: one at a time)")

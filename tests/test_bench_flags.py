@@ -26,6 +26,8 @@ from bench.io import main
     (["--decode-steps", "0"], "--decode-steps"),
     (["--loop-gpu-blocks", "0"], "--loop-gpu-blocks"),
     (["--batch-blocks", "0"], "--batch-blocks"),
+    (["--tenant-blocks", "0"], "--tenant-blocks"),
+    (["--tenant-in-flight", "x"], "--tenant-in-flight"),
     (["--backend", "nfs"], "--backend"),
     (["--tag", "a/b"], "--tag"),
 ])
