@@ -31,15 +31,16 @@ onboard drop content instead of writing it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
-import mmap
 import platform
 import random
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ from bench.results_files import source_commit
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
 from io_actors.memory.pools import KVPools, TorchCopyEngine
-from io_actors.storage.buffers import aligned_within, host_view
+from io_actors.storage.buffers import host_view, page_aligned_buffer, pinned_page_aligned_buffer
 from io_actors.storage.interfaces import SlotIO, SlotStore
 from io_actors.storage.open_store import open_slot_store
 from io_actors.storage.slot_format import payload_checksum
@@ -153,16 +154,9 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         assert stats.spills_completed - before == n and stats.write_throughs_skipped == 0, stats
         out["write_through_gb_per_s"] = n * block_bytes / through_s / 1e9
     with BlockingCache(config) as cache:
-        # GPU: req1 (retained) then req2 push req1 to host; req3 pushes req1 to disk.
-        first = _fill(cache, "req1", 0, n, ttl=3600.0)
-        _fill(cache, "req2", 10_000_000, 2 * n)
-        start = time.perf_counter()
-        _fill(cache, "req3", 20_000_000, n, write_bytes=False)
-        _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
-        spill_s = time.perf_counter() - start
-        stats = cache.statistics().cache
-        assert stats.spills_completed >= n, stats
+        first, spill_s = _timed_spill(cache, n)
         out["spill_gb_per_s"] = n * block_bytes / spill_s / 1e9
+        stats = cache.statistics().cache
         assert stats.disk_empty_slots == n, stats   # req1's slots were fresh ones
 
         start = time.perf_counter()
@@ -186,17 +180,25 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
     _write_every_slot(steady)
     with BlockingCache(steady) as cache:
         assert cache.statistics().cache.disk_empty_slots == steady.core_config().disk_blocks
-        _fill(cache, "req1", 0, n, ttl=3600.0)
-        _fill(cache, "req2", 10_000_000, 2 * n)
-        start = time.perf_counter()
-        _fill(cache, "req3", 20_000_000, n, write_bytes=False)
-        _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
-        spill_s = time.perf_counter() - start
-        stats = cache.statistics().cache
-        assert stats.spills_completed >= n and stats.io_errors == 0, stats
+        _, spill_s = _timed_spill(cache, n)
+        assert cache.statistics().cache.io_errors == 0
         out["spill_written_gb_per_s"] = n * block_bytes / spill_s / 1e9
     out["block_bytes"] = block_bytes
     return out
+
+
+def _timed_spill(cache: BlockingCache, n: int) -> tuple[list[int], float]:
+    """req1 (retained, `n` blocks) pushed to host by req2, then to disk by req3: req1's tokens
+    and the seconds from req3's arrival until every spill landed."""
+    first = _fill(cache, "req1", 0, n, ttl=3600.0)
+    _fill(cache, "req2", 10_000_000, 2 * n)
+    start = time.perf_counter()
+    _fill(cache, "req3", 20_000_000, n, write_bytes=False)
+    _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
+    spill_s = time.perf_counter() - start
+    stats = cache.statistics().cache
+    assert stats.spills_completed >= n, stats
+    return first, spill_s
 
 
 def _write_every_slot(config: StateKVConfig) -> None:
@@ -204,19 +206,31 @@ def _write_every_slot(config: StateKVConfig) -> None:
     metadata (so the index journal names none: the cache opens on an empty tier whose
     slots the filesystem has allocated)."""
     core = config.core_config()
+    page = _host_pages(core.block_bytes, 1)[0]
+    crc = payload_checksum(host_view(page))
+    with _slot_store(config) as store:
+        _timed_writes(store, list(range(core.disk_blocks)), [page] * core.disk_blocks,
+                      [crc] * core.disk_blocks, batch=max(1, core.max_batch_blocks),
+                      threads=max(1, config.writers))
+
+
+def _host_pages(nbytes: int, count: int) -> list[torch.Tensor]:
+    """`count` page-aligned host pages of `nbytes`, pinned where CUDA is (as the host pool)."""
+    aligned = (pinned_page_aligned_buffer if torch.cuda.is_available()
+               else page_aligned_buffer)
+    pool = aligned(count * nbytes)
+    return [pool[i * nbytes : (i + 1) * nbytes] for i in range(count)]
+
+
+@contextlib.contextmanager
+def _slot_store(config: StateKVConfig) -> Iterator[SlotStore]:
+    """The slot store the cache of `config` would open, closed on exit."""
     directory = config.rank_directory()
     assert directory is not None
-    store = open_slot_store(config.backend, directory, core, persist=config.persist)
+    store = open_slot_store(config.backend, directory, config.core_config(),
+                            persist=config.persist)
     try:
-        batch = max(1, core.max_batch_blocks)
-        page = aligned_within(torch.zeros(core.block_bytes + mmap.PAGESIZE, dtype=torch.uint8),
-                              core.block_bytes)
-        for first in range(0, core.disk_blocks, batch):
-            slots = range(first, min(first + batch, core.disk_blocks))
-            outcome = store.write_many([
-                SlotIO(slot=SlotId(s), key=BlockHash(b"\xff" * 16 + s.to_bytes(16, "little")),
-                       buffer=page) for s in slots])
-            assert all(o is None for o in outcome), outcome
+        yield store
     finally:
         store.close()
 
@@ -250,7 +264,7 @@ def _timed_writes(store: SlotStore, slots: list[int], pages: list[torch.Tensor],
     return elapsed
 
 
-def store_write_rates(config: StateKVConfig, directory: Path, blocks: int) -> dict[str, float]:
+def store_write_rates(config: StateKVConfig, blocks: int) -> dict[str, float]:
     """The slot store alone, same run: `blocks` host pages written through the cache's store
     (its backend, headers, index journal) by `config.writers` threads, in batches of
     `config.max_batch_blocks`, payload checksums given (as the GPU copies supply them), no
@@ -259,27 +273,20 @@ def store_write_rates(config: StateKVConfig, directory: Path, blocks: int) -> di
     lies what the pipeline above the store costs; between these and the raw write, what the
     store costs."""
     core = config.core_config()
-    nbytes = core.block_bytes
-    pinned = torch.cuda.is_available()
-    raw = torch.empty(blocks * nbytes + mmap.PAGESIZE, dtype=torch.uint8, pin_memory=pinned)
-    pool = aligned_within(raw, blocks * nbytes)
-    pool.random_(0, 256)
-    pages = [pool[i * nbytes : (i + 1) * nbytes] for i in range(blocks)]
+    pages = _host_pages(core.block_bytes, blocks)
+    for page in pages:
+        page.random_(0, 256)
     crcs = [payload_checksum(host_view(page)) for page in pages]
-    store = open_slot_store(config.backend, directory, core, persist=config.persist)
-    batch = max(1, core.max_batch_blocks)
     out: dict[str, float] = {}
-    try:
-        # First into fresh slots, then over the same slots again, in order and shuffled.
+    with _slot_store(config) as store:
         written = list(range(blocks))
         scattered = random.Random(0).sample(written, blocks)
         for name, slots in (("store_fresh", written), ("store_consecutive", written),
                             ("store_scattered", scattered)):
-            elapsed = _timed_writes(store, slots, pages, crcs, batch=batch,
+            elapsed = _timed_writes(store, slots, pages, crcs,
+                                    batch=max(1, core.max_batch_blocks),
                                     threads=max(1, config.writers))
-            out[f"{name}_gb_per_s"] = blocks * nbytes / elapsed / 1e9
-    finally:
-        store.close()
+            out[f"{name}_gb_per_s"] = blocks * core.block_bytes / elapsed / 1e9
     return out
 
 
@@ -526,8 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         raw_read = raw_read_rate(directory, block_bytes=block_bytes, threads=args.threads,
                                  total_bytes=total)
         phases = transfer_phases(args, directory / "cache")
-        store = store_write_rates(_transfer_config(args, directory / "store"), directory / "store",
-                                  args.blocks)
+        store = store_write_rates(_transfer_config(args, directory / "store"), args.blocks)
         recall = recall_rate(args)
         h2d = host_to_device_limit(total, resolve_device(args.device))
         latency = {} if args.skip_latency else step_latency(args, directory / "loop")
