@@ -204,6 +204,43 @@ def test_a_batch_of_page_copies_moves_every_page_to_its_destination(
     assert engine.statistics().copies_to_gpu == engine.statistics().copies_to_host == len(pairs)
 
 
+@pytest.mark.parametrize("gather_kernel", [True, False], ids=["kernel", "dma"])
+@pytest.mark.skipif(DEVICE != "cuda", reason="the gather kernel runs on CUDA only")
+def test_scattered_batches_with_repeated_destinations_leave_each_pages_last_copy(
+    gather_kernel: bool,
+) -> None:
+    # 40 pages of 1.5 KiB each way, shuffled, with some destinations named twice: the kernel's
+    # thread blocks run in no defined order, so only a batch's last copy into a page may land.
+    pools = KVPools(config(gpu_blocks=40, host_blocks=40, reserved_host_blocks=0), DEVICE)
+    engine = TorchCopyEngine(pools, gather_kernel=gather_kernel)
+    gen = torch.Generator().manual_seed(7)
+    for to_gpu in (True, False):
+        src_pool, dst_pool = (pools.host, pools.gpu) if to_gpu else (pools.gpu, pools.host)
+        src_pool.view(torch.uint8).copy_(torch.randint(
+            0, 256, src_pool.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+        dst_pool.view(torch.uint8).zero_()
+        targets = torch.randperm(40, generator=gen).tolist()
+        pairs = [(s, d) for s, d in enumerate(targets)]
+        pairs += [(s, targets[(s * 7) % 40]) for s in range(5)]  # 5 destinations again
+        engine.copy_pages([(PageId(s), PageId(d)) for s, d in pairs], to_gpu=to_gpu)
+        engine.fence().wait()
+        expected = {d: s for s, d in pairs}
+        for d, s in expected.items():
+            assert torch.equal(dst_pool[d].cpu(), src_pool[s].cpu()), (to_gpu, s, d)
+    assert engine.statistics().kernel_batches == (2 if gather_kernel else 0)
+
+
+def test_a_gather_kernel_where_it_cannot_run_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        TorchCopyEngine(KVPools(config(), "cpu"), gather_kernel=True)
+    assert info.value.field == "gather_kernel"
+    with pytest.raises(ConfigError) as info:
+        TorchCopyEngine(KVPools(config(), "cpu"), gather_kernel="yes")  # type: ignore[arg-type]
+    assert info.value.field == "gather_kernel"
+    assert TorchCopyEngine(KVPools(config(), "cpu"), gather_kernel=None).statistics(
+        ).kernel_batches == 0
+
+
 def test_a_batch_of_copies_refuses_a_page_out_of_range_before_copying() -> None:
     pools = KVPools(config(), "cpu")
     engine = TorchCopyEngine(pools)

@@ -22,6 +22,7 @@ from typing import Final
 import attrs
 import torch
 
+from io_actors.memory import page_gather
 from io_actors.memory.host_checksums import HostChecksums
 from io_actors.storage.buffers import page_aligned_buffer, pinned_page_aligned_buffer
 from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
@@ -43,6 +44,11 @@ TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
 """The torch dtype of each KVLayout dtype name."""
 
 _PAGE_SIZE: Final = mmap.PAGESIZE
+
+GATHER_RUN_BYTES: Final = 1 << 20
+"""Mean bytes per run below which a batch of copies goes as one kernel, not one DMA a run
+(when the engine chooses): a DMA of 1 MiB takes about 20 us at pinned H2D speed, several
+times the cost of enqueueing it, while a 256 KiB one takes about as long as its enqueue."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -249,6 +255,9 @@ class CopyEngineStatistics:
     """Fences handed out."""
     asynchronous: bool
     """Whether copies run on a CUDA copy stream (False: synchronous CPU copies)."""
+    kernel_batches: int
+    """Batches of page copies that ran as one gather/scatter kernel (the rest: a DMA per
+    run of consecutive pages)."""
 
 
 class TorchCopyEngine:
@@ -279,10 +288,14 @@ class TorchCopyEngine:
     """
 
     def __init__(
-        self, pools: KVPools, *, compute_stream: torch.cuda.Stream | None = None
+        self, pools: KVPools, *, compute_stream: torch.cuda.Stream | None = None,
+        gather_kernel: bool | None = None,
     ) -> None:
         if not isinstance(pools, KVPools):
             raise ConfigError("pools", f"must be KVPools, got {pools!r}")
+        if gather_kernel is not None and not isinstance(gather_kernel, bool):
+            raise ConfigError("gather_kernel", f"must be True, False or None, got "
+                              f"{gather_kernel!r}")
         self._pools = pools
         self._lock = threading.Lock()
         self._copies_to_host = 0
@@ -305,6 +318,16 @@ class TorchCopyEngine:
             self._compute = None
             self._stream = None
         self._non_blocking = self._async and pools.host_pinned
+        can_gather = (self._async and pools.host_pinned and page_gather.have_kernel()
+                      and pools.block_nbytes % page_gather.WORD == 0)
+        if gather_kernel and not can_gather:
+            raise ConfigError(
+                "gather_kernel", "needs a CUDA device, a pinned host pool, cupy, and block "
+                f"bytes a multiple of {page_gather.WORD} (got {pools.block_nbytes})")
+        self._gather: bool | None = gather_kernel if can_gather else False
+        """True: every batch of page copies is one kernel; False: one DMA per run; None:
+        the kernel when the batch's runs average under GATHER_RUN_BYTES."""
+        self._kernel_batches = 0
 
     def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
         if self._pools.host_checksums is not None:
@@ -349,8 +372,10 @@ class TorchCopyEngine:
         pairs, host -> GPU when `to_gpu`, else GPU -> host.
 
         One lock, one wait on the compute stream and one stream switch for the whole list,
-        and one copy per run of pages consecutive on both sides (a run of blocks is one DMA):
-        the serving thread pays per batch what it paid per block.
+        and either one DMA per run of pages consecutive on both sides or, for a batch of
+        small scattered runs, one gather/scatter kernel for all of it
+        (:mod:`io_actors.memory.page_gather`): the serving thread pays per batch what it
+        paid per block.
         """
         if not pairs:
             return
@@ -368,26 +393,33 @@ class TorchCopyEngine:
                     runs[-1] = (s0, d0, n + 1)
                     continue
             runs.append((src, dst, 1))
+        use_kernel = self._use_kernel(len(pairs), len(runs))
         with self._lock:
             if self._stream is None or self._compute is None:
                 for s0, d0, n in runs:
                     dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n])
             else:
                 self._stream.wait_stream(self._compute)
+                # Where a batch fills a page twice (the page freed again within the same
+                # decision and handed to the next copy: 61 such batches in one 16k-history
+                # run on the H200) only its last copy counts: the DMAs in stream order leave
+                # it there, while the kernels' thread blocks run in no defined order.
+                last = dict((dst, src) for src, dst in pairs)
                 with torch.cuda.stream(self._stream):
-                    for s0, d0, n in runs:
-                        dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
-                                                    non_blocking=self._non_blocking)
+                    if use_kernel:
+                        page_gather.gather_pages(src_pool, dst_pool,
+                                                 [(s, d) for d, s in last.items()],
+                                                 pools.block_nbytes)
+                        self._kernel_batches += 1
+                    else:
+                        for s0, d0, n in runs:
+                            dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
+                                                        non_blocking=self._non_blocking)
                     checksums = pools.host_checksums
                     if not to_gpu and checksums is not None:
                         # The host pages' checksums, from the GPU pages they were copied
-                        # from, behind the copies on the same stream (fences cover it).
-                        # One entry per host page, of the last copy into it: a batch may
-                        # fill a page twice (the page freed again within the same decision
-                        # and handed to the next copy: 61 such batches in one 16k-history
-                        # run on the H200), and the kernel's blocks write their entries in
-                        # no defined order.
-                        last = dict((dst, src) for src, dst in pairs)
+                        # from, behind the copies on the same stream (fences cover it),
+                        # one entry per host page, of the last copy into it.
                         hosts = list(last)
                         checksums_into([pools.gpu_page(src) for src in last.values()],
                                        checksums.table, hosts)
@@ -397,6 +429,11 @@ class TorchCopyEngine:
                 self._copies_to_gpu += len(pairs)
             else:
                 self._copies_to_host += len(pairs)
+
+    def _use_kernel(self, pages: int, runs: int) -> bool:
+        if self._gather is not None:
+            return self._gather
+        return runs >= 2 and pages * self._pools.block_nbytes < runs * GATHER_RUN_BYTES
 
     def _enqueue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._stream is None or self._compute is None:
@@ -436,4 +473,5 @@ class TorchCopyEngine:
                 bytes_to_gpu=self._copies_to_gpu * nbytes,
                 fences=self._fences,
                 asynchronous=self._async,
+                kernel_batches=self._kernel_batches,
             )
