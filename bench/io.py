@@ -37,6 +37,7 @@ import json
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -525,11 +526,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_batch_blocks: blocks per disk batch (1: one at a time)")
     parser.add_argument("--machine", default="cpu", help="cpu, h200 or h200x2 (file name)")
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--switch-interval-ms", type=positive_number, default=None,
+                        help="the interpreter's thread switch interval for the whole run "
+                             "(sys.setswitchinterval; Python's own is 5 ms)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--tag", type=results_tag, default=None,
                         help="suffix of the results file name (several runs a day)")
     args = parser.parse_args(argv)
 
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     base = Path(args.dir) if args.dir else None
     with tempfile.TemporaryDirectory(prefix="statekv-bench-io-", dir=base) as tmp:
         directory = Path(tmp)

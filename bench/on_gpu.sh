@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io io-small profile demo e2e fuzz tp rebuild sweep
+#   bench/on_gpu.sh tests io io-small profile profile-latency demo e2e fuzz tp rebuild sweep
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
 # SWEEP_CONFIGS (default cd), SWEEP_SEEDS seeds (default 3), layer shape SWEEP_MODELS
@@ -62,6 +62,13 @@ for step in "$@"; do
     profile) run profile ${PROFILE_S:-200} "$SITE/bin/py-spy" record --nonblocking --threads \
         --idle --rate 250 --format raw -o "$OUT/profile-io-small.txt" -- python3 -m bench.io \
         --machine h200 --block-mib 0.25 --threads 4 --blocks 2048 --dir "$DISK" --skip-latency ;;
+    # The 2 MiB run with its step-latency phase under py-spy, the same way: where the serving
+    # thread's steps wait while the disk is busy ($OUT/profile-io-latency.txt).
+    profile-latency) run profile-latency ${PROFILE_S:-200} "$SITE/bin/py-spy" record \
+        --nonblocking --threads --idle --rate 250 --format raw -o "$OUT/profile-io-latency.txt" \
+        -- python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
+        --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
+        --loop-gpu-blocks 2048 ${IO_ARGS:-} ;;
     demo) run demo 60 python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
     e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;

@@ -204,21 +204,26 @@ def test_a_batch_of_page_copies_moves_every_page_to_its_destination(
     assert engine.statistics().copies_to_gpu == engine.statistics().copies_to_host == len(pairs)
 
 
+@pytest.mark.parametrize("block_size", [4, 100], ids=["1.5KiB", "37.5KiB"])
 @pytest.mark.parametrize("gather_kernel", [True, False], ids=["kernel", "dma"])
 @pytest.mark.skipif(DEVICE != "cuda", reason="the gather kernel runs on CUDA only")
 def test_scattered_batches_with_repeated_destinations_leave_each_pages_last_copy(
-    gather_kernel: bool,
+    gather_kernel: bool, block_size: int,
 ) -> None:
-    # 40 pages of 1.5 KiB each way, shuffled, with some destinations named twice: the kernel's
-    # thread blocks run in no defined order, so only a batch's last copy into a page may land.
-    pools = KVPools(config(gpu_blocks=40, host_blocks=40, reserved_host_blocks=0), DEVICE)
+    # 40 pages each way, shuffled, with some destinations named twice: the kernel's thread
+    # blocks run in no defined order, so only a batch's last copy into a page may land.
+    # 37.5 KiB pages are two of the kernel's 32 KiB pieces, the second one partial.
+    pools = KVPools(config(gpu_blocks=40, host_blocks=40, reserved_host_blocks=0,
+                           block_size=block_size), DEVICE)
     engine = TorchCopyEngine(pools, gather_kernel=gather_kernel)
     gen = torch.Generator().manual_seed(7)
     for to_gpu in (True, False):
+        # Compared as bytes: random bytes read as bfloat16 hold NaNs, never equal.
         src_pool, dst_pool = (pools.host, pools.gpu) if to_gpu else (pools.gpu, pools.host)
-        src_pool.view(torch.uint8).copy_(torch.randint(
-            0, 256, src_pool.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
-        dst_pool.view(torch.uint8).zero_()
+        src_pool, dst_pool = (p.view(p.shape[0], -1).view(torch.uint8)
+                              for p in (src_pool, dst_pool))
+        src_pool.copy_(torch.randint(0, 256, src_pool.shape, dtype=torch.uint8, generator=gen))
+        dst_pool.zero_()
         targets = torch.randperm(40, generator=gen).tolist()
         pairs = [(s, d) for s, d in enumerate(targets)]
         pairs += [(s, targets[(s * 7) % 40]) for s in range(5)]  # 5 destinations again

@@ -6,10 +6,10 @@ issued one DMA per run.  At 256 KiB a page moves in about 5 us at pinned H2D spe
 enqueueing one ``copy_`` from Python costs about as much, so a batch of small pages ran at
 half the link's rate (recall 0.30-0.50x of pinned H2D on the H200 machine).  Here the whole
 batch is one CUDA kernel (a CuPy ``RawKernel``: cupy is the ``cu12``/``cu13`` extra): each
-thread block copies one page at a time in 16-byte words, reading or writing the pinned host
-pool directly (pinned memory is mapped into the device's address space under unified
-addressing, so the kernel dereferences host addresses as it does device ones), and the
-threads keep several words in flight to cover the link's latency.
+thread block copies a 32 KiB piece of a page at a time in 16-byte words, reading or writing
+the pinned host pool directly (pinned memory is mapped into the device's address space under
+unified addressing, so the kernel dereferences host addresses as it does device ones), and
+the threads keep several words in flight to cover the link's latency.
 
 The pairs are checked and deduplicated by the caller: the kernel's thread blocks run in no
 defined order, so two copies into one page in a batch would race, where DMAs in stream order
@@ -38,8 +38,12 @@ _UNROLL: Final = 4
 
 _BLOCKS_PER_SM: Final = 2
 """Thread blocks per multiprocessor at most: enough to saturate the link (each block keeps
-512 x 4 x 16 bytes = 32 KiB of loads in flight), few enough that a batch leaves room on the
-device for the forward pass running beside it."""
+512 x 4 x 16 bytes = 32 KiB of loads in flight: 264 blocks on an H200, 8 MiB), few enough
+that a batch leaves room on the device for the forward pass running beside it."""
+
+_CHUNK_WORDS: Final = _THREADS * _UNROLL
+"""Words of one page one thread block copies at a time (32 KiB): a batch of 16 pages of
+256 KiB is 128 pieces, enough to keep the link busy where one piece per page was not."""
 
 _SOURCE: Final = r"""
 extern "C" __global__ void copy_pages(
@@ -49,20 +53,24 @@ extern "C" __global__ void copy_pages(
     long long n,                   // pairs
     long long words)               // 16-byte words per page
 {
-    for (long long k = blockIdx.x; k < n; k += gridDim.x) {
+    const long long chunks = (words + CHUNK - 1) / CHUNK;
+    for (long long j = blockIdx.x; j < n * chunks; j += gridDim.x) {
+        const long long k = j / chunks;
+        const long long first = (j - k * chunks) * CHUNK;
+        const long long end = first + CHUNK < words ? first + CHUNK : words;
         const uint4* src = (const uint4*)src_base + pairs[2 * k] * words;
         uint4* dst = (uint4*)dst_base + pairs[2 * k + 1] * words;
-        for (long long w = threadIdx.x; w < words; w += (long long)blockDim.x * UNROLL) {
+        for (long long w = first + threadIdx.x; w < end; w += (long long)blockDim.x * UNROLL) {
             uint4 v[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const long long i = w + (long long)u * blockDim.x;
-                if (i < words) v[u] = src[i];
+                if (i < end) v[u] = src[i];
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const long long i = w + (long long)u * blockDim.x;
-                if (i < words) dst[i] = v[u];
+                if (i < end) dst[i] = v[u];
             }
         }
     }
@@ -79,7 +87,7 @@ def _kernel() -> Any | None:
         _log.info("cupy is not installed (%s): scattered page copies are one DMA each", exc)
         return None
     return cupy.RawKernel(_SOURCE, "copy_pages",
-                          options=(f"-DUNROLL={_UNROLL}",))
+                          options=(f"-DUNROLL={_UNROLL}", f"-DCHUNK={_CHUNK_WORDS}"))
 
 
 @functools.cache
@@ -111,14 +119,15 @@ def gather_pages(src_pool: torch.Tensor, dst_pool: torch.Tensor,
     flat = [page for pair in pairs for page in pair]
     table = indices_to_device(flat, device)
     stream = torch.cuda.current_stream(device)
-    blocks = min(len(pairs), _max_blocks(device.index))
+    words = page_nbytes // WORD
+    blocks = min(len(pairs) * -(-words // _CHUNK_WORDS), _max_blocks(device.index))
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
         kernel(
             (blocks,), (_THREADS,),
             (
                 np.uint64(src_pool.data_ptr()), np.uint64(dst_pool.data_ptr()),
                 np.uint64(table.data_ptr()), np.int64(len(pairs)),
-                np.int64(page_nbytes // WORD),
+                np.int64(words),
             ),
         )
     # The pair table must outlive the kernel: torch keeps it until the stream passes.
