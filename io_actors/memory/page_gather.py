@@ -18,14 +18,13 @@ let the later one win.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
-
-from io_actors.storage.gpu_checksum import indices_to_device
 
 _log = logging.getLogger(__name__)
 
@@ -101,34 +100,58 @@ def have_kernel() -> bool:
     return _kernel() is not None
 
 
-def gather_pages(src_pool: torch.Tensor, dst_pool: torch.Tensor,
-                 pairs: Sequence[tuple[int, int]], page_nbytes: int) -> None:
-    """Enqueue, on the current stream, ``dst_pool[d] = src_pool[s]`` for each (s, d) in
-    `pairs`, as one kernel; no synchronization.
+class PageGather:
+    """Batches of page copies as one kernel each, on one CUDA stream (a copy engine's).
 
-    The pools are contiguous tensors of pages of `page_nbytes` bytes (a multiple of
-    :data:`WORD`), one on a CUDA device and the other there too or in pinned host memory.
-    The caller has checked every page number and that no destination repeats.
+    Not thread safe: the engine calls it under its lock.
     """
-    import cupy
-    import numpy as np
 
-    kernel = _kernel()
-    assert kernel is not None and page_nbytes % WORD == 0 and pairs
-    device = src_pool.device if src_pool.device.type == "cuda" else dst_pool.device
-    flat = [page for pair in pairs for page in pair]
-    table = indices_to_device(flat, device)
-    stream = torch.cuda.current_stream(device)
-    words = page_nbytes // WORD
-    blocks = min(len(pairs) * -(-words // _CHUNK_WORDS), _max_blocks(device.index))
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        kernel(
-            (blocks,), (_THREADS,),
-            (
-                np.uint64(src_pool.data_ptr()), np.uint64(dst_pool.data_ptr()),
-                np.uint64(table.data_ptr()), np.int64(len(pairs)),
-                np.int64(words),
-            ),
-        )
-    # The pair table must outlive the kernel: torch keeps it until the stream passes.
-    table.record_stream(stream)
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        import cupy
+
+        kernel = _kernel()
+        if kernel is None or device.type != "cuda" or device.index is None:
+            raise ValueError("PageGather needs cupy and an indexed CUDA device")
+        self._launch = kernel
+        self._device_index: int = device.index
+        self._stream = stream
+        with cupy.cuda.Device(device.index):
+            self._cupy_stream = cupy.cuda.ExternalStream(stream.cuda_stream)
+        self._max_blocks = _max_blocks(device.index)
+        # Each batch's (source, destination) table lives in pinned host memory, which the
+        # kernel reads through its mapped address (no copy of its own to enqueue), until the
+        # event recorded after its kernel has passed.
+        self._tables: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = (
+            collections.deque())
+
+    def copy(self, src_pool: torch.Tensor, dst_pool: torch.Tensor,
+             pairs: Sequence[tuple[int, int]], page_nbytes: int) -> None:
+        """Enqueue ``dst_pool[d] = src_pool[s]`` for each (s, d) in `pairs` on the stream, as
+        one kernel; no synchronization.
+
+        The pools are contiguous tensors of pages of `page_nbytes` bytes (a multiple of
+        :data:`WORD`), each on the device or in pinned host memory.  The caller has checked
+        every page number and that no destination repeats.
+        """
+        import cupy
+        import numpy as np
+
+        assert page_nbytes % WORD == 0 and pairs
+        tables = self._tables
+        while tables and tables[0][0].query():  # type: ignore[no-untyped-call]
+            tables.popleft()
+        table = torch.tensor([page for pair in pairs for page in pair], dtype=torch.int64,
+                             pin_memory=True)
+        words = page_nbytes // WORD
+        blocks = min(len(pairs) * -(-words // _CHUNK_WORDS), self._max_blocks)
+        with cupy.cuda.Device(self._device_index), self._cupy_stream:
+            self._launch(
+                (blocks,), (_THREADS,),
+                (
+                    np.uint64(src_pool.data_ptr()), np.uint64(dst_pool.data_ptr()),
+                    np.uint64(table.data_ptr()), np.int64(len(pairs)), np.int64(words),
+                ),
+            )
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        tables.append((event, table))

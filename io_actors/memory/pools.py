@@ -325,6 +325,8 @@ class TorchCopyEngine:
                 "gather_kernel", "needs a CUDA device, a pinned host pool, cupy, and block "
                 f"bytes a multiple of {page_gather.WORD} (got {pools.block_nbytes})")
         self._gather: bool | None = gather_kernel if can_gather else False
+        self._gatherer = (page_gather.PageGather(pools.device, self._stream)
+                          if can_gather and self._stream is not None else None)
         """True: every batch of page copies is one kernel; False: one DMA per run; None:
         the kernel when the batch's runs average under GATHER_RUN_BYTES."""
         self._kernel_batches = 0
@@ -407,9 +409,10 @@ class TorchCopyEngine:
                 last = dict((dst, src) for src, dst in pairs)
                 with torch.cuda.stream(self._stream):
                     if use_kernel:
-                        page_gather.gather_pages(src_pool, dst_pool,
-                                                 [(s, d) for d, s in last.items()],
-                                                 pools.block_nbytes)
+                        assert self._gatherer is not None
+                        self._gatherer.copy(src_pool, dst_pool,
+                                            [(s, d) for d, s in last.items()],
+                                            pools.block_nbytes)
                         self._kernel_batches += 1
                     else:
                         for s0, d0, n in runs:

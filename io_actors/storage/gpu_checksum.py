@@ -118,7 +118,7 @@ def _check_pages(pages: Sequence[torch.Tensor]) -> int:
     return length
 
 
-def indices_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """A small int64 array on `device`, copied from pinned memory without waiting.
 
     A copy from pageable memory would block the calling thread until the current stream had
@@ -142,7 +142,7 @@ def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
     chunks = -(-length // _CRC_CHUNK)
     _position, shifts = _crc_device_tables(device, chunks, version)
     table = _table(device, version)
-    addresses = indices_to_device([p.data_ptr() for p in pages], device)
+    addresses = _to_device([p.data_ptr() for p in pages], device)
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
         kernel(
@@ -209,5 +209,5 @@ def checksums_into(pages: Sequence[torch.Tensor], out: torch.Tensor,
                          "or in pinned host memory")
     if len(slots) != len(pages) or not all(0 <= s < out.numel() for s in slots):
         raise UsageError("slots", "one index into `out` per page")
-    index = indices_to_device(list(slots), pages[0].device)
+    index = _to_device(list(slots), pages[0].device)
     _launch(pages, length, out, index, FORMAT_VERSION)
