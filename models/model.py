@@ -32,12 +32,23 @@ import attrs
 import torch
 from torch import Tensor
 from torch.nn import functional as nnf
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from statekv.errors import ConfigError, InvariantViolation, UsageError
 
 from .config import ModelConfig
+
+_ATTENTION_BACKENDS: Final = [
+    SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+]
+"""The attention kernels the forward pass may use: every one but cuDNN's.  cuDNN's builds an
+execution plan for each new shape, compiling it with NVRTC, and a serving loop's shapes are
+new all the time (a decode batch's context grows by a token a step; prefill chunks come in
+every length).  On the H200 machine, py-spy --native put 91% of the decode attention's
+samples in nvrtcCompileProgram, the step at 24-46 ms where the same steps with their plans
+cached took 6 ms."""
 
 DTYPES: Final[dict[str, torch.dtype]] = {
     "float32": torch.float32,
@@ -372,11 +383,13 @@ class PagedDecoder(torch.nn.Module):
         self._check_pool(pool)
         batch = self._prepare(pool, chunks)
         x = nnf.embedding(batch.token_ids, self.embed)
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, _Layer)
-            x = self._layer(
-                x, batch.positions, layer, functools.partial(self._paged_attend, pool, batch, i)
-            )
+        with sdpa_kernel(_ATTENTION_BACKENDS):
+            for i, layer in enumerate(self.layers):
+                assert isinstance(layer, _Layer)
+                x = self._layer(
+                    x, batch.positions, layer,
+                    functools.partial(self._paged_attend, pool, batch, i),
+                )
         x = self._norm(x)
         last = x.index_select(0, batch.last_index)
         last_logits = nnf.linear(last, self.lm_head).float()
