@@ -197,6 +197,29 @@ def test_pages_of_other_sequences_are_never_read(either_model: PagedDecoder) -> 
     assert torch.isfinite(model.forward(pool, batch).last_logits).all()
 
 
+def test_attention_never_runs_with_cudnn_enabled(
+    either_model: PagedDecoder, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # cuDNN's SDPA compiles an execution plan for each new shape, and a serving loop's shapes
+    # are new every step: the forward pass must keep it out, for prefill and decode calls.
+    seen: list[bool] = []
+    real = PagedDecoder._sdpa_attend
+
+    def spy(self: PagedDecoder, *args: Any) -> torch.Tensor:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(self, *args)
+
+    monkeypatch.setattr(PagedDecoder, "_sdpa_attend", spy)
+    model = either_model
+    pool = nan_pool(model)
+    prompts = [tokens(40, seed=20), tokens(21, seed=21)]
+    tables = [[0, 1, 2], [5, 6]]
+    step = model.forward(pool, [Chunk(token_ids=p, start=0, block_table=t)
+                                for p, t in zip(prompts, tables, strict=True)])
+    greedy_decode(model, pool, tables, greedy(step.last_logits), [40, 21], steps=2)
+    assert seen and not any(seen)
+
+
 def test_flex_backend_matches_dense_reference(config: ModelConfig) -> None:
     flex = PagedDecoder(config, attention="flex")
     p1, p2 = tokens(40, seed=10), tokens(20, seed=11)
