@@ -206,7 +206,7 @@ def test_attention_never_runs_with_cudnn_enabled(
     real = PagedDecoder._sdpa_attend
 
     def spy(self: PagedDecoder, *args: Any) -> torch.Tensor:
-        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())  # type: ignore[no-untyped-call]
         return real(self, *args)
 
     monkeypatch.setattr(PagedDecoder, "_sdpa_attend", spy)
