@@ -319,47 +319,45 @@ def kvikio_own_rate(config: StateKVConfig, blocks: int) -> float:
     return blocks * payload / seconds / 1e9
 
 
-def recall_rate(args: argparse.Namespace, *, gather_kernel: bool | None = None) -> float:
+def recall_rates(args: argparse.Namespace) -> dict[str, float]:
     """Host -> GPU page copies through the copy engine, GB/s (best of 10, after one pass).
 
     As the scheduler issues them: batches of `--batch-blocks` pages (one request's host hits),
     to GPU pages in a shuffled order, so that no two pages of a batch merge into one copy --
     the figure does not profit from runs of consecutive pages that real evictions rarely
-    make.  `gather_kernel` is the engine's (None: its own choice per batch; True: one
-    gather kernel per batch; False: one DMA per page)."""
+    make.  "engine": the engine's own choice per batch; where it can run its gather kernel,
+    also "dma" (one DMA per page) and "kernel" (one gather kernel per batch), on the same
+    pools."""
     from statekv.config import CacheConfig
 
     n = args.blocks
     layout = layout_for(args.block_mib, args.block_size)
     pools = KVPools(CacheConfig(block_size=args.block_size, gpu_blocks=n, host_blocks=n,
                                 layout=layout), resolve_device(args.device))
-    engine = TorchCopyEngine(pools, gather_kernel=gather_kernel)
+    engines = {"engine": TorchCopyEngine(pools)}
+    if engines["engine"].gather_kernel_available:
+        engines["dma"] = TorchCopyEngine(pools, gather_kernel=False)
+        engines["kernel"] = TorchCopyEngine(pools, gather_kernel=True)
     targets = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     pairs = [(PageId(page), PageId(target)) for page, target in enumerate(targets)]
     size = args.batch_blocks
-    best = float("inf")
-    # The first pass is not timed (it compiles the gather kernel), and a pass is only 10-20
-    # ms: in one H200 run with five timed passes and none untimed, the engine's choice,
-    # measured first, came out at 0.51x of pinned H2D where the same kernel forced, measured
-    # after it, reached 0.83x (a compile or the device's clocks inside the timed passes are
-    # the suspects, not measured).
-    for repeat in range(11):
-        start = time.perf_counter()
-        for first in range(0, n, size):
-            engine.copy_pages(pairs[first : first + size], to_gpu=True)
-        engine.fence().wait()
-        if repeat:
-            best = min(best, time.perf_counter() - start)
-    return float(n * pools.block_nbytes / best / 1e9)
-
-
-def _gather_kernel_runs(args: argparse.Namespace) -> bool:
-    """Whether the copy engine can run its gather kernel here (CUDA, pinned pool, cupy)."""
-    from io_actors.memory import page_gather
-
-    layout = layout_for(args.block_mib, args.block_size)
-    return (resolve_device(args.device).type == "cuda" and page_gather.have_kernel()
-            and layout.block_bytes(args.block_size) % page_gather.WORD == 0)
+    rates: dict[str, float] = {}
+    for way, engine in engines.items():
+        best = float("inf")
+        # The first pass is not timed (it compiles the gather kernel), and a pass is only
+        # 10-20 ms: in one H200 run with five timed passes and none untimed, the engine's
+        # choice, measured first, came out at 0.51x of pinned H2D where the same kernel
+        # forced, measured after it, reached 0.83x (a compile or the device's clocks inside
+        # the timed passes are the suspects, not measured).
+        for repeat in range(11):
+            start = time.perf_counter()
+            for first in range(0, n, size):
+                engine.copy_pages(pairs[first : first + size], to_gpu=True)
+            engine.fence().wait()
+            if repeat:
+                best = min(best, time.perf_counter() - start)
+        rates[way] = n * pools.block_nbytes / best / 1e9
+    return rates
 
 
 def host_to_device_limit(nbytes: int, device: torch.device) -> float:
@@ -556,11 +554,8 @@ def main(argv: list[str] | None = None) -> int:
                                  total_bytes=total)
         phases = transfer_phases(args, directory / "cache")
         store = store_write_rates(_transfer_config(args, directory / "store"), args.blocks)
-        recall = recall_rate(args)
-        # Both of the engine's ways, beside its own choice, where the kernel can run.
-        recall_ways = ({"dma": recall_rate(args, gather_kernel=False),
-                        "kernel": recall_rate(args, gather_kernel=True)}
-                       if _gather_kernel_runs(args) else {})
+        recall_ways = recall_rates(args)
+        recall = recall_ways.pop("engine")
         h2d = host_to_device_limit(total, resolve_device(args.device))
         latency = {} if args.skip_latency else step_latency(args, directory / "loop")
 

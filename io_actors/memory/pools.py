@@ -335,11 +335,13 @@ class TorchCopyEngine:
             raise ConfigError(
                 "gather_kernel", "needs a CUDA device, a pinned host pool, cupy, and block "
                 f"bytes a multiple of {page_gather.WORD} (got {pools.block_nbytes})")
+        self.gather_kernel_available: Final = can_gather
+        """Whether batches of page copies can run as one gather/scatter kernel here."""
         self._gather: bool | None = gather_kernel if can_gather else False
-        self._gatherer = (page_gather.PageGather(pools.device, self._stream)
-                          if can_gather and self._stream is not None else None)
         """True: every batch of page copies is one kernel; False: one DMA per run; None:
         the kernel when the batch's runs average under GATHER_RUN_BYTES."""
+        self._gatherer = (page_gather.PageGather(pools.device, self._stream)
+                          if can_gather and self._stream is not None else None)
         self._kernel_batches = 0
 
     def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
@@ -413,11 +415,13 @@ class TorchCopyEngine:
                     dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n])
             else:
                 self._stream.wait_stream(self._compute)
+                checksums = None if to_gpu else pools.host_checksums
                 # Where a batch fills a page twice (the page freed again within the same
                 # decision and handed to the next copy: 61 such batches in one 16k-history
                 # run on the H200) only its last copy counts: the DMAs in stream order leave
                 # it there, while the kernels' thread blocks run in no defined order.
-                last = dict((dst, src) for src, dst in pairs)
+                last = (dict((dst, src) for src, dst in pairs)
+                        if use_kernel or checksums is not None else {})
                 with torch.cuda.stream(self._stream):
                     if use_kernel:
                         assert self._gatherer is not None
@@ -429,8 +433,7 @@ class TorchCopyEngine:
                         for s0, d0, n in runs:
                             dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
                                                         non_blocking=self._non_blocking)
-                    checksums = pools.host_checksums
-                    if not to_gpu and checksums is not None:
+                    if checksums is not None:
                         # The host pages' checksums, from the GPU pages they were copied
                         # from, behind the copies on the same stream (fences cover it),
                         # one entry per host page, of the last copy into it.
