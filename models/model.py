@@ -522,16 +522,19 @@ class PagedDecoder(torch.nn.Module):
             valid = batch.decode_valid
             shape = (*batch.decode_slots.shape, hkv, d)
             flat = batch.decode_slots.reshape(-1)
-            # Padding rows are zeroed, not just masked: see the NaN note above.  The padding
-            # mask keeps this call off flash kernels (they take no mask); for one query per
-            # sequence the fallback's scores are only [decodes, heads, 1, ctx].
+            # Padding rows are zeroed, not just masked: see the NaN note above.
             keep = valid[:, :, None, None]
             kd = torch.where(keep, rows.index_select(0, flat + k_off).view(shape), 0.0)
             vd = torch.where(keep, rows.index_select(0, flat + v_off).view(shape), 0.0)
-            qd = q.index_select(0, batch.decode_chunks).unsqueeze(2)  # [nd, hq, 1, d]
+            # One query per sequence: the query heads that share a KV head are laid out as
+            # that head's query rows ([nd, hkv, group, d]; head h reads KV head h // group,
+            # as enable_gqa would).  The call then needs no GQA support, only a padding mask,
+            # which the memory-efficient kernel takes.  With enable_gqa and a mask, no fused
+            # CUDA kernel but cuDNN's applies (flash takes no mask, memory-efficient no GQA),
+            # and the math fallback repeats every KV head group times over the whole context.
+            qd = q.index_select(0, batch.decode_chunks).view(nd, hkv, -1, d)
             o = nnf.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                attn_mask=valid[:, None, None, :], enable_gqa=True,
+                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=valid[:, None, None, :],
             )
             out.index_copy_(0, batch.decode_chunks, o.reshape(nd, self._q_size))
         return out

@@ -220,6 +220,43 @@ def test_attention_never_runs_with_cudnn_enabled(
     assert seen and not any(seen)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels are CUDA's")
+@pytest.mark.parametrize("batch_decodes", [False, True],
+                         ids=["decodes-per-chunk", "decodes-batched"])
+def test_attention_runs_on_fused_kernels_alone_on_cuda(
+    batch_decodes: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With only flash and memory-efficient attention allowed, SDPA raises where a call would
+    # need the math fallback, which repeats each KV head over its query group and the whole
+    # context: the serving loop's decode steps ran at twice their time that way.  A GQA
+    # shape (8 query heads per KV head), bf16, prefill from scratch, a chunk after a cached
+    # prefix, and a batch of decodes of different lengths.
+    from torch.nn.attention import SDPBackend
+
+    import models.model as model_module
+
+    monkeypatch.setattr(model_module, "_ATTENTION_BACKENDS",
+                        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    model = PagedDecoder(preset("8b-class", num_layers=1, vocab_size=512), device="cuda",
+                         batch_decodes=batch_decodes)
+    pool = model.new_pool(NUM_BLOCKS, BS, fill=float("nan"))
+    prompts = [tokens(40, seed=30), tokens(29, seed=31)]
+    tables = [[0, 1, 2], [5, 6]]
+    model.forward(pool, [Chunk(token_ids=p[:24], start=0, block_table=t)
+                         for p, t in zip(prompts, tables, strict=True)])
+    step = model.forward(pool, [Chunk(token_ids=p[24:], start=24, block_table=t)
+                                for p, t in zip(prompts, tables, strict=True)])
+    seqs = greedy_decode(model, pool, tables, greedy(step.last_logits), [40, 29], steps=3)
+    # The last decode's logits against the dense reference of the whole sequence.
+    chunks = [Chunk(token_ids=[seq[-1]], start=len(p) + len(seq) - 1, block_table=t)
+              for p, seq, t in zip(prompts, seqs, tables, strict=True)]
+    last = model.forward(pool, chunks).last_logits
+    for row, (p, seq) in enumerate(zip(prompts, seqs, strict=True)):
+        ref = model.reference_logits(p + seq)[-1]
+        assert torch.isfinite(last[row]).all()
+        assert (last[row].float() - ref.float()).abs().max() < 0.1 * ref.float().abs().max()
+
+
 def test_flex_backend_matches_dense_reference(config: ModelConfig) -> None:
     flex = PagedDecoder(config, attention="flex")
     p1, p2 = tokens(40, seed=10), tokens(20, seed=11)
