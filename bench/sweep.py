@@ -56,13 +56,14 @@ it stays so, and the search treats it as the end of what can be claimed (goodput
 
 **Search.**  Per configuration and seed: start at the rate of ``--rates`` (multiples of the
 case's recompute capacity, factor 2 apart by default; or ``--rates-rps``) nearest ``--start``
-(default x1), climb the grid while it is met or go down it until a rate is met, then bisect
+(default x1), climb the grid while it is met or go down it until a rate is met (below its
+lowest rate too, by its first step, down to 1/8 of that rate), then bisect
 geometrically between the last rate met and the lowest above it not met until the two are
 within ``--precision`` (default 10%).  Rates below the start are measured only when the
 start is not met: the search assumes what bisection does, that a rate met has every lower
 rate met too.  Goodput is the last rate met; status ``below_next`` (the bracket's top
 missed), ``below_unsettled``, ``every_rate`` (no grid rate missed: a lower bound),
-``never_met`` (the lowest rate was not met: no figure).
+``never_met`` (no rate down to 1/8 of the grid's lowest was met: no figure).
 
 **Seeds.**  ``--seeds N`` repeats every search with seeds ``--seed`` .. ``--seed + N - 1``
 (another conversation and arrival schedule); per configuration the goodput's min / median /
@@ -159,6 +160,8 @@ PREPARE_RATE: Final = 1e6
 
 RATIO_PAIRS: Final = (("d", "c"), ("e", "d"))
 
+BELOW_GRID: Final = 8.0
+"""How far below its lowest rate a search may go, as a divisor of that rate."""
 GOODPUT_STATUSES: Final = ("below_next", "below_unsettled", "every_rate", "never_met")
 
 
@@ -274,7 +277,8 @@ def walk(grid: Sequence[float], verdict_at: Callable[[float], str | None],
     `verdict_at(rate)` is the final verdict at a rate (met, missed, unsettled) or None when
     it is still to be measured.  The search starts at the grid rate nearest `start` (on a
     log scale); from a rate met it climbs the grid to the first rate not met, from one not
-    met it goes down to the first rate met.  Then it halves (geometrically) the bracket
+    met it goes down to the first rate met (below the grid's lowest rate too, by the grid's
+    first step, as far as 1/BELOW_GRID of it).  Then it halves (geometrically) the bracket
     between the last rate met and the lowest above it not met until high / low <= 1 +
     precision.  A pure function: a search cut short and resumed takes the same path from
     the same verdicts.
@@ -314,6 +318,19 @@ def walk(grid: Sequence[float], verdict_at: Callable[[float], str | None],
                 low = rate
                 break
             high, high_verdict = rate, v
+        # Below the grid: on down by its first step, to 1/BELOW_GRID of its lowest rate, so
+        # that a grid set too high still finds a goodput rather than ending with none.
+        factor = grid[1] / grid[0] if len(grid) > 1 else 2.0
+        rate = grid[0] / factor
+        while low is None and rate >= grid[0] / BELOW_GRID * (1 - 1e-9):
+            v = verdict_at(rate)
+            if v is None:
+                return Walk(next=rate, phase="grid")
+            if v == "met":
+                low = rate
+            else:
+                high, high_verdict = rate, v
+            rate /= factor
         if low is None:
             return Walk(next=None, status="never_met", low=None, high=high,
                         high_verdict=high_verdict)

@@ -125,11 +125,21 @@ def test_the_search_brackets_the_knee_within_the_precision(
 def test_the_search_when_every_rate_or_none_is_met() -> None:
     order, w = _search(10.0)
     assert order == [1.0, 2.0, 4.0] and (w.status, w.low, w.high) == ("every_rate", 4.0, None)
-    order, w = _search(0.1)
-    assert order == [1.0, 0.5] and (w.status, w.low, w.high) == ("never_met", None, 0.5)
+    # Below the grid by its first step, to 1/8 of its lowest rate, before giving up.
+    order, w = _search(0.01)
+    assert order == [1.0, 0.5, 0.25, 0.125, 0.0625]
+    assert (w.status, w.low, w.high) == ("never_met", None, 0.0625)
     # The start is the grid rate nearest --start on a log scale.
     assert walk(GRID, lambda m: None, 0.1, start=1.6).next == 2.0
     assert walk(GRID, lambda m: None, 0.1, start=0.1).next == 0.5
+
+
+@pytest.mark.parametrize("knee", [0.3, 0.1])
+def test_a_knee_below_the_grid_is_still_bracketed(knee: float) -> None:
+    # A grid set too high (the lowest rate already missed) still finds the goodput.
+    order, w = _search(knee)
+    assert w.status == "below_next" and w.low <= knee < w.high and w.high / w.low <= 1.1
+    assert order[:2] == [1.0, 0.5] and len(order) == len(set(order))
 
 
 def test_an_unsettled_rate_ends_the_claim_without_counting_as_a_miss() -> None:
@@ -248,7 +258,7 @@ def test_goodput_spread_table_and_figures() -> None:
 
 
 def test_a_configuration_never_met_at_one_seed_has_no_figure() -> None:
-    case = _case({"c": _climb(0, 1.0) + _climb(1, 0.1)})
+    case = _case({"c": _climb(0, 1.0) + _climb(1, 0.01)})
     summarize_case(case, 0.1)
     assert case["goodput"]["c"]["median"] is None
     assert "x_goodput_c" not in figures([case])  # absent, not zero
