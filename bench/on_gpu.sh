@@ -2,6 +2,7 @@
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
 #   bench/on_gpu.sh tests io io-small profile profile-latency demo e2e fuzz tp rebuild sweep
+# tests: the GPU test files (TESTS_FILES replaces the list).
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
 # SWEEP_CONFIGS (default cd), SWEEP_SEEDS seeds (default 3), layer shape SWEEP_MODELS
@@ -44,13 +45,13 @@ for step in "$@"; do
     case $step in
     info) run info 30 bash -c 'nvidia-smi -L; python3 -c "import torch, kvikio, trio; print(torch.__version__, torch.cuda.get_device_name(0), kvikio.__version__, trio.__version__)"; df -h /tmp | tail -1' ;;
     tests) STATEKV_TEST_DEVICE=cuda run tests ${TESTS_S:-150} python3 -m pytest -q -x \
-        -p no:cacheprovider --timeout 60 --durations 5 \
+        -p no:cacheprovider --timeout 60 --durations 5 ${TESTS_FILES:-tests/test_model_paged_attention.py \
         tests/test_memory.py tests/test_kvikio_store.py tests/test_io_actors.py \
         tests/test_io_faults.py tests/test_batched_io.py tests/test_mac_read_paths.py \
         tests/test_disk_dir_ownership.py tests/test_vllm_layouts.py \
         tests/test_connector_machine.py tests/test_slot_format.py \
         tests/test_slot_format_upgrade.py tests/test_write_through.py \
-        tests/test_close_flush.py tests/test_host_copies.py ;;
+        tests/test_close_flush.py tests/test_host_copies.py} ;;
     io) run io ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 --write ${IO_ARGS:-} ;;
