@@ -241,7 +241,7 @@ def test_attention_runs_on_fused_kernels_alone_on_cuda(
                          batch_decodes=batch_decodes)
     pool = model.new_pool(NUM_BLOCKS, BS, fill=float("nan"))
     prompts = [tokens(40, seed=30), tokens(29, seed=31)]
-    tables = [[0, 1, 2], [5, 6]]
+    tables = [[0, 1, 2], [5, 6, 7]]
     model.forward(pool, [Chunk(token_ids=p[:24], start=0, block_table=t)
                          for p, t in zip(prompts, tables, strict=True)])
     step = model.forward(pool, [Chunk(token_ids=p[24:], start=24, block_table=t)
