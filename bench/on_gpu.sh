@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io io-small profile profile-latency demo e2e fuzz tp rebuild sweep
+#   bench/on_gpu.sh tests io io-small profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep
 # tests: the GPU test files (TESTS_FILES replaces the list).
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
@@ -70,6 +70,15 @@ for step in "$@"; do
         -- python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 ${IO_ARGS:-} ;;
+    # One (d) point of the 16k pressure-3 sweep cell (x0.7711) under py-spy, the same way:
+    # where the serving loop's steps go when admission, not compute, bounds it
+    # ($OUT/profile-sweep.txt).
+    profile-sweep) run profile-sweep ${PROFILE_S:-200} "$SITE/bin/py-spy" record \
+        --nonblocking --threads --idle --rate 100 --format raw -o "$OUT/profile-sweep.txt" \
+        -- python3 -m bench.sweep --machine h200 --dir "$DISK/sweep" --models 70b-class \
+        --tag profile --histories 16384 --pressure 3 --configs d --seeds 1 --layers 2 \
+        --gpu-gib 0.5 --host-gib 0.5 --block-size 128 --disk-gib 8 --rounds 3 \
+        --duration-s 8 --rates 0.7711 --points 1 --progress never ;;
     demo) run demo 60 python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
     e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
