@@ -78,6 +78,7 @@ def run_workload(
     total: int | None = None,
     stop_at: float | None = None,
     keep_disk_dir: bool = False,
+    after_step: Callable[[BlockingCache], None] | None = None,
 ) -> RunResult:
     """Serve every request of `workload`; closed-loop workloads get their answers back.
 
@@ -91,6 +92,8 @@ def run_workload(
     `keep_disk_dir`: `disk_dir` is the disk tier's own directory, restored at open where it
     holds a persisted tier and left in place afterwards (else a fresh directory inside it,
     removed after the run).
+    `after_step` is called with the cache after every serving step: a test that checks
+    what the tiers hold (not how the loop races them) lets transfers land there first.
     """
     if disk_dir is not None:
         disk_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +134,8 @@ def run_workload(
                         ttl_seconds=req.ttl_seconds, priority=req.priority, cache_salt=salt,
                     ))
                 finished = loop.step()
+                if after_step is not None:
+                    after_step(cache)
                 for result in finished:
                     done.append(result)
                     workload.complete(result.request_id, result.output, now=loop.now())

@@ -9,6 +9,7 @@ from models.chat_run import Budgets, identical_outputs, run_workload, token_matc
 from models.config import preset
 from models.model import PagedDecoder
 from models.workloads import ChatWorkload, ChatWorkloadConfig, RagWorkload, RagWorkloadConfig
+from tests.io_helpers import wait_quiet
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,11 @@ def test_tokens_through_disk_are_identical_to_an_unlimited_gpu_pool(
     model: PagedDecoder,
 ) -> None:
     # Every disk hit is read (whatever the measured rates): the identity is through disk.
+    # Each step's spills land before the next, so no block is dropped because the writers
+    # fell behind on a loaded machine (the loop never waits for them): the tight run then
+    # reuses every prefix the roomy one does, and both chunk every prompt the same way.
     tight = run_workload(model, chat(model), TIGHT, device="cpu",
-                         cost_aware_onboarding=False)
+                         cost_aware_onboarding=False, after_step=wait_quiet)
     roomy = run_workload(model, chat(model), ROOMY, device="cpu")
     stats = tight.cache.cache
     # The tight run really went through the disk tier...
@@ -54,7 +58,7 @@ def test_tokens_through_disk_are_identical_to_an_unlimited_gpu_pool(
 def test_token_match_rate_against_recomputing_everything(model: PagedDecoder) -> None:
     # Every disk hit is read (whatever the measured rates): the identity is through disk.
     tight = run_workload(model, chat(model), TIGHT, device="cpu",
-                         cost_aware_onboarding=False)
+                         cost_aware_onboarding=False, after_step=wait_quiet)
     recompute = run_workload(model, chat(model), ROOMY, device="cpu", salt_every_request=True)
     assert sum(r.gpu_tokens + r.disk_tokens for r in recompute.results) == 0
     rate = token_match_rate(tight, recompute)
@@ -69,7 +73,10 @@ def test_rag_documents_served_from_disk_are_identical(model: PagedDecoder) -> No
             answer_tokens=6, arrival_rate=200.0, vocab_size=model.config.vocab_size, seed=5,
         ))
 
-    tight = run_workload(model, rag(), TIGHT, device="cpu")
+    # As above: every disk hit read, whatever rates the machine's load gives the estimates
+    # (with cost-aware onboarding a slow moment can recompute every one of them).
+    tight = run_workload(model, rag(), TIGHT, device="cpu", cost_aware_onboarding=False,
+                         after_step=wait_quiet)
     roomy = run_workload(model, rag(), ROOMY, device="cpu")
     assert tight.cache.cache.onboards_completed > 0
     same, total = identical_outputs(tight, roomy)
