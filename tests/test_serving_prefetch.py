@@ -67,13 +67,18 @@ def test_a_waiting_request_prefetches_and_is_admitted_with_host_hits(tmp_path: P
         loop = ServingLoop(model, cache, max_running=1, prefetch_ahead=2)
         push_prompt_to_disk(loop, cache)
         # One long request runs; the next one waits in the queue and prefetches meanwhile.
+        # "long" is admitted first and its prefill's evictions spill before "again" arrives:
+        # were they still in flight, host pressure would find no host content it could take
+        # and reclaim the prefetched pages instead (as designed), which only thread timing
+        # on a loaded machine would decide.
         loop.submit(ServeRequest(request_id="long", prompt=tuple(range(460, 500)),
                                  max_new_tokens=30))
+        finished: list[RequestResult] = loop.step()
+        wait_quiet(cache)
         loop.submit(ServeRequest(request_id="again", prompt=(*PROMPT, 7, 7),
                                  max_new_tokens=2))
         # The reads land while "long" runs -- made certain here, not left to thread timing on
         # a loaded machine: each step's prefetch reads land before the next step.
-        finished: list[RequestResult] = []
         while not loop.idle:
             finished += loop.step()
             _until(lambda: cache.statistics().cache.prefetch_reads_in_flight == 0)
