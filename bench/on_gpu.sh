@@ -78,7 +78,7 @@ for step in "$@"; do
         -- python3 -m bench.sweep --machine h200 --dir "$DISK/sweep" --models 70b-class \
         --tag profile --histories 16384 --pressure 3 --configs d --seeds 1 --layers 2 \
         --gpu-gib 0.5 --host-gib 0.5 --block-size 128 --disk-gib 8 --rounds 3 \
-        --duration-s 8 --rates 0.7711 --points 1 --progress never ;;
+        --duration-s 8 --rates 0.7711 --points 1 --progress never ${SWEEP_ARGS:-} ;;
     demo) run demo 60 python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
     e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
