@@ -310,7 +310,7 @@ def walk(grid: Sequence[float], verdict_at: Callable[[float], str | None],
             return Walk(next=None, status="every_rate", low=low, high=None)
     else:
         high, high_verdict = grid[first], v
-        for rate in reversed(grid[:first]):
+        for rate in [*reversed(grid[:first]), *below_grid(grid)]:
             v = verdict_at(rate)
             if v is None:
                 return Walk(next=rate, phase="grid")
@@ -318,19 +318,6 @@ def walk(grid: Sequence[float], verdict_at: Callable[[float], str | None],
                 low = rate
                 break
             high, high_verdict = rate, v
-        # Below the grid: on down by its first step, to 1/BELOW_GRID of its lowest rate, so
-        # that a grid set too high still finds a goodput rather than ending with none.
-        factor = grid[1] / grid[0] if len(grid) > 1 else 2.0
-        rate = grid[0] / factor
-        while low is None and rate >= grid[0] / BELOW_GRID * (1 - 1e-9):
-            v = verdict_at(rate)
-            if v is None:
-                return Walk(next=rate, phase="grid")
-            if v == "met":
-                low = rate
-            else:
-                high, high_verdict = rate, v
-            rate /= factor
         if low is None:
             return Walk(next=None, status="never_met", low=None, high=high,
                         high_verdict=high_verdict)
@@ -345,6 +332,18 @@ def walk(grid: Sequence[float], verdict_at: Callable[[float], str | None],
             high, high_verdict = mid, v
     return Walk(next=None, status="below_next" if high_verdict == "missed"
                 else "below_unsettled", low=low, high=high, high_verdict=high_verdict)
+
+
+def below_grid(grid: Sequence[float]) -> list[float]:
+    """The rates a search goes down to past the grid's lowest, so that a grid set too high
+    still finds a goodput: on by the grid's first step, to 1/BELOW_GRID of its lowest."""
+    factor = grid[1] / grid[0] if len(grid) > 1 else 2.0
+    rates: list[float] = []
+    rate = grid[0] / factor
+    while rate >= grid[0] / BELOW_GRID * (1 - 1e-9):
+        rates.append(rate)
+        rate /= factor
+    return rates
 
 
 def rate_key(multiple: float) -> str:
