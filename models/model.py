@@ -200,6 +200,9 @@ class _Batch:
     decode_valid: Tensor
     """[num_decodes, max_ctx] which entries of `decode_slots` are real."""
     flex_mask: BlockMask | None
+    kv_offsets: Tensor
+    """[layers, 2, 1]: what layer l adds to a layer-0 K row index for its K row ([l, 0])
+    and its V row ([l, 1])."""
 
 
 # ---------------------------------------------------------------------------- the model
@@ -383,11 +386,12 @@ class PagedDecoder(torch.nn.Module):
         self._check_pool(pool)
         batch = self._prepare(pool, chunks)
         x = nnf.embedding(batch.token_ids, self.embed)
+        rotary = self._rotary(batch.positions)
         with sdpa_kernel(_ATTENTION_BACKENDS):
             for i, layer in enumerate(self.layers):
                 assert isinstance(layer, _Layer)
                 x = self._layer(
-                    x, batch.positions, layer,
+                    x, rotary, layer,
                     functools.partial(self._paged_attend, pool, batch, i),
                 )
         x = self._norm(x)
@@ -421,18 +425,26 @@ class PagedDecoder(torch.nn.Module):
             return out.to(self.dtype).reshape(n, self._q_size)
 
         x = nnf.embedding(ids, self.embed)
+        rotary = self._rotary(positions)
         for layer in self.layers:
             assert isinstance(layer, _Layer)
-            x = self._layer(x, positions, layer, attend)
+            x = self._layer(x, rotary, layer, attend)
         return nnf.linear(self._norm(x), self.lm_head).float()
 
     # ------------------------------------------------------------------ layers
 
     def _norm(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.config.rms_eps)).to(
-            x.dtype
-        )
+        # x * rsqrt(mean(x^2) + eps), computed in float32 and returned in x's dtype: one
+        # fused kernel on CUDA where the spelled-out form launched seven.  The forward pass is
+        # bound by its kernel launches at decode batch sizes (py-spy on the H200: the serving
+        # thread's step time went to launching, not to waiting for the GPU).
+        return nnf.rms_norm(x, (x.shape[-1],), eps=self.config.rms_eps)
+
+    def _rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin of every token's rotary angles, [n, 1, head_dim / 2] each: once per
+        forward pass, shared by every layer."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         half = x.shape[-1] // 2
@@ -448,19 +460,19 @@ class PagedDecoder(torch.nn.Module):
     def _layer(
         self,
         x: Tensor,
-        positions: Tensor,
+        rotary: tuple[Tensor, Tensor],
         layer: _Layer,
         attend: Callable[[Tensor, Tensor, Tensor], Tensor],
     ) -> Tensor:
         n = x.shape[0]
         d = self.config.head_dim
         qkv = nnf.linear(self._norm(x), layer.wqkv)
-        q, k, v = qkv.split_with_sizes([self._q_size, self._kv_size, self._kv_size], dim=-1)
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        q = self._rope(q.reshape(n, self.num_heads, d), cos, sin)
-        k = self._rope(k.reshape(n, self.num_kv_heads, d), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, d)
+        # q's and k's heads are rotated as one [n, heads + kv_heads, d] tensor: half the
+        # kernel launches of rotating each, the same arithmetic on every element.
+        qk = self._rope(qkv[:, : self._q_size + self._kv_size].reshape(
+            n, self.num_heads + self.num_kv_heads, d), *rotary)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self._q_size + self._kv_size :].reshape(n, self.num_kv_heads, d)
         x = x + self._reduce(nnf.linear(attend(q, k, v), layer.wo))
         gate, up = nnf.linear(self._norm(x), layer.wgu).chunk(2, dim=-1)
         return x + self._reduce(nnf.linear(nnf.silu(gate) * up, layer.wdown))
@@ -473,14 +485,16 @@ class PagedDecoder(torch.nn.Module):
         bs = pool.shape[3]
         rows = pool.view(-1, self.num_kv_heads, self.config.head_dim)
         k_off, v_off = 2 * layer * bs, (2 * layer + 1) * bs
-        rows.index_copy_(0, batch.write_slots + k_off, k)
-        rows.index_copy_(0, batch.write_slots + v_off, v)
+        # K and V rows move together, [K rows; V rows], one index per kernel: a forward pass
+        # at decode batch sizes is bound by its launches.
+        kv_off = batch.kv_offsets[layer]
+        rows.index_copy_(0, (batch.write_slots + kv_off).reshape(-1), torch.cat((k, v)))
         if self.attention == "sdpa":
-            return self._sdpa_attend(rows, batch, k_off, v_off, q)
+            return self._sdpa_attend(rows, batch, kv_off, q)
         return self._flex_attend(rows, batch, k_off, v_off, q)
 
     def _sdpa_attend(
-        self, rows: Tensor, batch: _Batch, k_off: int, v_off: int, q: Tensor
+        self, rows: Tensor, batch: _Batch, kv_off: Tensor, q: Tensor
     ) -> Tensor:
         # Gather + SDPA, chosen over flex_attention by measurement on a 2-core CPU machine
         # (python -m statekv_models.bench_attention --threads 1 --repeats 40 [--decodes 64]
@@ -500,8 +514,8 @@ class PagedDecoder(torch.nn.Module):
         out = torch.empty_like(q).reshape(q.shape[0], self._q_size)
         hkv, d = self.num_kv_heads, self.config.head_dim
         if batch.read_slots.numel():
-            kk = rows.index_select(0, batch.read_slots + k_off)
-            vv = rows.index_select(0, batch.read_slots + v_off)
+            kk, vv = rows.index_select(0, (batch.read_slots + kv_off).reshape(-1)).view(
+                2, -1, hkv, d).unbind(0)
             for _chunk, qs, qn, ks, ctx in batch.prefill:
                 qc = q[qs : qs + qn].transpose(0, 1).unsqueeze(0)
                 kc = kk[ks : ks + ctx].transpose(0, 1).unsqueeze(0)
@@ -524,8 +538,9 @@ class PagedDecoder(torch.nn.Module):
             flat = batch.decode_slots.reshape(-1)
             # Padding rows are zeroed, not just masked: see the NaN note above.
             keep = valid[:, :, None, None]
-            kd = torch.where(keep, rows.index_select(0, flat + k_off).view(shape), 0.0)
-            vd = torch.where(keep, rows.index_select(0, flat + v_off).view(shape), 0.0)
+            kd, vd = torch.where(
+                keep, rows.index_select(0, (flat + kv_off).reshape(-1)).view(2, *shape), 0.0
+            ).unbind(0)
             # One query per sequence: the query heads that share a KV head are laid out as
             # that head's query rows ([nd, hkv, group, d]; head h reads KV head h // group,
             # as enable_gqa would).  The call then needs no GQA support, only a padding mask,
@@ -678,10 +693,12 @@ class PagedDecoder(torch.nn.Module):
         decode_chunks = q_off[dec_t]
 
         dev = self.device
+        nlayers = len(self.layers)
         parts = [tok, positions, write_slots, last_index, read_slots, decode_chunks,
-                 decode_slots.reshape(-1)]
+                 decode_slots.reshape(-1), torch.arange(2 * nlayers, dtype=torch.int64) * bs]
         ints = torch.cat(parts).to(dev, non_blocking=True)
-        t, pos, wr, last, rd, dch, dsl = ints.split_with_sizes([p.numel() for p in parts])
+        t, pos, wr, last, rd, dch, dsl, kv_offsets = ints.split_with_sizes(
+            [p.numel() for p in parts])
         flex_mask: BlockMask | None = None
         if flex:
             docs = torch.cat([tok_chunk, kv_chunk, kv_pos]).to(dev, non_blocking=True)
@@ -700,6 +717,7 @@ class PagedDecoder(torch.nn.Module):
             last_index=last, prefill=tuple(prefill), read_slots=rd, decode_chunks=dch,
             decode_slots=dsl.view(decode_slots.shape),
             decode_valid=decode_valid.to(dev, non_blocking=True), flex_mask=flex_mask,
+            kv_offsets=kv_offsets.view(nlayers, 2, 1),
         )
 
 
