@@ -12,7 +12,7 @@
 # calibrated recompute capacity; the sweep's own when unset), SWEEP_ARGS appended (a flag
 # given again there wins).  It stops itself cleanly at --deadline-s 530, inside the 560 s
 # limit, keeping what it measured in bench/results/sweep-h200-<date>-<shape>-p<P>-h<H>.json
-# (copied to $OUT/results).  A cell longer than one call goes on in the next: put that file
+# (in $OUT/results.tar).  A cell longer than one call goes on in the next: put that file
 # back under bench/results/ and run again with SWEEP_RESUME=<that path> (the same SWEEP_*
 # values), or SWEEP_RESUME=auto for the newest file of the cell there; SWEEP_REMEASURE=d
 # with SWEEP_REMEASURE_WHY="..." searches those configurations of the resumed file again from
@@ -117,6 +117,9 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
     esac
 done
-# Only the results files this call wrote come back (the folder holds every earlier run's).
-mkdir -p "$OUT/results"
-find bench/results -type f -newer "$OUT/.started" -exec cp {} "$OUT/results/" \; 2>/dev/null || true
+# Only the results files this call wrote come back (the folder holds every earlier run's),
+# as one archive, $OUT/results.tar: the device returns at most 8 files a call, and a call of
+# several steps writes more than that (logs, results, plots) -- results copied one by one
+# were once the files left behind.  Unpack here with tar -xf FILE -C bench/results.
+find bench/results -type f -newer "$OUT/.started" -printf '%f\n' 2>/dev/null \
+    | tar -cf "$OUT/results.tar" -C bench/results -T - 2>/dev/null || true
