@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -375,6 +375,14 @@ def host_to_device_limit(nbytes: int, device: torch.device) -> float:
     return nbytes / best / 1e9
 
 
+STEP_PARTS = (  # (results key, printed name): the parts of a step that step_latency times
+    ("cache_calls", "of which the loop's cache calls"),
+    ("forward_launch", "of which launching the forward pass"),
+    ("readback_and_loop", "of which the token readback, the rest"),
+)
+"""The parts of a serving step that :func:`step_latency` times apart."""
+
+
 def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
     """Decode-step latency of a serving loop, with no disk traffic vs with the disk kept
     busy by the same cache.
@@ -410,7 +418,12 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             if tenant is not None:
                 # Three GPU pools' worth of content, so that most of it sits on disk.
                 tenant.prepare(rounds=max(1, 3 * args.loop_gpu_blocks // args.tenant_blocks))
-            loop = ServingLoop(model, cache, max_step_tokens=4096, prefill_chunk=512,
+            # The loop's cache calls and its forward pass are timed where the loop makes
+            # them, so that a slower busy step says which part of it grew.
+            timed_cache = _TimedCalls(cache)
+            timed_model = _TimedCalls(model)
+            loop = ServingLoop(cast(PagedDecoder, timed_model), cast(BlockingCache, timed_cache),
+                               max_step_tokens=4096, prefill_chunk=512,
                                max_running=args.decoders)
             for i in range(args.decoders):
                 loop.submit(ServeRequest(request_id=f"d{i}", prompt=tuple(range(i, i + 64)),
@@ -420,16 +433,20 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             before = cache.statistics().cache
             iterations: list[float] = []
             steps: list[float] = []
+            parts: dict[str, list[float]] = {"cache_calls": [], "forward_launch": []}
             clock = time.perf_counter
             while not loop.idle:
                 start = clock()
                 if tenant is not None:
                     tenant.step()
                 middle = clock()
+                timed_cache.seconds = timed_model.seconds = 0.0
                 loop.step()
                 end = clock()
                 iterations.append(end - start)
                 steps.append(end - middle)
+                parts["cache_calls"].append(timed_cache.seconds)
+                parts["forward_launch"].append(timed_model.seconds)
             after = cache.statistics().cache
             moved = (after.bytes_read + after.bytes_written
                      - before.bytes_read - before.bytes_written)
@@ -440,7 +457,38 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             result[f"{phase}_with_tenant_p50_ms"] = statistics.median(iterations) * 1e3
             result[f"{phase}_with_tenant_p99_ms"] = _percentile(iterations, 99) * 1e3
             result[f"{phase}_disk_gb_per_s"] = moved / sum(iterations) / 1e9
+            # The rest of a step: the token readback (it waits for the GPU to finish the
+            # pass) and the loop's own Python.
+            parts["readback_and_loop"] = [
+                step - calls - launch for step, calls, launch
+                in zip(steps, parts["cache_calls"], parts["forward_launch"], strict=True)]
+            for part, values in parts.items():
+                result[f"{phase}_{part}_p50_ms"] = statistics.median(values) * 1e3
+                result[f"{phase}_{part}_p99_ms"] = _percentile(values, 99) * 1e3
     return result
+
+
+class _TimedCalls:
+    """Forwards every method call to `target`, adding the wall time spent in it to
+    `seconds` (attributes that are not methods pass through untouched)."""
+
+    def __init__(self, target: object) -> None:
+        self._target = target
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if not callable(value):
+            return value
+        clock = time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                self.seconds += clock() - start
+        return timed
 
 
 class _DiskTenant:
@@ -505,6 +553,55 @@ def _percentile(values: list[float], pct: float) -> float:
     return ordered[index]
 
 
+Row = tuple[str, str, float, float, str]
+"""(results key, printed name, GB/s, same-run limit, the limit's name)"""
+
+
+def transfer_rows(args: argparse.Namespace, directory: Path, block_bytes: int
+                  ) -> tuple[list[Row], dict[str, int]]:
+    """Every transfer phase against its limit, measured in this run, and the counts that go
+    with them (whether the raw limits ran O_DIRECT, transfers through a bounce buffer)."""
+    total = args.blocks * block_bytes
+    raw_write = raw_write_rate(directory, block_bytes=block_bytes, threads=args.threads,
+                               total_bytes=total)
+    raw_first = raw_first_write_rate(directory, block_bytes=block_bytes,
+                                     threads=args.threads, total_bytes=total)
+    raw_read = raw_read_rate(directory, block_bytes=block_bytes, threads=args.threads,
+                             total_bytes=total)
+    phases = transfer_phases(args, directory / "cache")
+    store = store_write_rates(_transfer_config(args, directory / "store"), args.blocks)
+    recall_ways = recall_rates(args)
+    recall = recall_ways.pop("engine")
+    h2d = host_to_device_limit(total, resolve_device(args.device))
+    h2d_name = "pinned H2D copy" if torch.cuda.is_available() else "host memcpy"
+    rows: list[Row] = [
+        ("spill_host_to_disk", "spill host->disk", phases["spill_gb_per_s"], raw_write.gb_per_s,
+         "raw O_DIRECT write"),
+        ("write_through_gpu_to_disk", "write-through", phases["write_through_gb_per_s"],
+         raw_write.gb_per_s, "raw O_DIRECT write"),
+        ("store_write_consecutive_slots", "store alone, consec.",
+         store["store_consecutive_gb_per_s"], raw_write.gb_per_s, "raw O_DIRECT write"),
+        ("store_write_scattered_slots", "store alone, scatt.",
+         store["store_scattered_gb_per_s"], raw_write.gb_per_s, "raw O_DIRECT write"),
+        ("spill_fresh_vs_first_write", "spill, fresh slots", phases["spill_gb_per_s"],
+         raw_first.gb_per_s, "raw first write"),
+        ("store_write_fresh_slots", "store alone, fresh", store["store_fresh_gb_per_s"],
+         raw_first.gb_per_s, "raw first write"),
+        ("spill_over_written_slots", "spill, written slots", phases["spill_written_gb_per_s"],
+         raw_write.gb_per_s, "raw O_DIRECT write"),
+        ("onboard_disk_to_gpu", "onboard disk->GPU", phases["onboard_gb_per_s"],
+         raw_read.gb_per_s, "raw O_DIRECT read"),
+        ("recall_host_to_gpu", "recall host->GPU", recall, h2d, h2d_name),
+    ]
+    for way, rate in recall_ways.items():
+        rows.append((f"recall_host_to_gpu_{way}", f"recall, {way} only", rate, h2d, h2d_name))
+    if "kvikio_gb_per_s" in phases:
+        rows.append(("onboard_vs_kvikio_alone", "onboard vs kvikio", phases["onboard_gb_per_s"],
+                     phases["kvikio_gb_per_s"], "kvikio's own read"))
+    return rows, {"direct": int(raw_write.direct),
+                  "bounced_transfers": int(phases["bounced_transfers"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m bench.io", description=__doc__.split("\n\n")[0])
     n0, n1 = int_at_least(0), int_at_least(1)
@@ -529,7 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-blocks", type=n1, default=16,
                         help="max_batch_blocks: blocks per disk batch (1: one at a time)")
     parser.add_argument("--machine", default="cpu", help="cpu, h200 or h200x2 (file name)")
-    parser.add_argument("--skip-latency", action="store_true")
+    phases_given = parser.add_mutually_exclusive_group()
+    phases_given.add_argument("--skip-latency", action="store_true")
+    phases_given.add_argument("--latency-only", action="store_true",
+                              help="only the step-latency phase (for a profile of it)")
     parser.add_argument("--switch-interval-ms", type=positive_number, default=None,
                         help="the interpreter's thread switch interval for the whole run "
                              "(sys.setswitchinterval; Python's own is 5 ms)")
@@ -545,55 +645,21 @@ def main(argv: list[str] | None = None) -> int:
         directory = Path(tmp)
         layout = layout_for(args.block_mib, args.block_size)
         block_bytes = layout.block_bytes(args.block_size)
-        total = args.blocks * block_bytes
-        raw_write = raw_write_rate(directory, block_bytes=block_bytes, threads=args.threads,
-                                   total_bytes=total)
-        raw_first = raw_first_write_rate(directory, block_bytes=block_bytes,
-                                         threads=args.threads, total_bytes=total)
-        raw_read = raw_read_rate(directory, block_bytes=block_bytes, threads=args.threads,
-                                 total_bytes=total)
-        phases = transfer_phases(args, directory / "cache")
-        store = store_write_rates(_transfer_config(args, directory / "store"), args.blocks)
-        recall_ways = recall_rates(args)
-        recall = recall_ways.pop("engine")
-        h2d = host_to_device_limit(total, resolve_device(args.device))
+        rows, counts = ([], {}) if args.latency_only else transfer_rows(args, directory,
+                                                                          block_bytes)
         latency = {} if args.skip_latency else step_latency(args, directory / "loop")
 
     print(f"machine: {args.machine} ({platform.node()}), device {resolve_device(args.device)}")
     print(f"block {block_bytes / 2**20:.2f} MiB, {args.threads} threads, {args.blocks} blocks, "
-          f"O_DIRECT={raw_write.direct}, backend {args.backend}, batches of "
-          f"{args.batch_blocks}")
-    h2d_name = "pinned H2D copy" if torch.cuda.is_available() else "host memcpy"
-    rows = [  # (results key, printed name, GB/s, same-run limit, the limit's name)
-        ("spill_host_to_disk", "spill host->disk", phases["spill_gb_per_s"], raw_write.gb_per_s,
-         "raw O_DIRECT write"),
-        ("write_through_gpu_to_disk", "write-through", phases["write_through_gb_per_s"],
-         raw_write.gb_per_s, "raw O_DIRECT write"),
-        ("store_write_consecutive_slots", "store alone, consec.",
-         store["store_consecutive_gb_per_s"], raw_write.gb_per_s, "raw O_DIRECT write"),
-        ("store_write_scattered_slots", "store alone, scatt.",
-         store["store_scattered_gb_per_s"], raw_write.gb_per_s, "raw O_DIRECT write"),
-        ("spill_fresh_vs_first_write", "spill, fresh slots", phases["spill_gb_per_s"],
-         raw_first.gb_per_s, "raw first write"),
-        ("store_write_fresh_slots", "store alone, fresh", store["store_fresh_gb_per_s"],
-         raw_first.gb_per_s, "raw first write"),
-        ("spill_over_written_slots", "spill, written slots", phases["spill_written_gb_per_s"],
-         raw_write.gb_per_s, "raw O_DIRECT write"),
-        ("onboard_disk_to_gpu", "onboard disk->GPU", phases["onboard_gb_per_s"],
-         raw_read.gb_per_s, "raw O_DIRECT read"),
-        ("recall_host_to_gpu", "recall host->GPU", recall, h2d, h2d_name),
-    ]
-    for way, rate in recall_ways.items():
-        rows.append((f"recall_host_to_gpu_{way}", f"recall, {way} only", rate, h2d, h2d_name))
-    if "kvikio_gb_per_s" in phases:
-        rows.append(("onboard_vs_kvikio_alone", "onboard vs kvikio", phases["onboard_gb_per_s"],
-                     phases["kvikio_gb_per_s"], "kvikio's own read"))
+          f"backend {args.backend}, batches of {args.batch_blocks}")
     for _key, name, value, limit, limit_name in rows:
         print(f"{name:<20}{value:8.2f} GB/s  vs {limit:8.2f} GB/s {limit_name:<20} "
               f"= {value / limit:5.2f}x")
-    bounced = int(phases["bounced_transfers"])
-    print(f"transfers through the store's bounce buffer (spill and onboard): {bounced}"
-          + (" -- buffers off a page boundary" if bounced else ""))
+    if counts:
+        print(f"raw limits with O_DIRECT: {bool(counts['direct'])}")
+        bounced = counts["bounced_transfers"]
+        print(f"transfers through the store's bounce buffer (spill and onboard): {bounced}"
+              + (" -- buffers off a page boundary" if bounced else ""))
     if latency:
         print(f"step p50 idle {latency['idle_p50_ms']:.2f} ms, saturated "
               f"{latency['saturated_p50_ms']:.2f} ms; p99 idle {latency['idle_p99_ms']:.2f} ms, "
@@ -601,6 +667,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(disk traffic while saturated: {latency['saturated_disk_gb_per_s']:.2f} GB/s)")
         print(f"step + the tenant's cache calls: p50 {latency['saturated_with_tenant_p50_ms']:.2f}"
               f" ms, p99 {latency['saturated_with_tenant_p99_ms']:.2f} ms")
+        for part, name in STEP_PARTS:
+            print(f"  {name:<36} p50 idle {latency[f'idle_{part}_p50_ms']:6.2f} ms, saturated "
+                  f"{latency[f'saturated_{part}_p50_ms']:6.2f} ms; p99 idle "
+                  f"{latency[f'idle_{part}_p99_ms']:6.2f} ms, saturated "
+                  f"{latency[f'saturated_{part}_p99_ms']:6.2f} ms")
 
     if args.write:
         figures: dict[str, dict[str, object]] = {}
@@ -615,6 +686,11 @@ def main(argv: list[str] | None = None) -> int:
                 figures[f"step_plus_tenant_calls_{pct}_saturated_vs_idle"] = {
                     "value": round(with_tenant, 3), "unit": "x", "ratio": round(with_tenant, 3),
                 }
+                for part, _name in STEP_PARTS:
+                    figures[f"step_{part}_{pct}_saturated_vs_idle"] = {
+                        "value": round(latency[f"saturated_{part}_{pct}_ms"], 3), "unit": "ms",
+                        "idle_ms": round(latency[f"idle_{part}_{pct}_ms"], 3),
+                    }
                 figures[f"step_latency_{pct}_saturated_vs_idle"] = {
                     "value": round(ratio, 3), "unit": "x", "ratio": round(ratio, 3),
                     "idle_ms": round(latency[f"idle_{pct}_ms"], 3),
@@ -631,11 +707,12 @@ def main(argv: list[str] | None = None) -> int:
             "bench": "io", "machine": args.machine, "date": today.isoformat(),
             "commit": commit, "command": "python -m bench.io " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("write", "dir", "skip_latency", "tag") and v is not None),
+                if k not in ("write", "dir", "skip_latency", "latency_only", "tag")
+                and v is not None) + (" --latency-only" if args.latency_only else ""),
             "figures": figures,
             # A count, not a figure: transfers of the spill and onboard phases that went
             # through the store's bounce buffer (0 when every buffer was page aligned).
-            "bounced_transfers": int(phases["bounced_transfers"]),
+            **({"bounced_transfers": counts["bounced_transfers"]} if counts else {}),
         }, indent=2) + "\n")
         print(f"wrote {out}")
     return 0

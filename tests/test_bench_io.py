@@ -27,3 +27,25 @@ def test_every_transfer_phase_reports_a_rate_against_its_limit(
         assert value > 0 and limit > 0
         assert ratio == pytest.approx(value / limit, rel=0.05, abs=0.02)
     assert list(tmp_path.iterdir()) == []   # the scratch directory went with the run
+
+
+def test_the_step_latency_phase_alone_times_the_parts_of_a_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--block-mib", "0.0625", "--blocks", "32", "--threads", "2",
+                 "--batch-blocks", "4", "--dir", str(tmp_path), "--device", "cpu",
+                 "--latency-only", "--decoders", "2", "--decode-steps", "8",
+                 "--loop-gpu-blocks", "64", "--tenant-blocks", "2",
+                 "--tenant-in-flight", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "spill host->disk" not in out    # no transfer phase ran
+    step = next(x for x in out.splitlines() if x.startswith("step p50 idle"))
+    idle_p50, busy_p50 = (float(v) for v in re.findall(r"(\d+\.\d+) ms", step)[:2])
+    parts = [x for x in out.splitlines() if x.startswith("  of which")]
+    assert len(parts) == 3
+    # The three parts add up to the step (each is a p50 of its own, so within rounding of
+    # the median of sums only where the steps are alike: bounded, not equal).
+    part_idle = [float(re.findall(r"p50 idle +(\d+\.\d+) ms", x)[0]) for x in parts]
+    assert all(p >= 0 for p in part_idle)
+    assert 0 < sum(part_idle) <= 2 * idle_p50 + 0.05
+    assert busy_p50 > 0
+    assert list(tmp_path.iterdir()) == []
