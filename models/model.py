@@ -696,12 +696,12 @@ class PagedDecoder(torch.nn.Module):
         nlayers = len(self.layers)
         parts = [tok, positions, write_slots, last_index, read_slots, decode_chunks,
                  decode_slots.reshape(-1), torch.arange(2 * nlayers, dtype=torch.int64) * bs]
-        ints = torch.cat(parts).to(dev, non_blocking=True)
+        ints = _to_device(torch.cat(parts), dev)
         t, pos, wr, last, rd, dch, dsl, kv_offsets = ints.split_with_sizes(
             [p.numel() for p in parts])
         flex_mask: BlockMask | None = None
         if flex:
-            docs = torch.cat([tok_chunk, kv_chunk, kv_pos]).to(dev, non_blocking=True)
+            docs = _to_device(torch.cat([tok_chunk, kv_chunk, kv_pos]), dev)
             q_doc, kv_doc, kv_p = docs.split_with_sizes([ntok, ks, ks])
 
             def same_chunk_causal(
@@ -716,9 +716,24 @@ class PagedDecoder(torch.nn.Module):
             q_ranges=tuple((a, a + n) for a, n in zip(q_off.tolist(), lens, strict=True)),
             last_index=last, prefill=tuple(prefill), read_slots=rd, decode_chunks=dch,
             decode_slots=dsl.view(decode_slots.shape),
-            decode_valid=decode_valid.to(dev, non_blocking=True), flex_mask=flex_mask,
+            decode_valid=_to_device(decode_valid, dev), flex_mask=flex_mask,
             kv_offsets=kv_offsets.view(nlayers, 2, 1),
         )
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """`host` copied to `device` without making the calling thread wait for the GPU.
+
+    A copy from pageable memory does: the driver stages it only once the stream has drained
+    what was queued before it, and the compute stream may be waiting there behind the copy
+    stream's page copies (the cache orders each forward pass after them), so the serving
+    thread would stall on other requests' transfers.  From pinned memory the copy is queued
+    and the thread goes on; torch's pinned allocator keeps the staging block until the copy
+    has run.
+    """
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _int_tensor(field: str, values: list[object], high: int, what: str) -> Tensor:

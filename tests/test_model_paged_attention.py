@@ -257,6 +257,43 @@ def test_attention_runs_on_fused_kernels_alone_on_cuda(
         assert (last[row].float() - ref.float()).abs().max() < 0.1 * ref.float().abs().max()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device ordering is CUDA's")
+@pytest.mark.parametrize("batch_decodes", [False, True],
+                         ids=["decodes-per-chunk", "decodes-batched"])
+def test_a_forward_pass_is_queued_behind_busy_streams_without_waiting_for_them(
+    batch_decodes: bool,
+) -> None:
+    # The cache orders each forward pass after its page copies, so the compute stream is
+    # often still busy when a step begins.  Queuing a pass must not wait for that work: a
+    # copy of the pass's indices from pageable memory did, and the serving thread stalled
+    # behind other requests' transfers.  A long sleep kernel stands for that work; the pass
+    # must be queued while the sleep still runs, then give the same logits as on an idle
+    # stream.
+    model = PagedDecoder(preset("tiny"), device="cuda", batch_decodes=batch_decodes)
+    pool = model.new_pool(NUM_BLOCKS, BS, fill=0.0)
+    prompts = [tokens(40, seed=40), tokens(29, seed=41)]
+    tables = [[0, 1, 2], [5, 6, 7]]
+    model.forward(pool, [Chunk(token_ids=p, start=0, block_table=t)
+                         for p, t in zip(prompts, tables, strict=True)])
+    decodes = [Chunk(token_ids=[7], start=len(p), block_table=t)
+               for p, t in zip(prompts, tables, strict=True)]
+    prefill = [Chunk(token_ids=prompts[0][:24], start=0, block_table=[9, 10])]
+    for chunks in (decodes, prefill):
+        # On an idle stream first (which also builds whatever the shape needs once).
+        idle = model.forward(pool, chunks).last_logits.clone()
+        torch.cuda.synchronize()
+        sleep_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        # About a second of GPU time.
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
+        sleep_done.record()
+        step = model.forward(pool, chunks)
+        waited = sleep_done.query()  # type: ignore[no-untyped-call]
+        assert not waited, "the forward pass waited for queued GPU work"
+        torch.cuda.synchronize()
+        # The same pass (it rewrites the same KV rows with the same values).
+        torch.testing.assert_close(step.last_logits, idle, atol=1e-5, rtol=0)
+
+
 def test_flex_backend_matches_dense_reference(config: ModelConfig) -> None:
     flex = PagedDecoder(config, attention="flex")
     p1, p2 = tokens(40, seed=10), tokens(20, seed=11)
