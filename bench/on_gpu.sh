@@ -63,13 +63,18 @@ for step in "$@"; do
     profile) run profile ${PROFILE_S:-200} "$SITE/bin/py-spy" record --nonblocking --threads \
         --idle --rate 250 --format raw -o "$OUT/profile-io-small.txt" -- python3 -m bench.io \
         --machine h200 --block-mib 0.25 --threads 4 --blocks 2048 --dir "$DISK" --skip-latency ;;
-    # The 2 MiB run with its step-latency phase under py-spy, the same way: where the serving
-    # thread's steps wait while the disk is busy ($OUT/profile-io-latency.txt).
-    profile-latency) run profile-latency ${PROFILE_S:-200} "$SITE/bin/py-spy" record \
-        --nonblocking --threads --idle --rate 250 --format raw -o "$OUT/profile-io-latency.txt" \
+    # The 2 MiB step-latency phase alone (--latency-only) under py-spy, the same way: where
+    # the serving thread's steps wait while the disk is busy ($OUT/profile-io-latency.txt).
+    # PROFILE_NATIVE=1 records native frames too (py-spy then pauses the process for each
+    # sample, so at 40 Hz): what shows a torch call waiting to take the interpreter lock
+    # back, which Python frames alone cannot.  IO_ARGS as for io.
+    profile-latency) if [ -n "${PROFILE_NATIVE:-}" ]; then how=(--native --rate 40)
+        else how=(--nonblocking --rate 250); fi
+        run profile-latency ${PROFILE_S:-400} "$SITE/bin/py-spy" record "${how[@]}" \
+        --threads --idle --format raw -o "$OUT/profile-io-latency.txt" \
         -- python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
-        --loop-gpu-blocks 2048 ${IO_ARGS:-} ;;
+        --loop-gpu-blocks 2048 --latency-only ${IO_ARGS:-} ;;
     # One (d) point of the 16k pressure-3 sweep cell (x0.7711) under py-spy, the same way:
     # where the serving loop's steps go when admission, not compute, bounds it
     # ($OUT/profile-sweep.txt).

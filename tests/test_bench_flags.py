@@ -30,6 +30,7 @@ from bench.io import main
     (["--tenant-in-flight", "x"], "--tenant-in-flight"),
     (["--backend", "nfs"], "--backend"),
     (["--tag", "a/b"], "--tag"),
+    (["--latency-only", "--skip-latency"], "--latency-only"),
 ])
 def test_bad_flags_get_one_line_naming_the_flag(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
