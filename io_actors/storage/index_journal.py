@@ -512,24 +512,59 @@ class IndexJournal:
         _log.warning("%s: %s; the index journal is off until the next open (which scans "
                      "the slot headers)", self.path, why)
 
+    def compact(self) -> None:
+        """Rewrite now with one record per indexed slot (appends do it themselves once the
+        file passes its size bound).  A no-op while the journal is off."""
+        with self._lock:
+            if self._active:
+                self._compact_locked()
+
     def _compact_locked(self) -> None:
-        """Rewrite with one record per indexed slot (bounds the file's size)."""
+        """Rewrite with one record per indexed slot (bounds the file's size).
+
+        Each record is copied from the file as it was appended, never packed again: a
+        record changed behind the journal's back keeps the checksum (and MAC) it no longer
+        matches, so the next open still refuses it, where packing it anew would have given
+        it a fresh one.  A record at an indexed offset that is not that slot's SLOT record
+        means the file is not the one this journal wrote: it is given up (the next open
+        scans the slot headers).  Vectorized: the loop over every slot, unpacking and
+        packing each record in Python, held the interpreter lock for 14 ms a compaction at
+        4,096 slots and 0.55 s at 100,000 (CPU machine) -- on a writer thread, so the
+        serving thread waited that long for its next torch call.
+        """
         try:
             with open(self._file.path, "rb") as f:
                 data = f.read()
-            entries: list[Entry] = []
-            for slot, at in enumerate(self._where):
-                if at >= 0:
-                    values = _FIELDS.unpack_from(data, at)
-                    flags = values[3]
-                    entries.append((slot, values[6], SlotMeta(
-                        parent=values[7], depth=values[4], reuse_count=values[11],
-                        expiry=values[8] if flags & FLAG_EXPIRY else None,
-                        written_at=values[9], sequence=values[10])))
-            self._rewrite(entries)
         except OSError as exc:
             _log.warning("%s: cannot compact (%s)", self.path, exc)
             return
+        where = np.frombuffer(self._where, dtype=np.int64)
+        slots = np.flatnonzero(where >= 0)
+        offsets = where[slots]
+        whole = len(data) // RECORD_SIZE
+        if ((offsets % RECORD_SIZE) != 0).any() or (offsets // RECORD_SIZE >= whole).any():
+            self._give_up_locked("an indexed record lies outside the file")
+            return
+        raw = np.frombuffer(data, dtype=np.uint8, count=whole * RECORD_SIZE)
+        rows = raw.reshape(whole, RECORD_SIZE)[offsets // RECORD_SIZE]
+        rec = rows.view(_DTYPE).reshape(-1)
+        wrong = np.flatnonzero((rec["magic"] != MAGIC) | (rec["kind"] != SLOT)
+                               | (rec["slot"] != slots.astype(np.uint64)))
+        if wrong.size:
+            self._give_up_locked(f"the record of slot {slots[wrong[0]]} is not the one "
+                                 f"appended for it")
+            return
+        head = _pack(HEAD, self._slots, self._file_id, self._config, self._mac_key)
+        try:
+            self._file.replace(head + rows.tobytes())
+        except OSError as exc:
+            # Still correct, only longer: the next append that crosses the bound tries again.
+            _log.warning("%s: cannot compact (%s)", self.path, exc)
+            return
+        compacted = array.array("q", [-1]) * self._slots
+        np.frombuffer(compacted, dtype=np.int64)[slots] = (
+            np.arange(1, slots.size + 1, dtype=np.int64) * RECORD_SIZE)
+        self._where = compacted
         self._compactions += 1
 
     def statistics(self) -> IndexJournalStatistics:
