@@ -5,15 +5,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.redis_cluster import LocalRedisCluster, running_cluster
+if TYPE_CHECKING:
+    # Imported where a test asks for a cluster: the module pulls in the redis client, which
+    # the GPU machine's test runs (bench/on_gpu.sh tests) need not have.
+    from tests.redis_cluster import LocalRedisCluster
 
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
     """One three-master cluster for the whole run; tests keep apart by key namespace."""
+    from tests.redis_cluster import running_cluster
+
     with running_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster
 
@@ -21,6 +27,8 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
 @pytest.fixture
 def own_redis_cluster(tmp_path: Path) -> Iterator[LocalRedisCluster]:
     """A cluster for one test that harms it (kills a master)."""
+    from tests.redis_cluster import running_cluster
+
     with running_cluster(tmp_path / "redis-cluster") as cluster:
         yield cluster
 
