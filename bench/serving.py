@@ -340,6 +340,10 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
         "seconds": run.seconds,
         "io_errors": run.cache.cache.io_errors,
         "bounced_transfers": bounced_transfers(run),
+        # Whether prefetch kept the disk busy while requests waited on it -- over the whole
+        # run, warm-up included (the loop samples it once a step, not per window).
+        "run_queued_on_disk_s": run.loop.queued_on_disk_seconds,
+        "run_queued_on_disk_reading_s": run.loop.queued_on_disk_reading_seconds,
         **breakdown_summary(measured),
     }
 

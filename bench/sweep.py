@@ -1228,6 +1228,11 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         f"{s['measured_requests']} measured [{s['seconds']:.1f} s + {setup:.1f} s setup]")
     if s.get("breakdown_requests"):
         tqdm.write("    " + breakdown_line(s))
+    waited = s.get("run_queued_on_disk_s")
+    if waited:
+        reading = s["run_queued_on_disk_reading_s"] / waited
+        tqdm.write(f"    the prefetch window waited on disk {waited:.2f} s of the run, the disk "
+                   f"reading in {reading:.0%} of it (warm-up included)")
     if s.get("io_errors"):
         # No injected faults here: every failed transfer is a fault of the disk or a bug,
         # and the point's figure includes the recomputation it cost.

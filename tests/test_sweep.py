@@ -396,6 +396,7 @@ RUN_KEYS = {
     "measured_requests", "unfinished", "no_first_token", "seconds", "io_errors",
     "capacity_multiple", "requests_per_s", "users_started", "busy_skips",
     "joined_for_load", "seed", "attempt", "phase", "verdict", "ttft_p99_ci_low_s",
+    "run_queued_on_disk_s", "run_queued_on_disk_reading_s",
     "ttft_p99_ci_high_s", "ttft_p99_ci_ranks", "warmup_balance", "warmup_steady",
     "window_arrived", "window_finished", "arrivals", "restored_slots",
     "in_system_at_window_start", "in_system_at_window_end",
@@ -462,6 +463,11 @@ def test_a_small_sweep_cut_short_and_resumed(tmp_path: Path) -> None:
                     run["breakdown_ttft_s_mean"], abs=1e-9)
             if key == "c" and run["breakdown_requests"]:  # no disk: nothing to park on
                 assert run["breakdown_parked_s_mean"] == run["breakdown_prefetch_s_mean"] == 0
+            # The disk read during part of the time the prefetch window waited on it (none
+            # of either without a disk tier).
+            assert 0 <= run["run_queued_on_disk_reading_s"] <= run["run_queued_on_disk_s"]
+            if key == "c":
+                assert run["run_queued_on_disk_s"] == 0
             # Same seed and rate, same arrivals, in either call.
             assert run["arrivals"] == _expected_arrivals(
                 run["seed"], run["requests_per_s"], run["requests"])
