@@ -97,9 +97,11 @@ def run_machine(
             echo(f"  {machine.__name__} so far: {Counts.examples - examples0:,} examples, "
                  f"{Counts.steps - steps0:,} steps in {time.perf_counter() - start:.0f} s")
 
+    reporter = None
     if progress_every is not None:
-        threading.Thread(target=progress, args=(progress_every,), name="fuzz-progress",
-                         daemon=True).start()
+        reporter = threading.Thread(target=progress, args=(progress_every,),
+                                    name="fuzz-progress", daemon=True)
+        reporter.start()
     try:
         with with_reporter(report):
             # Documented to take any factory returning a machine; typed as a class.
@@ -111,6 +113,10 @@ def run_machine(
         raise
     finally:
         done.set()
+        # A line the reporter had begun when the run ended is echoed before this returns,
+        # never after (the echo may be the caller's output, read once the run is over).
+        if reporter is not None:
+            reporter.join()
     return RunResult(
         machine=machine.__name__, examples=Counts.examples - examples0,
         steps=Counts.steps - steps0, operations=Counts.operations - operations0,
