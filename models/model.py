@@ -29,7 +29,9 @@ from collections.abc import Callable, Sequence
 from typing import Final, Literal
 
 import attrs
+import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 from torch.nn import functional as nnf
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -637,26 +639,31 @@ class PagedDecoder(torch.nn.Module):
             starts.append(start)
             lens.append(len(ids))
             npages.append(need)
-        tok = _int_tensor_per_chunk("token_ids", tokens, lens, self.config.vocab_size,
-                                    "the vocabulary")
-        tab = _int_tensor_per_chunk("block_table", pages, npages, num_blocks, "the pool")
+        # The index arithmetic runs in NumPy: each torch call lets the interpreter lock go
+        # and takes it back, about a hundred of them here a step, and under disk load the
+        # cache's threads took the lock at those moments (bench.io's busy step on the H200).
+        tok = _int_array_per_chunk("token_ids", tokens, lens, self.config.vocab_size,
+                                   "the vocabulary")
+        tab = _int_array_per_chunk("block_table", pages, npages, num_blocks, "the pool")
 
         nchunks = len(chunks)
-        start_t = torch.tensor(starts, dtype=torch.int64)
-        len_t = torch.tensor(lens, dtype=torch.int64)
-        np_t = torch.tensor(npages, dtype=torch.int64)
-        q_off = torch.cumsum(len_t, 0) - len_t
-        t_off = torch.cumsum(np_t, 0) - np_t
-        chunk_ids = torch.arange(nchunks, dtype=torch.int64)
-        _check_page_ownership(tab, torch.repeat_interleave(chunk_ids, np_t), t_off,
-                              start_t // bs, num_blocks)
+        i64 = np.int64
+        start_t = np.array(starts, dtype=i64)
+        len_t = np.array(lens, dtype=i64)
+        np_t = np.array(npages, dtype=i64)
+        q_off = np.cumsum(len_t) - len_t
+        t_off = np.cumsum(np_t) - np_t
+        chunk_ids = np.arange(nchunks, dtype=i64)
+        _check_page_ownership(tab, np.repeat(chunk_ids, np_t), t_off, start_t // bs,
+                              num_blocks)
 
-        def slots(chunk_of: Tensor, pos: Tensor) -> Tensor:
-            return tab[t_off[chunk_of] + pos // bs] * page_rows + pos % bs
+        def slots(chunk_of: NDArray[np.int64], pos: NDArray[np.int64]) -> NDArray[np.int64]:
+            found: NDArray[np.int64] = tab[t_off[chunk_of] + pos // bs] * page_rows + pos % bs
+            return found
 
         ntok = len(tokens)
-        tok_chunk = torch.repeat_interleave(chunk_ids, len_t)
-        positions = torch.arange(ntok, dtype=torch.int64) - q_off[tok_chunk] + start_t[tok_chunk]
+        tok_chunk = np.repeat(chunk_ids, len_t)
+        positions = np.arange(ntok, dtype=i64) - q_off[tok_chunk] + start_t[tok_chunk]
         write_slots = slots(tok_chunk, positions)
         last_index = q_off + len_t - 1
 
@@ -673,35 +680,34 @@ class PagedDecoder(torch.nn.Module):
                 prefill.append((i, qs, n, ks, ctx))
                 ks += ctx
             qs += n
-        pre_t = torch.tensor([p[0] for p in prefill], dtype=torch.int64)
+        pre_t = np.array([p[0] for p in prefill], dtype=i64)
         pre_ctx = start_t[pre_t] + len_t[pre_t]
-        kv_chunk = torch.repeat_interleave(pre_t, pre_ctx)
-        kv_pos = torch.arange(ks, dtype=torch.int64) - torch.repeat_interleave(
-            torch.cumsum(pre_ctx, 0) - pre_ctx, pre_ctx
-        )
+        kv_chunk = np.repeat(pre_t, pre_ctx)
+        kv_pos = np.arange(ks, dtype=i64) - np.repeat(np.cumsum(pre_ctx) - pre_ctx, pre_ctx)
         read_slots = slots(kv_chunk, kv_pos)
 
-        dec_t = torch.tensor(decode_idx, dtype=torch.int64)
+        dec_t = np.array(decode_idx, dtype=i64)
         dec_ctx = start_t[dec_t] + 1
         width = int(dec_ctx.max()) if decode_idx else 0
-        cpos = torch.arange(width, dtype=torch.int64)[None, :]
+        cpos = np.arange(width, dtype=i64)[None, :]
         decode_valid = cpos < dec_ctx[:, None]
         # Padding entries are clamped to the chunk's own last page, then zeroed: no index
         # leaves the chunk's table even on the way to being masked.
-        page_idx = t_off[dec_t][:, None] + torch.minimum(cpos // bs, np_t[dec_t][:, None] - 1)
-        decode_slots = torch.where(decode_valid, tab[page_idx] * page_rows + cpos % bs, 0)
+        page_idx = t_off[dec_t][:, None] + np.minimum(cpos // bs, np_t[dec_t][:, None] - 1)
+        decode_slots = np.where(decode_valid, tab[page_idx] * page_rows + cpos % bs, 0)
         decode_chunks = q_off[dec_t]
 
         dev = self.device
         nlayers = len(self.layers)
         parts = [tok, positions, write_slots, last_index, read_slots, decode_chunks,
-                 decode_slots.reshape(-1), torch.arange(2 * nlayers, dtype=torch.int64) * bs]
-        ints = _to_device(torch.cat(parts), dev)
+                 decode_slots.reshape(-1), np.arange(2 * nlayers, dtype=i64) * bs]
+        ints = _to_device(torch.from_numpy(np.concatenate(parts)), dev)
         t, pos, wr, last, rd, dch, dsl, kv_offsets = ints.split_with_sizes(
-            [p.numel() for p in parts])
+            [p.size for p in parts])
         flex_mask: BlockMask | None = None
         if flex:
-            docs = _to_device(torch.cat([tok_chunk, kv_chunk, kv_pos]), dev)
+            docs = _to_device(torch.from_numpy(np.concatenate([tok_chunk, kv_chunk, kv_pos])),
+                              dev)
             q_doc, kv_doc, kv_p = docs.split_with_sizes([ntok, ks, ks])
 
             def same_chunk_causal(
@@ -716,7 +722,7 @@ class PagedDecoder(torch.nn.Module):
             q_ranges=tuple((a, a + n) for a, n in zip(q_off.tolist(), lens, strict=True)),
             last_index=last, prefill=tuple(prefill), read_slots=rd, decode_chunks=dch,
             decode_slots=dsl.view(decode_slots.shape),
-            decode_valid=_to_device(decode_valid, dev), flex_mask=flex_mask,
+            decode_valid=_to_device(torch.from_numpy(decode_valid), dev), flex_mask=flex_mask,
             kv_offsets=kv_offsets.view(nlayers, 2, 1),
         )
 
@@ -752,45 +758,62 @@ def _int_tensor(field: str, values: list[object], high: int, what: str) -> Tenso
     return t
 
 
-def _int_tensor_per_chunk(
-    name: str, values: list[int], counts: list[int], high: int, what: str
-) -> Tensor:
-    """One tensor for every chunk's values; on error, name the chunk at fault."""
+def _int_array(field: str, values: list[object], high: int, what: str) -> NDArray[np.int64]:
+    """values as an int64 array, each in [0, high); UsageError naming `field` otherwise
+    (the same rules as :func:`_int_tensor`, in NumPy)."""
     try:
-        return _int_tensor(name, list(values), high, what)
+        # No dtype given: NumPy infers float, bool or object for values that are not all
+        # integers, which are refused below instead of being truncated to integers.
+        a = np.array(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UsageError(field, f"must hold integers: {exc}") from None
+    if a.ndim != 1 or a.dtype != np.int64:
+        raise UsageError(field, "must be a flat sequence of integers")
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= high:
+        raise UsageError(field, f"{lo if lo < 0 else hi} is outside {what} [0, {high})")
+    return a
+
+
+def _int_array_per_chunk(
+    name: str, values: list[int], counts: list[int], high: int, what: str
+) -> NDArray[np.int64]:
+    """One array for every chunk's values; on error, name the chunk at fault."""
+    try:
+        return _int_array(name, list(values), high, what)
     except UsageError:
         pass
     offset = 0
     for i, count in enumerate(counts):
-        _int_tensor(f"chunks[{i}].{name}", list(values[offset : offset + count]), high, what)
+        _int_array(f"chunks[{i}].{name}", list(values[offset : offset + count]), high, what)
         offset += count
     raise InvariantViolation(f"{name}: the batch failed validation but no chunk did")
 
 
 def _check_page_ownership(
-    table: Tensor, page_chunk: Tensor, table_offset: Tensor, first_written: Tensor,
-    num_blocks: int,
+    table: NDArray[np.int64], page_chunk: NDArray[np.int64], table_offset: NDArray[np.int64],
+    first_written: NDArray[np.int64], num_blocks: int,
 ) -> None:
     """Refuse aliasing: a page listed twice by one chunk, or written by one and used by another.
 
     A page before a chunk's start may be shared (a cached prefix, read only); a page it writes
     into must be its own, or one chunk would read K/V that another is overwriting.
     """
-    keys, counts = torch.unique(table + page_chunk * num_blocks, return_counts=True)
+    keys, counts = np.unique(table + page_chunk * num_blocks, return_counts=True)
     if int(counts.max()) > 1:
         key = int(keys[counts > 1][0])
         raise UsageError(
             f"chunks[{key // num_blocks}].block_table",
             f"lists page {key % num_blocks} more than once",
         )
-    pages, users = torch.unique(table, return_counts=True)
+    pages, users = np.unique(table, return_counts=True)
     shared = pages[users > 1]
-    if shared.numel() == 0:
+    if shared.size == 0:
         return
-    local = torch.arange(table.numel(), dtype=torch.int64) - table_offset[page_chunk]
+    local = np.arange(table.size, dtype=np.int64) - table_offset[page_chunk]
     written = local >= first_written[page_chunk]
-    bad = torch.nonzero(written & torch.isin(table, shared)).flatten()
-    if bad.numel():
+    bad = np.flatnonzero(written & np.isin(table, shared))
+    if bad.size:
         j = int(bad[0])
         raise UsageError(
             f"chunks[{int(page_chunk[j])}].block_table",
