@@ -526,14 +526,21 @@ def landed_slots(log: Path) -> dict[SlotId, BlockHash]:
 
 
 def faulted_slots(log: Path) -> set[SlotId]:
-    """Slots whose last logged event is a write an injected fault tore while it reported
-    success (T), or a write that failed (F: the fault injector lets some failed writes
-    land in part after their index record, which no real store's failed write has)."""
+    """Slots whose last logged write an injected fault tore while it reported success (T),
+    or failed (F: the fault injector lets some failed writes land in part after their index
+    record, which no real store's failed write has).
+
+    A discard (D) after it changes nothing here: it is a hint that does no I/O, and the
+    index journal's FREE record for the slot goes out with its next append -- a child
+    killed before that append leaves the journal naming what the faulted write claimed,
+    exactly as without the discard.  Counting the discard as the slot's last event would
+    count such a slot as a stale index entry.
+    """
     last: dict[SlotId, bool] = {}
     if log.exists():
         for line in log.read_text().splitlines():
             parts = line.split()
-            if (len(parts) >= 2 and parts[0] in {"W", "L", "D", "T", "F"}
+            if (len(parts) >= 2 and parts[0] in {"W", "L", "T", "F"}
                     and parts[1].isdigit()):
                 last[SlotId(int(parts[1]))] = parts[0] in {"T", "F"}
     return {slot for slot, faulted in last.items() if faulted}

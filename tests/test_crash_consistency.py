@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.crash import enumerate_crashes, kill_loop, landed_slots
+from fuzz.crash import enumerate_crashes, faulted_slots, kill_loop, landed_slots
 from statekv.ids import BlockHash, SlotId
 
 
@@ -94,3 +94,17 @@ def test_a_discarded_slot_need_not_be_found_again(tmp_path: Path) -> None:
     a, b = "aa" * 32, "bb" * 32
     log.write_text(f"W 1\nL 1 {a}\nD 1\nW 2\nL 2 {b}\nD 2\nW 2\nL 2 {a}\n")
     assert landed_slots(log) == {SlotId(2): BlockHash(bytes.fromhex(a))}
+
+
+def test_a_discard_after_a_faulted_write_leaves_the_slot_faulted(tmp_path: Path) -> None:
+    # A discard does no I/O: the journal still names what the faulted write claimed until
+    # its next append, so a child killed in between leaves a slot that is not stale.
+    key = "ab" * 32
+    log = tmp_path / "writes.log"
+    log.write_text("".join([
+        f"W 3 {key} -\n", "F 3\n", "D 3\n",          # failed, then discarded: faulted
+        f"W 4 {key} -\n", f"L 4 {key} -\n", "T 4\n", "D 4\n",  # torn silently: faulted
+        f"W 5 {key} -\n", "F 5\n", f"W 5 {key} -\n",  # written again after: not faulted
+        f"W 6 {key} -\n", f"L 6 {key} -\n", "D 6\n",  # landed, then discarded: not faulted
+    ]))
+    assert faulted_slots(log) == {3, 4}
