@@ -601,7 +601,8 @@ class PagedDecoder(torch.nn.Module):
             raise UsageError(field, "must be a sequence of integer token ids")
         if len(token_ids) == 0:
             raise UsageError(field, "must hold at least one token")
-        return _int_tensor(field, list(token_ids), self.config.vocab_size, "the vocabulary")
+        return torch.from_numpy(
+            _int_array(field, list(token_ids), self.config.vocab_size, "the vocabulary"))
 
     def _prepare(self, pool: Tensor, chunks: Sequence[Chunk]) -> _Batch:
         # Python touches each chunk once (validation, list building); everything per token or
@@ -742,25 +743,8 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _int_tensor(field: str, values: list[object], high: int, what: str) -> Tensor:
-    """values as an int64 tensor, each in [0, high); UsageError naming `field` otherwise."""
-    try:
-        # No dtype given: torch infers float or bool for non-integer values, which are refused
-        # below instead of being truncated to integers.
-        t = torch.tensor(values)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise UsageError(field, f"must hold integers: {exc}") from None
-    if t.ndim != 1 or t.dtype != torch.int64:
-        raise UsageError(field, "must be a flat sequence of integers")
-    lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= high:
-        raise UsageError(field, f"{lo if lo < 0 else hi} is outside {what} [0, {high})")
-    return t
-
-
 def _int_array(field: str, values: list[object], high: int, what: str) -> NDArray[np.int64]:
-    """values as an int64 array, each in [0, high); UsageError naming `field` otherwise
-    (the same rules as :func:`_int_tensor`, in NumPy)."""
+    """values as an int64 array, each in [0, high); UsageError naming `field` otherwise."""
     try:
         # No dtype given: NumPy infers float, bool or object for values that are not all
         # integers, which are refused below instead of being truncated to integers.
