@@ -395,11 +395,12 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
     """
     from models.config import preset
     from models.model import PagedDecoder
-    from models.serving_loop import ServeRequest, ServingLoop
+    from models.serving_loop import ServingLoop
 
     device = resolve_device(args.device)
     model_config = preset(args.model, num_layers=args.model_layers or None)
-    model = PagedDecoder(model_config, device=device)
+    model = PagedDecoder(model_config, device=device,
+                         cuda_graphs=False if args.no_cuda_graphs else None)
     bs = args.block_size
     result: dict[str, float] = {}
     # A first run warms up kernels, allocators and page caches; it is not reported.
@@ -412,6 +413,14 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             backend=args.backend, max_batch_blocks=args.batch_blocks,
         )
         with BlockingCache(config) as cache:
+            # The same decodes once, untimed, on this cache's pool: a model replaying decode
+            # graphs captures one per pool and batch shape on first use (a device sync and
+            # a capture), which is start-up cost, not a step's.
+            warm = ServingLoop(model, cache, max_step_tokens=4096, prefill_chunk=512,
+                               max_running=args.decoders)
+            _submit_decoders(warm, args, "w")
+            while not warm.idle:
+                warm.step()
             tenant = (_DiskTenant(cache, blocks=args.tenant_blocks,
                                   in_flight=args.tenant_in_flight)
                       if phase == "saturated" else None)
@@ -425,11 +434,10 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             loop = ServingLoop(cast(PagedDecoder, timed_model), cast(BlockingCache, timed_cache),
                                max_step_tokens=4096, prefill_chunk=512,
                                max_running=args.decoders)
-            for i in range(args.decoders):
-                loop.submit(ServeRequest(request_id=f"d{i}", prompt=tuple(range(i, i + 64)),
-                                         max_new_tokens=args.decode_steps))
+            _submit_decoders(loop, args, "d")
             while loop.statistics().decode_tokens == 0:  # prefill is not what we time
                 loop.step()
+            graphs_before = model.decode_graph_statistics()
             before = cache.statistics().cache
             iterations: list[float] = []
             steps: list[float] = []
@@ -448,6 +456,12 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                 parts["cache_calls"].append(timed_cache.seconds)
                 parts["forward_launch"].append(timed_model.seconds)
             after = cache.statistics().cache
+            graphs_after = model.decode_graph_statistics()
+            if graphs_before is not None and graphs_after is not None:
+                # How the timed steps ran: replays of graphs captured before them, or not.
+                result[f"{phase}_graph_replays"] = graphs_after.replayed - graphs_before.replayed
+                result[f"{phase}_graph_captures"] = graphs_after.captured - graphs_before.captured
+                result[f"{phase}_eager_decode_steps"] = graphs_after.eager - graphs_before.eager
             moved = (after.bytes_read + after.bytes_written
                      - before.bytes_read - before.bytes_written)
             # The step alone: what the loop's own requests wait for.  With the tenant's
@@ -466,6 +480,14 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                 result[f"{phase}_{part}_p50_ms"] = statistics.median(values) * 1e3
                 result[f"{phase}_{part}_p99_ms"] = _percentile(values, 99) * 1e3
     return result
+
+
+def _submit_decoders(loop: Any, args: argparse.Namespace, prefix: str) -> None:
+    from models.serving_loop import ServeRequest
+
+    for i in range(args.decoders):
+        loop.submit(ServeRequest(request_id=f"{prefix}{i}", prompt=tuple(range(i, i + 64)),
+                                 max_new_tokens=args.decode_steps))
 
 
 class _TimedCalls:
@@ -633,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-interval-ms", type=positive_number, default=None,
                         help="the interpreter's thread switch interval for the whole run "
                              "(sys.setswitchinterval; Python's own is 5 ms)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run every decode step eagerly (the model replays CUDA graphs "
+                             "of decode-only steps on a CUDA device by default)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--tag", type=results_tag, default=None,
                         help="suffix of the results file name (several runs a day)")
@@ -672,6 +697,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{latency[f'saturated_{part}_p50_ms']:6.2f} ms; p99 idle "
                   f"{latency[f'idle_{part}_p99_ms']:6.2f} ms, saturated "
                   f"{latency[f'saturated_{part}_p99_ms']:6.2f} ms")
+        if "idle_graph_replays" in latency:
+            print("decode steps timed as graph replays: " + ", ".join(
+                f"{phase} {latency[f'{phase}_graph_replays']:.0f} "
+                f"({latency[f'{phase}_graph_captures']:.0f} captured while timed, "
+                f"{latency[f'{phase}_eager_decode_steps']:.0f} eager)"
+                for phase in ("idle", "saturated")))
 
     if args.write:
         figures: dict[str, dict[str, object]] = {}
@@ -697,6 +728,13 @@ def main(argv: list[str] | None = None) -> int:
                     "saturated_ms": round(latency[f"saturated_{pct}_ms"], 3),
                     "disk_gb_per_s_while_saturated": round(
                         latency["saturated_disk_gb_per_s"], 3),
+                }
+            if "idle_graph_replays" in latency:
+                figures["decode_graph_steps"] = {
+                    "value": latency["saturated_graph_replays"], "unit": "steps",
+                    **{f"{phase}_{what}": int(latency[f"{phase}_{what}"])
+                       for phase in ("idle", "saturated")
+                       for what in ("graph_replays", "graph_captures", "eager_decode_steps")},
                 }
         commit = source_commit()
         today = dt.date.today()

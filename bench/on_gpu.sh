@@ -45,7 +45,7 @@ for step in "$@"; do
     case $step in
     info) run info 30 bash -c 'nvidia-smi -L; python3 -c "import torch, kvikio, trio; print(torch.__version__, torch.cuda.get_device_name(0), kvikio.__version__, trio.__version__)"; df -h /tmp | tail -1' ;;
     tests) STATEKV_TEST_DEVICE=cuda run tests ${TESTS_S:-150} python3 -m pytest -q -x \
-        -p no:cacheprovider --timeout 60 --durations 5 ${TESTS_FILES:-tests/test_model_paged_attention.py \
+        -p no:cacheprovider --timeout 60 --durations 5 ${TESTS_FILES:-tests/test_model_paged_attention.py tests/test_decode_graphs.py \
         tests/test_memory.py tests/test_kvikio_store.py tests/test_io_actors.py \
         tests/test_io_faults.py tests/test_batched_io.py tests/test_mac_read_paths.py \
         tests/test_disk_dir_ownership.py tests/test_vllm_layouts.py \

@@ -4,6 +4,7 @@ Installed as ``statekv_models`` (a top-level ``models`` package would shadow use
 """
 
 from .config import MODEL_DTYPES, PRESETS, WEIGHTS_VERSION, ModelConfig, preset
+from .decode_graphs import DecodeGraphStatistics
 from .model import (
     ATTENTION_BACKENDS,
     AllReduce,
@@ -36,6 +37,7 @@ __all__ = [
     "ChatWorkload",
     "ChatWorkloadConfig",
     "Chunk",
+    "DecodeGraphStatistics",
     "ModelConfig",
     "OpenChatWorkload",
     "PagedDecoder",

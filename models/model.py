@@ -41,6 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from statekv.errors import ConfigError, InvariantViolation, UsageError
 
 from .config import ModelConfig
+from .decode_graphs import DecodeGraphs, DecodeGraphStatistics, DecodeInputs, input_sizes
 
 _ATTENTION_BACKENDS: Final = [
     SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
@@ -205,6 +206,19 @@ class _Batch:
     kv_offsets: Tensor
     """[layers, 2, 1]: what layer l adds to a layer-0 K row index for its K row ([l, 0])
     and its V row ([l, 1])."""
+    write_keep: Tensor | None = None
+    """[2 * new tokens, 1, 1], for a padded batch (a decode graph's): which K/V writes are
+    real; the others write back the bytes their row holds (models.decode_graphs)."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Prepared:
+    """A checked batch on the host: its decode-only form, if it is one, and its upload."""
+
+    decodes: DecodeInputs | None
+    """Set when every chunk is a batched decode: what a decode graph takes."""
+    upload: Callable[[], _Batch]
+    """The batch's indices on the model's device, for the ordinary pass."""
 
 
 # ---------------------------------------------------------------------------- the model
@@ -254,6 +268,7 @@ class PagedDecoder(torch.nn.Module):
         tp_size: int = 1,
         all_reduce: AllReduce | None = None,
         batch_decodes: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
@@ -292,6 +307,22 @@ class PagedDecoder(torch.nn.Module):
         # faster on CPU (see _sdpa_attend); on accelerators one call saves a few kernel
         # launches per decode per layer, which is what dominates small decodes there.
         self.batch_decodes = self.device.type != "cpu" if batch_decodes is None else batch_decodes
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ConfigError("cuda_graphs", f"must be True, False or None, got {cuda_graphs!r}")
+        graphable = attention == "sdpa" and self.batch_decodes and tp_size == 1
+        if cuda_graphs and not graphable:
+            raise ConfigError(
+                "cuda_graphs",
+                "decode graphs need attention='sdpa', batched decodes and tp_size 1",
+            )
+        if cuda_graphs is None:
+            cuda_graphs = graphable and self.device.type == "cuda"
+        # Decode-only passes as CUDA graph replays: one launch a step instead of a few
+        # hundred torch calls (see models.decode_graphs for why that matters here).
+        self._decode_graphs = (
+            DecodeGraphs(self._decode_body, device=self.device, capture=True)
+            if cuda_graphs else None
+        )
         self._flex: Callable[..., Tensor] = flex_attention
         if attention == "flex-compiled":
             # Static shapes: one compile per distinct batch shape, so this backend suits
@@ -386,7 +417,27 @@ class PagedDecoder(torch.nn.Module):
         positions [0, start + len) of a chunk's own pages are read.
         """
         self._check_pool(pool)
-        batch = self._prepare(pool, chunks)
+        prepared = self._prepare(pool, chunks)
+        if (self._decode_graphs is not None and prepared.decodes is not None
+                and not all_logits):
+            replayed = self._decode_graphs.run(pool, prepared.decodes)
+            if replayed is not None:
+                return StepOutput(last_logits=replayed, logits=None)
+        batch = prepared.upload()
+        x = self._hidden(pool, batch)
+        last_logits = self._logits(x.index_select(0, batch.last_index))
+        logits: tuple[Tensor, ...] | None = None
+        if all_logits:
+            full = self._logits(x)
+            logits = tuple(full[a:b] for a, b in batch.q_ranges)
+        return StepOutput(last_logits=last_logits, logits=logits)
+
+    def decode_graph_statistics(self) -> DecodeGraphStatistics | None:
+        """What the decode graphs did (None when this model runs without them)."""
+        return None if self._decode_graphs is None else self._decode_graphs.statistics()
+
+    def _hidden(self, pool: Tensor, batch: _Batch) -> Tensor:
+        """The new tokens' final hidden states, normalized; writes their K/V into `pool`."""
         x = nnf.embedding(batch.token_ids, self.embed)
         rotary = self._rotary(batch.positions)
         with sdpa_kernel(_ATTENTION_BACKENDS):
@@ -396,14 +447,26 @@ class PagedDecoder(torch.nn.Module):
                     x, rotary, layer,
                     functools.partial(self._paged_attend, pool, batch, i),
                 )
-        x = self._norm(x)
-        last = x.index_select(0, batch.last_index)
-        last_logits = nnf.linear(last, self.lm_head).float()
-        logits: tuple[Tensor, ...] | None = None
-        if all_logits:
-            full = nnf.linear(x, self.lm_head).float()
-            logits = tuple(full[a:b] for a, b in batch.q_ranges)
-        return StepOutput(last_logits=last_logits, logits=logits)
+        return self._norm(x)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        return nnf.linear(x, self.lm_head).float()
+
+    def _decode_body(self, pool: Tensor, inputs: Tensor, size: int, span: int) -> Tensor:
+        """The decode-only pass over a padded batch's device inputs (what a decode graph
+        captures): every tensor's shape follows from (size, span) alone."""
+        tok, pos, wr, keep, rows, valid = inputs.split_with_sizes(input_sizes(size, span))
+        order = torch.arange(size, dtype=torch.int64, device=inputs.device)
+        nlayers = len(self.layers)
+        kv_offsets = torch.arange(2 * nlayers, dtype=torch.int64, device=inputs.device)
+        batch = _Batch(
+            token_ids=tok, positions=pos, write_slots=wr, q_ranges=(), last_index=order,
+            prefill=(), read_slots=rows[:0], decode_chunks=order,
+            decode_slots=rows.view(size, span), decode_valid=valid.view(size, span).bool(),
+            flex_mask=None, kv_offsets=(kv_offsets * pool.shape[3]).view(nlayers, 2, 1),
+            write_keep=keep.bool().repeat(2)[:, None, None],
+        )
+        return self._logits(self._hidden(pool, batch))
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: Sequence[int]) -> Tensor:
@@ -490,7 +553,11 @@ class PagedDecoder(torch.nn.Module):
         # K and V rows move together, [K rows; V rows], one index per kernel: a forward pass
         # at decode batch sizes is bound by its launches.
         kv_off = batch.kv_offsets[layer]
-        rows.index_copy_(0, (batch.write_slots + kv_off).reshape(-1), torch.cat((k, v)))
+        targets = (batch.write_slots + kv_off).reshape(-1)
+        kv = torch.cat((k, v))
+        if batch.write_keep is not None:
+            kv = torch.where(batch.write_keep, kv, rows.index_select(0, targets))
+        rows.index_copy_(0, targets, kv)
         if self.attention == "sdpa":
             return self._sdpa_attend(rows, batch, kv_off, q)
         return self._flex_attend(rows, batch, k_off, v_off, q)
@@ -604,7 +671,7 @@ class PagedDecoder(torch.nn.Module):
         return torch.from_numpy(
             _int_array(field, list(token_ids), self.config.vocab_size, "the vocabulary"))
 
-    def _prepare(self, pool: Tensor, chunks: Sequence[Chunk]) -> _Batch:
+    def _prepare(self, pool: Tensor, chunks: Sequence[Chunk]) -> _Prepared:
         # Python touches each chunk once (validation, list building); everything per token or
         # per page is a fixed number of vectorized CPU ops, then one copy to the device.
         if not isinstance(chunks, Sequence) or not chunks:
@@ -698,15 +765,39 @@ class PagedDecoder(torch.nn.Module):
         decode_slots = np.where(decode_valid, tab[page_idx] * page_rows + cpos % bs, 0)
         decode_chunks = q_off[dec_t]
 
+        decodes = None
+        if not prefill:
+            decodes = DecodeInputs(
+                token_ids=tok, positions=positions, write_rows=write_slots,
+                context_rows=decode_slots, context_valid=decode_valid,
+            )
+        return _Prepared(decodes=decodes, upload=functools.partial(
+            self._upload, tok=tok, positions=positions, write_slots=write_slots,
+            last_index=last_index, read_slots=read_slots, decode_chunks=decode_chunks,
+            decode_slots=decode_slots, decode_valid=decode_valid, q_off=q_off, lens=lens,
+            prefill=tuple(prefill), tok_chunk=tok_chunk, kv_chunk=kv_chunk, kv_pos=kv_pos,
+            block_size=bs,
+        ))
+
+    def _upload(
+        self, *, tok: NDArray[np.int64], positions: NDArray[np.int64],
+        write_slots: NDArray[np.int64], last_index: NDArray[np.int64],
+        read_slots: NDArray[np.int64], decode_chunks: NDArray[np.int64],
+        decode_slots: NDArray[np.int64], decode_valid: NDArray[np.bool_],
+        q_off: NDArray[np.int64], lens: list[int],
+        prefill: tuple[tuple[int, int, int, int, int], ...], tok_chunk: NDArray[np.int64],
+        kv_chunk: NDArray[np.int64], kv_pos: NDArray[np.int64], block_size: int,
+    ) -> _Batch:
         dev = self.device
         nlayers = len(self.layers)
+        ntok, ks, i64 = tok.size, read_slots.size, np.int64
         parts = [tok, positions, write_slots, last_index, read_slots, decode_chunks,
-                 decode_slots.reshape(-1), np.arange(2 * nlayers, dtype=i64) * bs]
+                 decode_slots.reshape(-1), np.arange(2 * nlayers, dtype=i64) * block_size]
         ints = _to_device(torch.from_numpy(np.concatenate(parts)), dev)
         t, pos, wr, last, rd, dch, dsl, kv_offsets = ints.split_with_sizes(
             [p.size for p in parts])
         flex_mask: BlockMask | None = None
-        if flex:
+        if self.attention != "sdpa":
             docs = _to_device(torch.from_numpy(np.concatenate([tok_chunk, kv_chunk, kv_pos])),
                               dev)
             q_doc, kv_doc, kv_p = docs.split_with_sizes([ntok, ks, ks])
@@ -721,7 +812,7 @@ class PagedDecoder(torch.nn.Module):
         return _Batch(
             token_ids=t, positions=pos, write_slots=wr,
             q_ranges=tuple((a, a + n) for a, n in zip(q_off.tolist(), lens, strict=True)),
-            last_index=last, prefill=tuple(prefill), read_slots=rd, decode_chunks=dch,
+            last_index=last, prefill=prefill, read_slots=rd, decode_chunks=dch,
             decode_slots=dsl.view(decode_slots.shape),
             decode_valid=_to_device(torch.from_numpy(decode_valid), dev), flex_mask=flex_mask,
             kv_offsets=kv_offsets.view(nlayers, 2, 1),
