@@ -400,7 +400,7 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
     device = resolve_device(args.device)
     model_config = preset(args.model, num_layers=args.model_layers or None)
     model = PagedDecoder(model_config, device=device,
-                         cuda_graphs=False if args.no_cuda_graphs else None)
+                         cuda_graphs=args.cuda_graphs)
     bs = args.block_size
     result: dict[str, float] = {}
     # A first run warms up kernels, allocators and page caches; it is not reported.
@@ -413,14 +413,15 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             backend=args.backend, max_batch_blocks=args.batch_blocks,
         )
         with BlockingCache(config) as cache:
-            # The same decodes once, untimed, on this cache's pool: a model replaying decode
-            # graphs captures one per pool and batch shape on first use (a device sync and
-            # a capture), which is start-up cost, not a step's.
-            warm = ServingLoop(model, cache, max_step_tokens=4096, prefill_chunk=512,
-                               max_running=args.decoders)
-            _submit_decoders(warm, args, "w")
-            while not warm.idle:
-                warm.step()
+            if args.cuda_graphs:
+                # The same decodes once, untimed, on this cache's pool: the model captures a
+                # graph per pool and batch shape on first use (a device sync and a capture),
+                # which is start-up cost, not a step's.
+                warm = ServingLoop(model, cache, max_step_tokens=4096, prefill_chunk=512,
+                                   max_running=args.decoders)
+                _submit_decoders(warm, args, "w")
+                while not warm.idle:
+                    warm.step()
             tenant = (_DiskTenant(cache, blocks=args.tenant_blocks,
                                   in_flight=args.tenant_in_flight)
                       if phase == "saturated" else None)
@@ -655,14 +656,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-interval-ms", type=positive_number, default=None,
                         help="the interpreter's thread switch interval for the whole run "
                              "(sys.setswitchinterval; Python's own is 5 ms)")
-    parser.add_argument("--no-cuda-graphs", action="store_true",
-                        help="run every decode step eagerly (the model replays CUDA graphs "
-                             "of decode-only steps on a CUDA device by default)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the model replays decode-only steps from CUDA graphs "
+                             "(PagedDecoder(cuda_graphs=True); CUDA only)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--tag", type=results_tag, default=None,
                         help="suffix of the results file name (several runs a day)")
     args = parser.parse_args(argv)
 
+    if args.cuda_graphs and not args.skip_latency and resolve_device(args.device).type != "cuda":
+        parser.error(f"--cuda-graphs: CUDA graphs need a CUDA device, not {args.device!r}")
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     base = Path(args.dir) if args.dir else None

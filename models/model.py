@@ -268,7 +268,7 @@ class PagedDecoder(torch.nn.Module):
         tp_size: int = 1,
         all_reduce: AllReduce | None = None,
         batch_decodes: bool | None = None,
-        cuda_graphs: bool | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
@@ -307,18 +307,18 @@ class PagedDecoder(torch.nn.Module):
         # faster on CPU (see _sdpa_attend); on accelerators one call saves a few kernel
         # launches per decode per layer, which is what dominates small decodes there.
         self.batch_decodes = self.device.type != "cpu" if batch_decodes is None else batch_decodes
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise ConfigError("cuda_graphs", f"must be True, False or None, got {cuda_graphs!r}")
-        graphable = attention == "sdpa" and self.batch_decodes and tp_size == 1
-        if cuda_graphs and not graphable:
+        if not isinstance(cuda_graphs, bool):
+            raise ConfigError("cuda_graphs", f"must be True or False, got {cuda_graphs!r}")
+        if cuda_graphs and (attention != "sdpa" or batch_decodes is False or tp_size != 1):
             raise ConfigError(
                 "cuda_graphs",
                 "decode graphs need attention='sdpa', batched decodes and tp_size 1",
             )
-        if cuda_graphs is None:
-            cuda_graphs = graphable and self.device.type == "cuda"
+        if cuda_graphs and self.device.type != "cuda":
+            raise ConfigError("cuda_graphs", f"CUDA graphs need a CUDA device, not {device}")
         # Decode-only passes as CUDA graph replays: one launch a step instead of a few
-        # hundred torch calls (see models.decode_graphs for why that matters here).
+        # hundred torch calls (see models.decode_graphs for why that matters here).  Off
+        # unless asked for: not yet measured on a GPU against the eager pass.
         self._decode_graphs = (
             DecodeGraphs(self._decode_body, device=self.device, capture=True)
             if cuda_graphs else None

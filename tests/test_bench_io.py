@@ -49,3 +49,13 @@ def test_the_step_latency_phase_alone_times_the_parts_of_a_step(
     assert 0 < sum(part_idle) <= 2 * idle_p50 + 0.05
     assert busy_p50 > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_graphs_without_a_cuda_device_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cpu", "--latency-only", "--cuda-graphs", "--dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cuda-graphs" in err[0] and "CUDA device" in err[0]
+    assert list(tmp_path.iterdir()) == []

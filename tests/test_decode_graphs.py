@@ -190,15 +190,17 @@ def test_the_least_recently_used_graph_makes_room() -> None:
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_run() -> None:
-    with pytest.raises(ConfigError, match="cuda_graphs"):
+    with pytest.raises(ConfigError, match="cuda_graphs: decode graphs need attention='sdpa'"):
         PagedDecoder(preset("tiny"), attention="flex", cuda_graphs=True)
-    with pytest.raises(ConfigError, match="cuda_graphs"):
+    with pytest.raises(ConfigError, match=r"cuda_graphs: decode graphs need .* batched"):
         PagedDecoder(preset("tiny"), batch_decodes=False, cuda_graphs=True)
-    with pytest.raises(ConfigError, match="cuda_graphs"):
-        PagedDecoder(preset("tiny"), batch_decodes=True, cuda_graphs=True)  # a CPU device
+    with pytest.raises(ConfigError, match="cuda_graphs: CUDA graphs need a CUDA device"):
+        PagedDecoder(preset("tiny"), batch_decodes=True, cuda_graphs=True)
     with pytest.raises(ConfigError, match="cuda_graphs"):
         PagedDecoder(preset("tiny"), cuda_graphs=1)  # type: ignore[arg-type]
     assert PagedDecoder(preset("tiny")).decode_graph_statistics() is None
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        PagedDecoder(preset("tiny"), cuda_graphs=None)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- on CUDA
@@ -207,8 +209,8 @@ def test_cuda_graphs_are_refused_where_they_cannot_run() -> None:
 def cuda_pair(layers: int | None = None) -> tuple[PagedDecoder, PagedDecoder]:
     """A model replaying graphs and one running the same padded pass eagerly."""
     config = preset("8b-class", num_layers=2, vocab_size=512) if layers else preset("tiny")
-    graphed = PagedDecoder(config, device="cuda")
-    eager = PagedDecoder(config, device="cuda", cuda_graphs=False, batch_decodes=True)
+    graphed = PagedDecoder(config, device="cuda", cuda_graphs=True)
+    eager = PagedDecoder(config, device="cuda", batch_decodes=True)
     padded_eager(eager)
     return graphed, eager
 
@@ -236,8 +238,8 @@ def test_a_graph_replays_the_padded_pass_bit_for_bit(layers: int | None) -> None
 
 @cuda
 def test_graph_logits_match_the_unpadded_pass_and_the_reference() -> None:
-    graphed = PagedDecoder(preset("tiny"), device="cuda")
-    plain = PagedDecoder(preset("tiny"), device="cuda", cuda_graphs=False)
+    graphed = PagedDecoder(preset("tiny"), device="cuda", cuda_graphs=True)
+    plain = PagedDecoder(preset("tiny"), device="cuda")
     pool, prompts, tables = prefilled(plain, [20, 37, 50])
     pool_graphed = pool.clone()
     new = [3, 4, 5]
@@ -305,3 +307,25 @@ def test_capture_goes_on_while_other_threads_copy_and_wait_on_their_streams() ->
     assert not errors
     stats = graphed.decode_graph_statistics()
     assert stats is not None and stats.captured == 3
+
+
+@cuda
+def test_a_replay_is_queued_behind_busy_streams_without_waiting_for_them() -> None:
+    # As the ordinary pass (test_model_paged_attention): the cache orders each pass after
+    # its page copies, so the compute stream is often busy when a step begins; queuing a
+    # replay, its inputs' upload included, must not wait for that work.
+    graphed, _ = cuda_pair()
+    pool, prompts, tables = prefilled(graphed, [20, 37, 50])
+    chunks = decodes(prompts, tables, [1, 2, 3])
+    idle = graphed.forward(pool, chunks).last_logits  # captures
+    torch.cuda.synchronize()
+    sleep_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # about a second
+    sleep_done.record()
+    step = graphed.forward(pool, chunks)
+    assert not sleep_done.query(), "the replay waited for queued GPU work"  # type: ignore[no-untyped-call]
+    torch.cuda.synchronize()
+    # The same step again: it rewrites the same KV rows with the same values.
+    assert torch.equal(step.last_logits, idle)
+    stats = graphed.decode_graph_statistics()
+    assert stats is not None and (stats.captured, stats.replayed) == (1, 2)
