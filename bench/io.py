@@ -430,6 +430,12 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                 tenant.prepare(rounds=max(1, 3 * args.loop_gpu_blocks // args.tenant_blocks))
             # The loop's cache calls and its forward pass are timed where the loop makes
             # them, so that a slower busy step says which part of it grew.
+            lock: _TimedLock | None = None
+            if args.time_lock:
+                # Installed before the timed steps: the lock is free between calls here.
+                scheduler = cache._scheduler
+                lock = _TimedLock(scheduler._lock)
+                scheduler._lock = lock  # type: ignore[assignment]
             timed_cache = _TimedCalls(cache)
             timed_model = _TimedCalls(model)
             loop = ServingLoop(cast(PagedDecoder, timed_model), cast(BlockingCache, timed_cache),
@@ -443,19 +449,36 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             iterations: list[float] = []
             steps: list[float] = []
             parts: dict[str, list[float]] = {"cache_calls": [], "forward_launch": []}
+            lock_waits: list[float] = []
             clock = time.perf_counter
+            if lock is not None:
+                lock.reset()
             while not loop.idle:
                 start = clock()
                 if tenant is not None:
                     tenant.step()
                 middle = clock()
                 timed_cache.seconds = timed_model.seconds = 0.0
+                waited_before = lock.waited(_SERVING_THREAD) if lock is not None else 0.0
                 loop.step()
                 end = clock()
                 iterations.append(end - start)
                 steps.append(end - middle)
                 parts["cache_calls"].append(timed_cache.seconds)
                 parts["forward_launch"].append(timed_model.seconds)
+                if lock is not None:
+                    lock_waits.append(lock.waited(_SERVING_THREAD) - waited_before)
+            if lock is not None:
+                # The serving thread's waits for the scheduler's lock inside its steps, and
+                # how long the cache's trio thread held it each time (its completions and
+                # dispatch run under it).
+                result[f"{phase}_lock_wait_per_step_p50_ms"] = statistics.median(lock_waits) * 1e3
+                result[f"{phase}_lock_wait_per_step_p99_ms"] = _percentile(lock_waits, 99) * 1e3
+                holds = lock.holds(_TRIO_THREAD) or [0.0]
+                result[f"{phase}_trio_lock_hold_p50_ms"] = statistics.median(holds) * 1e3
+                result[f"{phase}_trio_lock_hold_p99_ms"] = _percentile(holds, 99) * 1e3
+                result[f"{phase}_trio_lock_hold_max_ms"] = max(holds) * 1e3
+                result[f"{phase}_trio_lock_held_share"] = sum(holds) / sum(iterations)
             after = cache.statistics().cache
             graphs_after = model.decode_graph_statistics()
             if graphs_before is not None and graphs_after is not None:
@@ -481,6 +504,51 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                 result[f"{phase}_{part}_p50_ms"] = statistics.median(values) * 1e3
                 result[f"{phase}_{part}_p99_ms"] = _percentile(values, 99) * 1e3
     return result
+
+
+_SERVING_THREAD = "MainThread"
+_TRIO_THREAD = "statekv-trio"
+
+
+class _TimedLock:
+    """A lock that times, per thread, each wait to take it and each hold of it."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+        self._taken_at = 0.0
+        self._waits: dict[str, float] = {}
+        self._holds: dict[str, list[float]] = {}
+
+    def reset(self) -> None:
+        self._waits.clear()
+        self._holds.clear()
+
+    def waited(self, thread: str) -> float:
+        """Seconds `thread` has waited for the lock since the last reset."""
+        return self._waits.get(thread, 0.0)
+
+    def holds(self, thread: str) -> list[float]:
+        return list(self._holds.get(thread, ()))
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        start = time.perf_counter()
+        got = bool(self._lock.acquire(blocking, timeout))
+        if got:
+            self._taken_at = time.perf_counter()
+            name = threading.current_thread().name
+            self._waits[name] = self._waits.get(name, 0.0) + self._taken_at - start
+        return got
+
+    def release(self) -> None:
+        held = time.perf_counter() - self._taken_at
+        self._holds.setdefault(threading.current_thread().name, []).append(held)
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _submit_decoders(loop: Any, args: argparse.Namespace, prefix: str) -> None:
@@ -659,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the model replays decode-only steps from CUDA graphs "
                              "(PagedDecoder(cuda_graphs=True); CUDA only)")
+    parser.add_argument("--time-lock", action="store_true",
+                        help="latency phase: time the serving thread's waits for the "
+                             "scheduler's lock and the cache thread's holds of it")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--tag", type=results_tag, default=None,
                         help="suffix of the results file name (several runs a day)")
@@ -700,6 +771,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{latency[f'saturated_{part}_p50_ms']:6.2f} ms; p99 idle "
                   f"{latency[f'idle_{part}_p99_ms']:6.2f} ms, saturated "
                   f"{latency[f'saturated_{part}_p99_ms']:6.2f} ms")
+        if "idle_lock_wait_per_step_p50_ms" in latency:
+            for phase in ("idle", "saturated"):
+                print(f"  scheduler lock, {phase}: the serving thread waited p50 "
+                      f"{latency[f'{phase}_lock_wait_per_step_p50_ms']:.3f} / p99 "
+                      f"{latency[f'{phase}_lock_wait_per_step_p99_ms']:.3f} ms a step; the "
+                      f"cache thread held it p50 {latency[f'{phase}_trio_lock_hold_p50_ms']:.3f}"
+                      f" / p99 {latency[f'{phase}_trio_lock_hold_p99_ms']:.3f} / max "
+                      f"{latency[f'{phase}_trio_lock_hold_max_ms']:.3f} ms a time, "
+                      f"{latency[f'{phase}_trio_lock_held_share']:.1%} of the run")
         if "idle_graph_replays" in latency:
             print("decode steps timed as graph replays: " + ", ".join(
                 f"{phase} {latency[f'{phase}_graph_replays']:.0f} "
@@ -731,6 +811,12 @@ def main(argv: list[str] | None = None) -> int:
                     "saturated_ms": round(latency[f"saturated_{pct}_ms"], 3),
                     "disk_gb_per_s_while_saturated": round(
                         latency["saturated_disk_gb_per_s"], 3),
+                }
+            if "idle_lock_wait_per_step_p50_ms" in latency:
+                figures["scheduler_lock"] = {
+                    "value": round(latency["saturated_lock_wait_per_step_p99_ms"], 4),
+                    "unit": "ms",
+                    **{key: round(value, 4) for key, value in latency.items() if "lock" in key},
                 }
             if "idle_graph_replays" in latency:
                 figures["decode_graph_steps"] = {

@@ -48,7 +48,10 @@ def read_stacks(lines: Iterable[str]) -> Iterator[Stack]:
             continue
         text, _, count = line.rpartition(" ")
         frames = text.split(";")
-        if not text or not count.isdigit() or len(frames) < 2:
+        # A thread sampled with no frames at all (idle in native code, without --native)
+        # is its thread frame alone: py-spy names threads "thread (TID): NAME".
+        alone = len(frames) == 1 and frames[0].startswith("thread (")
+        if not text or not count.isdigit() or (len(frames) < 2 and not alone):
             raise ValueError(f"line {number} is not a py-spy raw stack with --threads: "
                              f"{line[:80]!r}")
         yield Stack(thread=frames[0], frames=tuple(frames[1:]), count=int(count))

@@ -59,3 +59,23 @@ def test_cuda_graphs_without_a_cuda_device_is_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--cuda-graphs" in err[0] and "CUDA device" in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_timed_lock_reports_waits_and_holds_per_phase(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--block-mib", "0.0625", "--blocks", "32", "--threads", "2",
+                 "--batch-blocks", "4", "--dir", str(tmp_path), "--device", "cpu",
+                 "--latency-only", "--time-lock", "--decoders", "2", "--decode-steps", "8",
+                 "--loop-gpu-blocks", "64", "--tenant-blocks", "2",
+                 "--tenant-in-flight", "2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "scheduler lock" in x]
+    assert [x.split(",")[1].split(":")[0].strip() for x in lines] == ["idle", "saturated"]
+    for line in lines:
+        wait50, wait99, hold50, hold99, hold_max = (
+            float(v) for v in re.findall(r"(\d+\.\d+) ", line)[:5])
+        share = float(re.findall(r"(\d+\.\d)%", line)[0])
+        assert 0 <= wait50 <= wait99
+        assert 0 <= hold50 <= hold99 <= hold_max
+        assert 0 <= share <= 100
+    # The tenant keeps the cache's thread busy: it took the lock in the busy phase.
+    assert float(re.findall(r"max (\d+\.\d+) ms", lines[1])[0]) > 0

@@ -70,3 +70,15 @@ def test_a_missing_file_and_a_bad_top_are_one_line(
             main(argv)
         assert exc.value.code == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_thread_sampled_without_frames_counts_as_native_only() -> None:
+    # py-spy writes a thread caught outside any frame (without --native) as its thread
+    # frame alone; such a line is part of the profile, not a malformed one.
+    stacks = list(read_stacks(["thread (7): MainThread 187\n",
+                               "thread (7): MainThread;f (x.py:1) 3\n"]))
+    assert [(s.thread, s.frames, s.count) for s in stacks] == [
+        ("thread (7): MainThread", (), 187), ("thread (7): MainThread", ("f (x.py:1)",), 3)]
+    summary = summarize(stacks, within=None, top=4)
+    assert summary.threads == {"thread (7): MainThread": 190}
+    assert summary.top["thread (7): MainThread"][0] == ("(native only)", 187)
