@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io io-graphs io-small profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep
+#   bench/on_gpu.sh tests io io-graphs gil io-small profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep
 # tests: the GPU test files (TESTS_FILES replaces the list).
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
@@ -64,6 +64,11 @@ for step in "$@"; do
         --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --latency-only \
         --tenant-blocks 32 --tenant-in-flight 16 --tag "lat-$how" --write "${flags[@]}" \
         ${IO_ARGS:-}; done ;;
+    # The decode pass beside a thread running Python in bursts, eager and as a graph
+    # replay: the interpreter lock's cost without the disk.
+    gil) run gil ${GIL_S:-200} python3 -m bench.gil_contention --machine h200 --device cuda \
+        --model 8b-class --model-layers 4 --decodes 16 --context 512 --cuda-graphs --write \
+        ${GIL_ARGS:-} ;;
     io-small) run io-small ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 0.25 \
         --threads 4 --blocks 2048 --dir "$DISK" --skip-latency --write ${IO_ARGS:-} ;;
     # The 256 KiB transfer phases under py-spy (its wheel in .whl/): every thread's stacks,
