@@ -49,31 +49,20 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 16
 
 
-def _csv_floats(text: str) -> list[float]:
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(f"must be comma-separated numbers, got {text!r}") from None
-    if not values or any(not v >= 0 for v in values):
-        raise ValueError(f"must be numbers >= 0, got {text!r}")
-    return values
+def _csv_floats(*, zero: bool) -> Callable[[str], list[float]]:
+    """Comma-separated numbers >= 0 (with `zero`) or > 0 (without)."""
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(part) for part in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated numbers, got {text!r}") from None
+        if any(not (v >= 0 if zero else v > 0) for v in values):
+            raise argparse.ArgumentTypeError(
+                f"must be numbers {'>=' if zero else '>'} 0, got {text!r}")
+        return values
 
-
-def _bursts(text: str) -> list[float]:
-    try:
-        return _csv_floats(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _intervals(text: str) -> list[float]:
-    try:
-        values = _csv_floats(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"must be numbers > 0, got {text!r}")
-    return values
+    return parse
 
 
 @contextmanager
@@ -134,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decodes", type=int_at_least(1), default=16)
     parser.add_argument("--context", type=int_at_least(1), default=128,
                         help="tokens of each decode's context")
-    parser.add_argument("--bursts-us", type=_bursts, default=[0.0, 20.0, 50.0, 200.0, 1000.0],
+    parser.add_argument("--bursts-us", type=_csv_floats(zero=True),
+                        default=[0.0, 20.0, 50.0, 200.0, 1000.0],
                         help="the other thread's Python bursts, in microseconds (0: alone)")
-    parser.add_argument("--switch-interval-ms", type=_intervals, default=[5.0, 0.5],
+    parser.add_argument("--switch-interval-ms", type=_csv_floats(zero=False), default=[5.0, 0.5],
                         help="sys.setswitchinterval values, in milliseconds (Python's: 5)")
     parser.add_argument("--repeat", type=int_at_least(3), default=30)
     parser.add_argument("--cuda-graphs", action="store_true",

@@ -216,7 +216,8 @@ class _Prepared:
     """A checked batch on the host: its decode-only form, if it is one, and its upload."""
 
     decodes: DecodeInputs | None
-    """Set when every chunk is a batched decode: what a decode graph takes."""
+    """Set when every chunk is a batched decode and the model has decode graphs: what a
+    decode graph takes."""
     upload: Callable[[], _Batch]
     """The batch's indices on the model's device, for the ordinary pass."""
 
@@ -766,7 +767,7 @@ class PagedDecoder(torch.nn.Module):
         decode_chunks = q_off[dec_t]
 
         decodes = None
-        if not prefill:
+        if not prefill and self._decode_graphs is not None:
             decodes = DecodeInputs(
                 token_ids=tok, positions=positions, write_rows=write_slots,
                 context_rows=decode_slots, context_valid=decode_valid,
