@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
-import json
 import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from bench.flags import OneLineParser, int_at_least
-from bench.results_files import source_commit
+from bench.results_files import source_commit, write_new_results
 from statekv import CacheConfig, KVCacheManager
 from statekv.hashing import chain_key, root_key, token_bytes
 
@@ -221,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"--requests {args.requests} --repeat {args.repeat} --write",
             "figures": figures,
         }
-        out = Path(__file__).parent / "results" / f"core-cpu-{today:%Y%m%d}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out = write_new_results("core", "cpu", today, result)
         print(f"wrote {out}")
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import statistics
 import sys
@@ -31,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.flags import (
@@ -40,7 +38,7 @@ from bench.flags import (
     results_tag,
     shape_preset,
 )
-from bench.results_files import source_commit
+from bench.results_files import source_commit, write_new_results
 from io_actors.embed import resolve_device
 
 if TYPE_CHECKING:
@@ -219,16 +217,12 @@ def _report(args: argparse.Namespace, device: torch.device,
                         "ratio": round(t / alone, 3)}
     if args.write:
         today = dt.date.today()
-        tag = f"-{args.tag}" if args.tag else ""
-        out = (Path(__file__).parent / "results"
-               / f"gil_contention-{args.machine}-{today:%Y%m%d}{tag}.json")
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps({
+        out = write_new_results("gil_contention", args.machine, today, {
             "bench": "gil_contention", "machine": args.machine, "date": today.isoformat(),
             "commit": source_commit(),
             "command": command,
             "eager_torch_calls": calls, "figures": figures,
-        }, indent=2) + "\n")
+        }, tag=args.tag)
         print(f"wrote {out}")
 
 

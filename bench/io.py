@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import platform
 import random
 import statistics
@@ -62,7 +61,7 @@ from bench.flags import (
     results_tag,
     shape_preset,
 )
-from bench.results_files import source_commit
+from bench.results_files import source_commit, write_new_results
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
 from io_actors.memory.pools import KVPools, TorchCopyEngine
@@ -827,10 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
         commit = source_commit()
         today = dt.date.today()
-        tag = f"-{args.tag}" if args.tag else ""
-        out = Path(__file__).parent / "results" / f"io-{args.machine}-{today:%Y%m%d}{tag}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps({
+        out = write_new_results("io", args.machine, today, {
             "bench": "io", "machine": args.machine, "date": today.isoformat(),
             "commit": commit, "command": "python -m bench.io " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
@@ -840,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
             # A count, not a figure: transfers of the spill and onboard phases that went
             # through the store's bounce buffer (0 when every buffer was page aligned).
             **({"bounced_transfers": counts["bounced_transfers"]} if counts else {}),
-        }, indent=2) + "\n")
+        }, tag=args.tag)
         print(f"wrote {out}")
     return 0
 

@@ -11,7 +11,7 @@
 # the working set; twice it must be free under $DISK), grid SWEEP_RATES (multiples of the
 # calibrated recompute capacity; the sweep's own when unset), SWEEP_ARGS appended (a flag
 # given again there wins).  It stops itself cleanly at --deadline-s 530, inside the 560 s
-# limit, keeping what it measured in bench/results/sweep-h200-<date>-<shape>-p<P>-h<H>.json
+# limit, keeping what it measured in bench/results/sweep-<machine>-<date>-<shape>-p<P>-h<H>.json
 # (in $OUT/results.tar).  A cell longer than one call goes on in the next: put that file
 # back under bench/results/ and run again with SWEEP_RESUME=<that path> (the same SWEEP_*
 # values), or SWEEP_RESUME=auto for the newest file of the cell there; SWEEP_REMEASURE=d
@@ -31,6 +31,15 @@ export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
 if [ -f .whl/COMMIT ]; then export STATEKV_COMMIT=$(cat .whl/COMMIT); fi
 echo "commit measured: ${STATEKV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The machine named in every results file: the GPU this call got (a call may be given an H100
+# for an H200), or MACHINE=... to name it yourself.
+if [ -z "${MACHINE:-}" ]; then
+    case $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) in
+    *H100*) MACHINE=h100 ;; *H200*) MACHINE=h200 ;;
+    *) echo "no H100 or H200 found by nvidia-smi: set MACHINE"; exit 1 ;;
+    esac
+fi
+echo "machine: $MACHINE"
 DISK=${DISK:-/tmp/statekv-disk}
 mkdir -p "$DISK"
 sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
@@ -52,31 +61,31 @@ for step in "$@"; do
         tests/test_connector_machine.py tests/test_slot_format.py \
         tests/test_slot_format_upgrade.py tests/test_write_through.py \
         tests/test_close_flush.py tests/test_host_copies.py} ;;
-    io) run io ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
+    io) run io ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
-        --loop-gpu-blocks 2048 --write ${IO_ARGS:-} ;;
+        --loop-gpu-blocks 2048 --write --tag 2m ${IO_ARGS:-} ;;
     # The step-latency phase alone, the eager forward pass and then decode graphs
     # (--cuda-graphs), with the scheduler's lock timed: one pair in one call, same tenant.
     io-graphs) for how in eager graphs; do flags=(--time-lock)
         [ "$how" = graphs ] && flags+=(--cuda-graphs)
-        run "io-$how" ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 2 \
+        run "io-$how" ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 2 \
         --threads 4 --blocks 512 --dir "$DISK" --model 8b-class --model-layers 4 \
         --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --latency-only \
         --tenant-blocks 32 --tenant-in-flight 16 --tag "lat-$how" --write "${flags[@]}" \
         ${IO_ARGS:-}; done ;;
     # The decode pass beside a thread running Python in bursts, eager and as a graph
     # replay: the interpreter lock's cost without the disk.
-    gil) run gil ${GIL_S:-200} python3 -m bench.gil_contention --machine h200 --device cuda \
+    gil) run gil ${GIL_S:-200} python3 -m bench.gil_contention --machine "$MACHINE" --device cuda \
         --model 8b-class --model-layers 4 --decodes 16 --context 512 --cuda-graphs --write \
         ${GIL_ARGS:-} ;;
-    io-small) run io-small ${IO_S:-160} python3 -m bench.io --machine h200 --block-mib 0.25 \
-        --threads 4 --blocks 2048 --dir "$DISK" --skip-latency --write ${IO_ARGS:-} ;;
+    io-small) run io-small ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 0.25 \
+        --threads 4 --blocks 2048 --dir "$DISK" --skip-latency --write --tag 256k ${IO_ARGS:-} ;;
     # The 256 KiB transfer phases under py-spy (its wheel in .whl/): every thread's stacks,
     # idle ones too, as collapsed stacks in $OUT/profile-io-small.txt.  timeout wraps py-spy,
     # never the python it starts (py-spy would then sample `timeout`).
     profile) run profile ${PROFILE_S:-200} "$SITE/bin/py-spy" record --nonblocking --threads \
         --idle --rate 250 --format raw -o "$OUT/profile-io-small.txt" -- python3 -m bench.io \
-        --machine h200 --block-mib 0.25 --threads 4 --blocks 2048 --dir "$DISK" --skip-latency ;;
+        --machine "$MACHINE" --block-mib 0.25 --threads 4 --blocks 2048 --dir "$DISK" --skip-latency ;;
     # The 2 MiB step-latency phase alone (--latency-only) under py-spy, the same way: where
     # the serving thread's steps wait while the disk is busy ($OUT/profile-io-latency.txt).
     # PROFILE_NATIVE=1 records native frames too (py-spy then pauses the process for each
@@ -86,7 +95,7 @@ for step in "$@"; do
         else how=(--nonblocking --rate 250); fi
         run profile-latency ${PROFILE_S:-400} "$SITE/bin/py-spy" record "${how[@]}" \
         --threads --idle --format raw -o "$OUT/profile-io-latency.txt" \
-        -- python3 -m bench.io --machine h200 --block-mib 2 --threads 4 --blocks 512 \
+        -- python3 -m bench.io --machine "$MACHINE" --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 --latency-only ${IO_ARGS:-} ;;
     # One (d) point of the 16k pressure-3 sweep cell (x0.7711) under py-spy, the same way:
@@ -94,19 +103,19 @@ for step in "$@"; do
     # ($OUT/profile-sweep.txt).
     profile-sweep) run profile-sweep ${PROFILE_S:-200} "$SITE/bin/py-spy" record \
         --nonblocking --threads --idle --rate 100 --format raw -o "$OUT/profile-sweep.txt" \
-        -- python3 -m bench.sweep --machine h200 --dir "$DISK/sweep" --models 70b-class \
+        -- python3 -m bench.sweep --machine "$MACHINE" --dir "$DISK/sweep" --models 70b-class \
         --tag profile --histories 16384 --pressure 3 --configs d --seeds 1 --layers 2 \
         --gpu-gib 0.5 --host-gib 0.5 --block-size 128 --disk-gib 8 --rounds 3 \
         --duration-s 8 --rates 0.7711 --points 1 --progress never ${SWEEP_ARGS:-} ;;
     demo) run demo 60 python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
-    e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine h200 --dir "$DISK/e2e" --write \
+    e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine "$MACHINE" --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
     sweep) SWEEP_MODELS=${SWEEP_MODELS:-70b-class}
         cell="${SWEEP_MODELS//,/-}-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}"
         cell=${cell//,/-}
         resume=${SWEEP_RESUME:-}
         if [ "$resume" = auto ]; then
-            resume=$(ls -t bench/results/sweep-h200-*-"$cell".json 2>/dev/null | head -1)
+            resume=$(ls -t bench/results/sweep-"$MACHINE"-*-"$cell".json 2>/dev/null | head -1)
             echo "SWEEP_RESUME=auto: ${resume:-no file of cell $cell, starting afresh}"
         fi
         # 2 layers of 70B-class (8 KiB of KV per token) with 0.5 GiB pools and 128-token
@@ -115,7 +124,7 @@ for step in "$@"; do
         # of device time.
         # A resumed sweep goes on in its own file: --tag only for a new one.
         tag=(--tag "$cell"); [ -n "$resume" ] && tag=()
-        run sweep ${SWEEP_S:-560} python3 -m bench.sweep --machine h200 --dir "$DISK/sweep" \
+        run sweep ${SWEEP_S:-560} python3 -m bench.sweep --machine "$MACHINE" --dir "$DISK/sweep" \
         --models "$SWEEP_MODELS" ${tag[@]+"${tag[@]}"} --histories "${SWEEP_HISTORIES:-4096}" \
         --pressure "${SWEEP_PRESSURE:-3}" --configs "${SWEEP_CONFIGS:-cd}" \
         --seeds "${SWEEP_SEEDS:-3}" ${SWEEP_RATES:+--rates "$SWEEP_RATES"} \
@@ -131,7 +140,7 @@ for step in "$@"; do
     # FUZZ_MACHINES=core,threads,kill9 in another.
     fuzz) run fuzz ${FUZZ_S:-120} python3 -m fuzz --profile gpu \
         ${FUZZ_MACHINES:+--machines "$FUZZ_MACHINES"} ;;
-    rebuild) run rebuild ${REBUILD_S:-300} python3 -m bench.rebuild --machine h200 \
+    rebuild) run rebuild ${REBUILD_S:-300} python3 -m bench.rebuild --machine "$MACHINE" \
         --slots ${REBUILD_SLOTS:-100000} --dir "$DISK" --write ;;
     *) echo "unknown step $step" ;;
     esac

@@ -24,7 +24,6 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import io
-import json
 import platform
 import shutil
 import subprocess
@@ -37,7 +36,7 @@ import torch
 
 from bench.flags import OneLineParser, int_at_least, positive_number
 from bench.redis_cluster import running_cluster
-from bench.results_files import source_commit
+from bench.results_files import source_commit, write_new_results
 from io_actors.storage.redis_store import RedisClusterStore, RemoteIO
 from io_actors.storage.slot_format import HEADER_SIZE
 from statekv.config import CacheConfig, KVLayout
@@ -203,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 "redis_benchmark_get_per_s": {"value": round(get_per_s, 1), "unit": "1/s"},
             },
         }
-        out = Path(__file__).parent / "results" / f"remote-cpu-{today:%Y%m%d}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out = write_new_results("remote", "cpu", today, result)
         print(f"wrote {out}")
     return 0
 

@@ -14,10 +14,14 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 
 
-def write_new_results(bench: str, machine: str, day: dt.date, result: dict[str, Any]) -> Path:
-    """Write `result` to a file no earlier run of the day has; returns its path."""
+def write_new_results(
+    bench: str, machine: str, day: dt.date, result: dict[str, Any], *, tag: str | None = None,
+) -> Path:
+    """Write `result` to a file no earlier run of the day (with the same `tag`) has; returns
+    its path.  Two runs of one call once wrote the same name, and the second replaced the
+    first's figures."""
     RESULTS.mkdir(exist_ok=True)
-    stem = f"{bench}-{machine}-{day:%Y%m%d}"
+    stem = f"{bench}-{machine}-{day:%Y%m%d}" + (f"-{tag}" if tag else "")
     out = RESULTS / f"{stem}.json"
     run = 2
     while out.exists():

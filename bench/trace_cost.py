@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import json
 import platform
 import statistics
 import tempfile
@@ -39,7 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.results_files import source_commit
+from bench.results_files import source_commit, write_new_results
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
 from io_actors.tracing.recorder import RecordKind, TraceRecorder
@@ -320,9 +319,7 @@ def main() -> int:
                        f"{args.rounds} --repeat {args.repeat} --write",
             "figures": figures,
         }
-        out = Path(__file__).parent / "results" / f"trace-cpu-{today:%Y%m%d}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out = write_new_results("trace", "cpu", today, result)
         print(f"wrote {out}")
     return 0
 
