@@ -145,9 +145,11 @@ def main() -> int:
     from io_actors.embed import resolve_device
 
     device = resolve_device(args.device)
+    if args.cuda_graphs and device.type != "cuda":
+        p.error(f"argument --cuda-graphs: CUDA graphs need a CUDA device, not {str(device)!r}")
     model_config = preset(args.model, num_layers=args.layers)
     started = time.perf_counter()
-    model = PagedDecoder(model_config, device=device)
+    model = PagedDecoder(model_config, device=device, cuda_graphs=args.cuda_graphs)
     print(f"model {args.model} x{args.layers} layers on {device}: built in "
           f"{time.perf_counter() - started:.1f} s", flush=True)
     kv_token = model_config.kv_bytes_per_token()

@@ -79,6 +79,9 @@ def add_run_flags(p: argparse.ArgumentParser, *, layers: int) -> None:
     p.add_argument("--no-cost-aware", action="store_true",
                    help="always read disk hits back, even where recomputing is faster")
     p.add_argument("--seed", type=n0, default=0)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode-only steps from CUDA graphs (PagedDecoder(cuda_graphs="
+                        "True); CUDA only): the serving loop's steps that carry no prefill")
     p.add_argument("--dir", type=Path, default=None, help="disk tier directory")
     p.add_argument("--machine", default="h200", help="machine name in the results file")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

@@ -573,9 +573,12 @@ SIGNATURE: Final = (
     "slo_ttft_p99", "pressure", "layers", "users", "rounds", "system_tokens",
     "question_tokens", "answer_tokens", "block_size", "gpu_gib", "host_gib", "disk_gib",
     "readers", "writers", "configs", "prefetch_ahead", "reclaim_prefetched",
-    "no_cost_aware", "machine",
+    "no_cost_aware", "machine", "cuda_graphs",
 )
 """The flags a resumed sweep must share with the file it resumes: what a point measures."""
+
+SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False}
+"""What a flag added to the signature later was in files measured before it existed."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -707,10 +710,11 @@ def read_resumed(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     for field in SIGNATURE:
         if field == "seeds":
             continue  # more seeds extend the sweep: each case's searches gain seeds
-        if theirs.get(field, "<absent>") != ours[field]:
+        recorded = theirs.get(field, SIGNATURE_BEFORE.get(field, "<absent>"))
+        if recorded != ours[field]:
             raise SweepError(
                 f"argument --resume: {str(path)!r} was measured with {flag_name(field)} "
-                f"{_flag_text(theirs.get(field, '<absent>'))}, not "
+                f"{_flag_text(recorded)}, not "
                 f"{_flag_text(ours[field])}: resume with the same flags")
     return doc
 
@@ -887,6 +891,9 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
         # It would name a file the resumed sweep never writes: it goes on in its own.
         raise SweepError(f"argument --tag: a resumed sweep goes on in the file --resume names "
                          f"({str(args.resume)!r}); leave --tag out")
+    if args.cuda_graphs and device.type != "cuda":
+        raise SweepError(f"argument --cuda-graphs: CUDA graphs need a CUDA device, not "
+                         f"{str(device)!r}")
     if drain <= slo:
         raise SweepError(f"argument --drain-s: must be above --slo-ttft-p99 ({slo:g} s), so "
                          f"that a request cut off by the drain is a certain miss; got {drain:g}")
@@ -983,7 +990,7 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
         for model_name in args.models:
             model_config = preset(model_name, num_layers=args.layers)
             started = time.perf_counter()
-            model = PagedDecoder(model_config, device=device)
+            model = PagedDecoder(model_config, device=device, cuda_graphs=args.cuda_graphs)
             kv_token = model_config.kv_bytes_per_token()
             blocks = pool_blocks(model_config, args.block_size, args.gpu_gib, args.host_gib,
                                  args.disk_gib)
@@ -1177,6 +1184,7 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
     def tick(done: int, _total: int) -> None:
         inner.update(done - inner.n)
 
+    graphs_before = model.decode_graph_statistics()
     try:
         run = run_config(model, key, workload, budgets_for(key, args, blocks),
                          device=state.device, disk_dir=state.disk_dir, args=args,
@@ -1208,6 +1216,13 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         restored_slots=(len(run.cache.recovery.slots)
                         if run.cache.recovery is not None else None),
         prepare_s=prepared.seconds, copy_s=copied, setup_s=setup)
+    graphs_after = model.decode_graph_statistics()
+    if graphs_before is not None and graphs_after is not None:
+        # The whole run's decode-only steps (warm-up included): how many replayed a graph,
+        # how many graphs were captured, and how many ran eagerly.
+        s.update(run_graph_replays=graphs_after.replayed - graphs_before.replayed,
+                 run_graph_captures=graphs_after.captured - graphs_before.captured,
+                 run_graph_eager=graphs_after.eager - graphs_before.eager)
     runs.append(s)
     runs.sort(key=lambda r: (r["seed"], r["capacity_multiple"], r["attempt"]))
     state.measured_here += 1
@@ -1233,6 +1248,9 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         reading = s["run_queued_on_disk_reading_s"] / waited
         tqdm.write(f"    the prefetch window waited on disk {waited:.2f} s of the run, the disk "
                    f"reading in {reading:.0%} of it (warm-up included)")
+    if "run_graph_replays" in s:
+        tqdm.write(f"    decode-only steps of the run: {s['run_graph_replays']} graph replays, "
+                   f"{s['run_graph_captures']} captures, {s['run_graph_eager']} eager")
     if s.get("io_errors"):
         # No injected faults here: every failed transfer is a fault of the disk or a bug,
         # and the point's figure includes the recomputation it cost.

@@ -609,3 +609,30 @@ def test_a_deadline_stops_cleanly_and_keeps_what_was_measured(tmp_path: Path) ->
     assert results["cut_short"] is None and case["search"]["c"]["0"]["done"]
     assert [r["requests_per_s"] for r in case["runs"]["c"]] in (
         pytest.approx([4, 3000]), pytest.approx([4, 4, 3000]))  # a rerun of an unsettled 4/s
+
+
+def test_cuda_graphs_without_cuda_is_one_line(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*TINY, "--cuda-graphs", "--out", str(tmp_path), "--dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--cuda-graphs" in err and "Traceback" not in err, err
+    assert not list(tmp_path.glob("sweep-*.json")), "a refused sweep wrote a results file"
+
+
+def test_a_file_measured_before_cuda_graphs_were_a_flag_resumes_as_eager(
+    tmp_path: Path,
+) -> None:
+    # Files measured before --cuda-graphs joined the signature have no such field: their
+    # points ran the eager pass, so an eager resume is theirs and a graph resume is not.
+    from bench.sweep import SweepError, build_parser, read_resumed, signature
+
+    old = signature(build_parser().parse_args(TINY))
+    del old["cuda_graphs"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"bench": "sweep", "cases": [], "signature": old}))
+    assert read_resumed(path, build_parser().parse_args(TINY))["signature"] == old
+    with pytest.raises(SweepError, match="measured with --cuda-graphs False, not True"):
+        read_resumed(path, build_parser().parse_args([*TINY, "--cuda-graphs"]))
