@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io io-graphs gil io-small profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep
+#   bench/on_gpu.sh tests io io-graphs gil io-small profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab
 # tests: the GPU test files (TESTS_FILES replaces the list).
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
@@ -134,6 +134,18 @@ for step in "$@"; do
         --progress never ${resume:+--resume "$resume"} \
         ${SWEEP_REMEASURE:+--remeasure "$SWEEP_REMEASURE" --remeasure-why "${SWEEP_REMEASURE_WHY:-}"} \
         ${SWEEP_ARGS:-} ;;
+    # One point of the sweep's cell (SWEEP_PRESSURE, SWEEP_HISTORIES as for sweep) at AB_RATE
+    # (a multiple of each call's calibrated capacity, default 1) per configuration of
+    # SWEEP_CONFIGS, the eager pass and then decode graphs (--cuda-graphs) back to back:
+    # whether replaying decode-only steps moves what a configuration sustains there.
+    graphs-ab) for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
+        for how in eager graphs; do flags=(); [ "$how" = graphs ] && flags=(--cuda-graphs)
+        run "ab-$cfg-$how" ${AB_S:-140} python3 -m bench.sweep --machine "$MACHINE" \
+        --dir "$DISK/sweep" --models 70b-class --tag "ab-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" \
+        --histories "${SWEEP_HISTORIES:-4096}" --pressure "${SWEEP_PRESSURE:-3}" --configs "$cfg" \
+        --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" --points 1 --layers 2 \
+        --gpu-gib 0.5 --host-gib 0.5 --block-size 128 --disk-gib 8 --rounds 3 \
+        --duration-s 8 --progress never "${flags[@]}" ${SWEEP_ARGS:-}; done; done ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     # The whole gpu profile runs past one call's 10 minutes on the H200 (its system machine
     # alone did not finish 300 examples in 7.5 minutes): FUZZ_MACHINES=system in one call,
