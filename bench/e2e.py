@@ -53,6 +53,7 @@ from bench.serving import (
     prefill_rate,
     pyplot,
     run_config,
+    step_parts_line,
     summarize,
 )
 from models.config import preset
@@ -200,6 +201,7 @@ def main() -> int:
               f"{s['tokens_computed']:.0f}  [{time.perf_counter() - started:.0f} s]",
               flush=True)
         print(f"    {breakdown_line(s)}", flush=True)
+        print(f"    {step_parts_line(s)}", flush=True)
         # (e) reads inside the cache calls: no read is ever in flight between its steps.
         if key not in SYNCHRONOUS_IO and s["queued_on_disk_s"] > 0:
             print(f"    queued on disk {s['queued_on_disk_s']:.2f} s, disk reading "

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -275,8 +276,33 @@ def summarize(run: RunResult, offered_input_tps: float) -> dict[str, float]:
         "bounced_transfers": bounced_transfers(run),
         "queued_on_disk_s": run.loop.queued_on_disk_seconds,
         "queued_on_disk_reading_s": run.loop.queued_on_disk_reading_seconds,
+        **step_parts_summary(run),
         **breakdown_summary(results),
     }
+
+
+def step_parts_summary(run: RunResult, prefix: str = "") -> dict[str, float]:
+    """Where the run's steps went (models.serving_loop.StepParts), warm-up included: for
+    steps with a prompt chunk (``prefill``) and decode-only steps (``decode``), how many
+    ran (``steps_K``) and each part's mean in ms (``step_K_P_ms``, P: prepare, launch,
+    readback, advance), each key after `prefix`.  A configuration's step time beyond its
+    prefill's compute shows here: launch and the cache calls around the pass are the CPU's
+    time, readback the GPU's."""
+    out: dict[str, float] = {}
+    for kind, parts in (("prefill", run.loop.prefill_steps), ("decode", run.loop.decode_steps)):
+        out[f"{prefix}steps_{kind}"] = parts.steps
+        for name, ms in parts.mean_ms().items():
+            out[f"{prefix}step_{kind}_{name}_ms"] = ms
+    return out
+
+
+def step_parts_line(summary: dict[str, Any], prefix: str = "") -> str:
+    """One printed line of a step_parts_summary."""
+    def kind(name: str) -> str:
+        parts = " + ".join(f"{part} {summary[f'{prefix}step_{name}_{part}_ms']:.2f}"
+                           for part in ("prepare", "launch", "readback", "advance"))
+        return f"{summary[f'{prefix}steps_{name}']:.0f} {name} steps, mean ms {parts}"
+    return f"steps of the run: {kind('prefill')}; {kind('decode')}"
 
 
 
@@ -347,6 +373,7 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
         # run, warm-up included (the loop samples it once a step, not per window).
         "run_queued_on_disk_s": run.loop.queued_on_disk_seconds,
         "run_queued_on_disk_reading_s": run.loop.queued_on_disk_reading_seconds,
+        **step_parts_summary(run, "run_"),
         **breakdown_summary(measured),
     }
 

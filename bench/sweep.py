@@ -141,6 +141,7 @@ from bench.serving import (
     recompute_capacity,
     run_config,
     steady_summary,
+    step_parts_line,
     window_ttfts,
 )
 from statekv.errors import UsageError
@@ -1248,6 +1249,8 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         reading = s["run_queued_on_disk_reading_s"] / waited
         tqdm.write(f"    the prefetch window waited on disk {waited:.2f} s of the run, the disk "
                    f"reading in {reading:.0%} of it (warm-up included)")
+    if "run_steps_prefill" in s:
+        tqdm.write("    " + step_parts_line(s, "run_"))
     if "run_graph_replays" in s:
         tqdm.write(f"    decode-only steps of the run: {s['run_graph_replays']} graph replays, "
                    f"{s['run_graph_captures']} captures, {s['run_graph_eager']} eager")

@@ -245,6 +245,55 @@ STEP_SECONDS_KEPT: Final = 100_000
 
 
 @attrs.frozen(kw_only=True)
+class StepParts:
+    """Where the loop's steps of one kind went since it started: wall seconds summed over
+    those steps, in the order a step runs them.  A step's time between its parts' sum and its
+    wall time is nil: the parts are timed back to back."""
+
+    steps: int
+    """Steps of this kind that ran a forward pass."""
+    prepare_seconds: float
+    """Admission, prefetch, un-parking and scheduling: the loop's cache calls and Python
+    before the pass."""
+    launch_seconds: float
+    """Queuing the forward pass (``PagedDecoder.forward`` until it returns): on a GPU, the
+    CPU's launches, not the GPU's work."""
+    readback_seconds: float
+    """Waiting for the logits: the GPU finishing the pass (and whatever it was ordered
+    behind), or on a CPU nothing."""
+    advance_seconds: float
+    """Committing the step's tokens: the loop's cache calls and Python after the pass."""
+
+    def mean_ms(self) -> dict[str, float]:
+        """Each part's mean over the steps, in milliseconds (NaN without steps)."""
+        n = self.steps
+        return {name: (getattr(self, f"{name}_seconds") / n * 1e3 if n else float("nan"))
+                for name in ("prepare", "launch", "readback", "advance")}
+
+
+class _StepAccount:
+    """A mutable StepParts being summed."""
+
+    __slots__ = ("advance", "launch", "prepare", "readback", "steps")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.prepare = self.launch = self.readback = self.advance = 0.0
+
+    def add(self, prepare: float, launch: float, readback: float, advance: float) -> None:
+        self.steps += 1
+        self.prepare += prepare
+        self.launch += launch
+        self.readback += readback
+        self.advance += advance
+
+    def frozen(self) -> StepParts:
+        return StepParts(steps=self.steps, prepare_seconds=self.prepare,
+                         launch_seconds=self.launch, readback_seconds=self.readback,
+                         advance_seconds=self.advance)
+
+
+@attrs.frozen(kw_only=True)
 class LoopStatistics:
     steps: int
     forward_tokens: int
@@ -262,6 +311,11 @@ class LoopStatistics:
     queued_on_disk_reading_seconds: float
     """Of queued_on_disk_seconds, the time the cache had disk reads in flight (the reader
     pool had work).  Their ratio is how busy prefetch kept the disk while requests waited."""
+    decode_steps: StepParts
+    """Where the steps that carried only decodes went."""
+    prefill_steps: StepParts
+    """Where the steps that carried a prompt chunk (with or without decodes) went: at
+    saturation nearly every step, since a request is always waiting for its prefill."""
 
 
 class ServingLoop:
@@ -325,6 +379,8 @@ class ServingLoop:
         self._decode_tokens = 0
         # Bounded: a server steps forever.
         self._step_seconds: deque[float] = deque(maxlen=STEP_SECONDS_KEPT)
+        self._decode_steps = _StepAccount()
+        self._prefill_steps = _StepAccount()
 
     def now(self) -> float:
         """Seconds since the loop started."""
@@ -380,6 +436,8 @@ class ServingLoop:
             step_seconds=tuple(self._step_seconds),
             queued_on_disk_seconds=self._queued_on_disk_seconds,
             queued_on_disk_reading_seconds=self._queued_on_disk_reading_seconds,
+            decode_steps=self._decode_steps.frozen(),
+            prefill_steps=self._prefill_steps.frozen(),
         )
 
     # ------------------------------------------------------------------ one step
@@ -387,7 +445,8 @@ class ServingLoop:
     def step(self) -> list[RequestResult]:
         """Admit, un-park, run one batch; returns the requests that finished."""
         self._steps += 1
-        now = self.now()
+        began = self._clock()
+        now = began - self._start
         self._charge_queue_sample(now)
         self._admit(now)
         self._prefetch_queue(now)
@@ -398,8 +457,14 @@ class ServingLoop:
         contexts = [run.computed + n for run, n in plan if run.computed < len(run.req.prompt)]
         started = self._clock()
         logits = self._forward(plan)
-        finished = self._advance(plan, logits, started - self._start)
-        seconds = self._clock() - started
+        launched = self._clock()
+        tokens = greedy(logits)  # waits for the logits: the pass is over
+        read = self._clock()
+        finished = self._advance(plan, logits, tokens, started - self._start)
+        ended = self._clock()
+        seconds = ended - started
+        (self._prefill_steps if contexts else self._decode_steps).add(
+            started - began, launched - started, read - launched, ended - read)
         self._step_seconds.append(seconds)
         if contexts and seconds > 0:
             self.cache.report_prefill(sum(n for _run, n in plan), seconds,
@@ -566,8 +631,7 @@ class ServingLoop:
         return self.model.forward(pool, chunks).last_logits
 
     def _advance(self, plan: list[tuple[_Running, int]], logits: torch.Tensor,
-                 forward_started: float) -> list[RequestResult]:
-        tokens = greedy(logits)  # waits for the logits: the pass is over
+                 tokens: list[int], forward_started: float) -> list[RequestResult]:
         finished: list[RequestResult] = []
         cache = self.cache
         now = self.now()
