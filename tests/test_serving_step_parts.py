@@ -77,9 +77,9 @@ def test_each_step_is_one_kind_and_its_parts_are_what_the_loop_spent(tmp_path: P
         # Two requests of 9 prompt tokens and 4 new tokens each, the second arriving while
         # the first decodes: one prefill step alone, one mixed (a decode beside the second's
         # prefill), then decode-only steps.
-        loop.submit(ServeRequest(request_id="a", prompt=list(range(9)), max_new_tokens=4))
+        loop.submit(ServeRequest(request_id="a", prompt=tuple(range(9)), max_new_tokens=4))
         loop.step()
-        loop.submit(ServeRequest(request_id="b", prompt=list(range(20, 29)),
+        loop.submit(ServeRequest(request_id="b", prompt=tuple(range(20, 29)),
                                  max_new_tokens=4))
         while not loop.idle:
             loop.step()
@@ -107,7 +107,8 @@ def test_a_loop_with_no_steps_has_no_means() -> None:
 
 
 def test_the_printed_line_names_both_kinds() -> None:
-    summary = {f"run_steps_{k}": n for k, n in (("prefill", 7), ("decode", 3))}
+    summary: dict[str, float] = {f"run_steps_{k}": n for k, n in (("prefill", 7),
+                                                                   ("decode", 3))}
     summary |= {f"run_step_{k}_{p}_ms": 1.5 for k in ("prefill", "decode")
                 for p in ("prepare", "launch", "readback", "advance")}
     line = step_parts_line(summary, "run_")
