@@ -247,8 +247,9 @@ STEP_SECONDS_KEPT: Final = 100_000
 @attrs.frozen(kw_only=True)
 class StepParts:
     """Where the loop's steps of one kind went since it started: wall seconds summed over
-    those steps, in the order a step runs them.  A step's time between its parts' sum and its
-    wall time is nil: the parts are timed back to back."""
+    those steps (the ones that ran a forward pass), in the order a step runs them.  The
+    parts are timed back to back by the loop's clock, so together they are the steps' whole
+    wall time."""
 
     steps: int
     """Steps of this kind that ran a forward pass."""
