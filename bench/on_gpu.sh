@@ -42,6 +42,16 @@ fi
 echo "machine: $MACHINE"
 DISK=${DISK:-/tmp/statekv-disk}
 mkdir -p "$DISK"
+# A sweep cell's shape, as the sweep and graphs-ab steps run it.  2 layers of 70B-class (8 KiB
+# of KV per token) with 0.5 GiB pools and 128-token (1 MiB) blocks hold the same tokens and
+# move the same block size as 4 layers with 1 GiB and 64-token blocks, at twice the request
+# rate: twice the requests per second of device time.
+SWEEP_MODELS=${SWEEP_MODELS:-70b-class}
+cell_flags=(--models "$SWEEP_MODELS" --histories "${SWEEP_HISTORIES:-4096}"
+    --pressure "${SWEEP_PRESSURE:-3}" --layers "${SWEEP_LAYERS:-2}"
+    --gpu-gib "${SWEEP_POOL_GIB:-0.5}" --host-gib "${SWEEP_POOL_GIB:-0.5}"
+    --block-size "${SWEEP_BLOCK:-128}" --disk-gib "${SWEEP_DISK_GIB:-8}" --rounds 3
+    --duration-s 8 --progress never)
 sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
 run() {  # name, seconds allowed, command...
     local name=$1 limit=$2; shift 2
@@ -110,42 +120,32 @@ for step in "$@"; do
     demo) run demo 60 python3 -m models.demo --device cuda --users 16 --rounds 4 ;;
     e2e) run e2e ${E2E_S:-200} python3 -m bench.e2e --machine "$MACHINE" --dir "$DISK/e2e" --write \
         ${E2E_ARGS:-} ;;
-    sweep) SWEEP_MODELS=${SWEEP_MODELS:-70b-class}
-        cell="${SWEEP_MODELS//,/-}-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}"
+    sweep) cell="${SWEEP_MODELS//,/-}-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}"
         cell=${cell//,/-}
         resume=${SWEEP_RESUME:-}
         if [ "$resume" = auto ]; then
             resume=$(ls -t bench/results/sweep-"$MACHINE"-*-"$cell".json 2>/dev/null | head -1)
             echo "SWEEP_RESUME=auto: ${resume:-no file of cell $cell, starting afresh}"
         fi
-        # 2 layers of 70B-class (8 KiB of KV per token) with 0.5 GiB pools and 128-token
-        # (1 MiB) blocks hold the same tokens and move the same block size as 4 layers with
-        # 1 GiB and 64-token blocks, at twice the request rate: twice the requests per second
-        # of device time.
         # A resumed sweep goes on in its own file: --tag only for a new one.
         tag=(--tag "$cell"); [ -n "$resume" ] && tag=()
         run sweep ${SWEEP_S:-560} python3 -m bench.sweep --machine "$MACHINE" --dir "$DISK/sweep" \
-        --models "$SWEEP_MODELS" ${tag[@]+"${tag[@]}"} --histories "${SWEEP_HISTORIES:-4096}" \
-        --pressure "${SWEEP_PRESSURE:-3}" --configs "${SWEEP_CONFIGS:-cd}" \
-        --seeds "${SWEEP_SEEDS:-3}" ${SWEEP_RATES:+--rates "$SWEEP_RATES"} \
-        --layers "${SWEEP_LAYERS:-2}" --gpu-gib "${SWEEP_POOL_GIB:-0.5}" \
-        --host-gib "${SWEEP_POOL_GIB:-0.5}" --block-size "${SWEEP_BLOCK:-128}" \
-        --disk-gib "${SWEEP_DISK_GIB:-8}" --rounds 3 --duration-s 8 --deadline-s 530 \
-        --progress never ${resume:+--resume "$resume"} \
+        "${cell_flags[@]}" ${tag[@]+"${tag[@]}"} --configs "${SWEEP_CONFIGS:-cd}" \
+        --seeds "${SWEEP_SEEDS:-3}" ${SWEEP_RATES:+--rates "$SWEEP_RATES"} --deadline-s 530 \
+        ${resume:+--resume "$resume"} \
         ${SWEEP_REMEASURE:+--remeasure "$SWEEP_REMEASURE" --remeasure-why "${SWEEP_REMEASURE_WHY:-}"} \
         ${SWEEP_ARGS:-} ;;
-    # One point of the sweep's cell (SWEEP_PRESSURE, SWEEP_HISTORIES as for sweep) at AB_RATE
+    # One point of the sweep's cell (the SWEEP_* shape as for sweep) at AB_RATE
     # (a multiple of each call's calibrated capacity, default 1) per configuration of
     # SWEEP_CONFIGS, the eager pass and then decode graphs (--cuda-graphs) back to back:
     # whether replaying decode-only steps moves what a configuration sustains there.
     graphs-ab) for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
         for how in eager graphs; do flags=(); [ "$how" = graphs ] && flags=(--cuda-graphs)
         run "ab-$cfg-$how" ${AB_S:-140} python3 -m bench.sweep --machine "$MACHINE" \
-        --dir "$DISK/sweep" --models 70b-class --tag "ab-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" \
-        --histories "${SWEEP_HISTORIES:-4096}" --pressure "${SWEEP_PRESSURE:-3}" --configs "$cfg" \
-        --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" --points 1 --layers 2 \
-        --gpu-gib 0.5 --host-gib 0.5 --block-size 128 --disk-gib 8 --rounds 3 \
-        --duration-s 8 --progress never "${flags[@]}" ${SWEEP_ARGS:-}; done; done ;;
+        --dir "$DISK/sweep" "${cell_flags[@]}" \
+        --tag "ab-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" --configs "$cfg" \
+        --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" --points 1 \
+        "${flags[@]}" ${SWEEP_ARGS:-}; done; done ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     # The whole gpu profile runs past one call's 10 minutes on the H200 (its system machine
     # alone did not finish 300 examples in 7.5 minutes): FUZZ_MACHINES=system in one call,

@@ -305,7 +305,6 @@ def step_parts_line(summary: dict[str, Any], prefix: str = "") -> str:
     return f"steps of the run: {kind('prefill')}; {kind('decode')}"
 
 
-
 def window_ttfts(run: RunResult, start: float) -> list[float]:
     """TTFTs, ascending, of the requests that arrived at or after `start`: one that had no
     first token when the run stopped counts with the time it had waited (a lower bound)."""
