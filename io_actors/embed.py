@@ -29,7 +29,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractContextManager, asynccontextmanager, suppress
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
@@ -243,6 +243,14 @@ class CacheAPI:
         """Disk reads (onboards and prefetches) the cache waits for: the readers' work."""
         return self._scheduler.disk_reads_in_flight()
 
+    def foreground(self) -> AbstractContextManager[None]:
+        """Hold it while the serving thread works -- its scheduling, its cache calls, the
+        launch of its forward pass -- and let go while it waits for the GPU: the cache's
+        threads run their Python in those waits, not in the hand-overs of the serving
+        thread's torch calls (io_actors.actors.foreground).  Waits are bounded, so holding
+        it too long only delays the cache's disk work."""
+        return self._scheduler.foreground.held()
+
     def statistics(self) -> SystemStatistics:
         return self._scheduler.statistics()
 
@@ -365,14 +373,15 @@ async def open_cache(
             writer = WriterPool(
                 store, pools.host_page, checksums=pools.host_checksums, workers=config.writers,
                 queue_depth=config.write_queue_depth, gate=gate,
-                report=scheduler.report_completion,
+                report=scheduler.report_completion, foreground=scheduler.foreground,
             )
             reader = ReaderPool(
                 store, pools.gpu_page, new_staging=pools.new_staging_buffer, device=device,
                 batch_blocks=core_config.max_batch_blocks, workers=config.readers,
                 queue_depth=max(1, core_config.gpu_blocks + core_config.host_blocks
                                 + core_config.reserved_host_blocks),
-                gate=gate, report=scheduler.report_completion, host_page=pools.host_page,
+                gate=gate, report=scheduler.report_completion,
+                foreground=scheduler.foreground, host_page=pools.host_page,
                 checksums=pools.host_checksums, measured=scheduler.report_disk_read,
             )
         cache = AsyncCache(scheduler, pools)

@@ -79,6 +79,7 @@ def run_workload(
     stop_at: float | None = None,
     keep_disk_dir: bool = False,
     after_step: Callable[[BlockingCache], None] | None = None,
+    hold_foreground: bool | None = None,
 ) -> RunResult:
     """Serve every request of `workload`; closed-loop workloads get their answers back.
 
@@ -94,6 +95,7 @@ def run_workload(
     removed after the run).
     `after_step` is called with the cache after every serving step: a test that checks
     what the tiers hold (not how the loop races them) lets transfers land there first.
+    `hold_foreground` is the serving loop's (None: on a GPU).
     """
     if disk_dir is not None:
         disk_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +122,8 @@ def run_workload(
         with BlockingCache(config, trace=trace, synchronous_io=synchronous_io) as cache:
             loop = ServingLoop(model, cache, max_step_tokens=max_step_tokens,
                                prefill_chunk=prefill_chunk, max_running=max_running,
-                               batch_invariant=batch_invariant, prefetch_ahead=prefetch_ahead)
+                               batch_invariant=batch_invariant, prefetch_ahead=prefetch_ahead,
+                               hold_foreground=hold_foreground)
             started = time.perf_counter()
             while not (workload.done() and loop.idle):
                 if stop_at is not None and loop.now() >= stop_at:

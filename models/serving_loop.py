@@ -30,10 +30,16 @@ read their disk blocks into host pages while they wait (``prefetch``), so that a
 is a host -> GPU copy instead of a parked disk read; a request cancelled while it waits gives
 its pages back.  Every forward pass that prefilled reports its tokens and time
 (``report_prefill``): the estimate cost-aware onboarding weighs disk reads against.
+
+On a GPU the loop holds the cache's *foreground* (``Cache.foreground``) while it works --
+from the step's start to the end of the forward pass's launch, and while it commits -- and
+lets go while it waits for the logits: the cache's threads run their Python in that wait
+instead of taking the interpreter lock at each of the launch's torch calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -88,6 +94,8 @@ class Cache(Protocol):
     def prefetch(self, request_id: str, token_ids: Sequence[int], *,
                  cache_salt: str | None = ..., lora_id: int | None = ...
                  ) -> PrefetchStarted: ...
+
+    def foreground(self) -> contextlib.AbstractContextManager[None]: ...
 
     def report_prefill(self, num_tokens: int, seconds: float, *,
                        context_tokens: int) -> None: ...
@@ -335,6 +343,7 @@ class ServingLoop:
         ready_everywhere: Callable[[list[str]], set[str]] | None = None,
         on_token: Callable[[str, int, TokenLogprob | None], None] | None = None,
         prefetch_ahead: int = 0,
+        hold_foreground: bool | None = None,
     ) -> None:
         for field, value in (("max_step_tokens", max_step_tokens),
                              ("prefill_chunk", prefill_chunk), ("max_running", max_running)):
@@ -344,8 +353,16 @@ class ServingLoop:
                 or prefetch_ahead < 0:
             raise UsageError("prefetch_ahead",
                              f"must be an integer >= 0, got {prefetch_ahead!r}")
+        if hold_foreground is not None and not isinstance(hold_foreground, bool):
+            raise UsageError("hold_foreground",
+                             f"must be True, False or None, got {hold_foreground!r}")
         self.prefetch_ahead = prefetch_ahead
         """How many arrived requests at the head of the waiting queue prefetch (0: none)."""
+        self.hold_foreground = (cache.kv_pool.device.type == "cuda" if hold_foreground is None
+                                else hold_foreground)
+        """Whether each step holds the cache's foreground while it works (None: on a GPU,
+        where the step waits for the device and the cache's threads can have that wait; on
+        a CPU the pass is the CPU's work and there is no wait to give them)."""
         self.model = model
         self.cache = cache
         self.max_step_tokens = max_step_tokens
@@ -448,20 +465,23 @@ class ServingLoop:
         self._steps += 1
         began = self._clock()
         now = began - self._start
-        self._charge_queue_sample(now)
-        self._admit(now)
-        self._prefetch_queue(now)
-        self._unpark(now)
-        plan = self._schedule()
-        if not plan:
-            return []
-        contexts = [run.computed + n for run, n in plan if run.computed < len(run.req.prompt)]
-        started = self._clock()
-        logits = self._forward(plan)
-        launched = self._clock()
+        with self._foreground():
+            self._charge_queue_sample(now)
+            self._admit(now)
+            self._prefetch_queue(now)
+            self._unpark(now)
+            plan = self._schedule()
+            if not plan:
+                return []
+            contexts = [run.computed + n for run, n in plan
+                        if run.computed < len(run.req.prompt)]
+            started = self._clock()
+            logits = self._forward(plan)
+            launched = self._clock()
         tokens = greedy(logits)  # waits for the logits: the pass is over
         read = self._clock()
-        finished = self._advance(plan, logits, tokens, started - self._start)
+        with self._foreground():
+            finished = self._advance(plan, logits, tokens, started - self._start)
         ended = self._clock()
         seconds = ended - started
         (self._prefill_steps if contexts else self._decode_steps).add(
@@ -471,6 +491,9 @@ class ServingLoop:
             self.cache.report_prefill(sum(n for _run, n in plan), seconds,
                                       context_tokens=max(contexts))
         return finished
+
+    def _foreground(self) -> contextlib.AbstractContextManager[None]:
+        return self.cache.foreground() if self.hold_foreground else contextlib.nullcontext()
 
     def _prefetch_queue(self, now: float) -> None:
         """The first `prefetch_ahead` arrived waiting requests ask for their disk blocks;

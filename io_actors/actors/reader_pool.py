@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import torch
 
+from io_actors.actors.foreground import Foreground
 from io_actors.actors.gate import CompletionGate
 from io_actors.actors.worker_threads import WorkerThreads
 from io_actors.memory.host_checksums import HostChecksums
@@ -179,6 +180,7 @@ class ReaderPool(WorkerThreads[ReadJob]):
         queue_depth: int,
         gate: CompletionGate,
         report: Callable[[Completion], Awaitable[None]],
+        foreground: Foreground | None = None,
         host_page: Callable[[PageId], torch.Tensor] | None = None,
         checksums: HostChecksums | None = None,
         measured: Measured | None = None,
@@ -189,5 +191,5 @@ class ReaderPool(WorkerThreads[ReadJob]):
                 store, gpu_page, new_staging, device, batch_blocks, host_page=host_page,
                 checksums=checksums, measured=measured,
             ),
-            gate=gate, report=report,
+            gate=gate, report=report, foreground=foreground,
         )

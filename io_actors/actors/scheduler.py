@@ -39,6 +39,7 @@ import attrs
 import torch
 import trio
 
+from io_actors.actors.foreground import Foreground, ForegroundStatistics
 from io_actors.actors.reader_pool import ReaderPool, ReadJob, SlotReader
 from io_actors.actors.worker_threads import PoolStatistics
 from io_actors.actors.writer_pool import SlotWriter, WriteJob, WriterPool
@@ -124,6 +125,9 @@ class SystemStatistics:
     without a shared tier)."""
     fetcher: dict[str, int] | None = None
     """The shared tier's fetcher: lookups, blocks found, fetched, failed by status."""
+    foreground: ForegroundStatistics | None = None
+    """How often the serving thread held the foreground and the cache's threads waited
+    their turn (io_actors.actors.foreground)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -227,6 +231,9 @@ class Scheduler:
         self._store = store
         self._clock: Callable[[], float] = clock or WallClock()
         self._lock = threading.Lock()
+        self.foreground = Foreground()
+        """Held by the serving thread while it works; the trio thread and the pools' threads
+        wait their turn before their Python (io_actors.actors.foreground)."""
         self._handover: collections.deque[WriteJob | ReadJob] = collections.deque()
         self._spill_backlog: collections.deque[WriteJob] = collections.deque()
         """The backlog's first job while the spill feeder waits in the writer's submit():
@@ -375,6 +382,7 @@ class Scheduler:
             retention_backlog=self._retention_backlog(),
             publisher=self._remote.publisher.statistics() if self._remote else None,
             fetcher=self._remote.fetcher.statistics() if self._remote else None,
+            foreground=self.foreground.statistics(),
         )
 
     def _retention_backlog(self) -> int:
@@ -662,6 +670,7 @@ class Scheduler:
 
     def _pump(self) -> None:
         """Trio thread: move handed-over disk work into the pools."""
+        self.foreground.wait_turn()  # blocks the trio thread, holding nothing: bounded
         with self._lock:
             self._wake_pending = False
             jobs = list(self._handover)
@@ -737,6 +746,7 @@ class Scheduler:
 
     async def _apply_completions(self) -> None:
         async for completion in self._completions_recv:
+            self.foreground.wait_turn()  # blocks the trio thread, holding nothing: bounded
             with self._lock:
                 for outcome in outcomes(completion):
                     # A fetch has no slot.

@@ -27,6 +27,7 @@ from typing import Generic, Protocol, TypeVar
 import attrs
 import trio
 
+from io_actors.actors.foreground import Foreground
 from io_actors.actors.gate import CompletionGate
 from statekv.messages import Completion, SlotReadFailed, SlotWriteFailed, outcomes
 
@@ -76,7 +77,9 @@ class WorkerThreads(Generic[JobT]):
 
     `submit` waits while the queue is full (the caller feels the backpressure);
     `submit_nowait` raises trio.WouldBlock instead.  Each completion passes the gate, then
-    goes to `report` (the scheduler).
+    goes to `report` (the scheduler).  With a `foreground`, a thread waits its turn before
+    it starts a job and before it reports one: the Python around the I/O runs while the
+    serving thread waits for its GPU (io_actors.actors.foreground).
     """
 
     def __init__(
@@ -88,8 +91,10 @@ class WorkerThreads(Generic[JobT]):
         make_worker: Callable[[int], Worker[JobT]],
         gate: CompletionGate,
         report: Callable[[Completion], Awaitable[None]],
+        foreground: Foreground | None = None,
     ) -> None:
         self.name = name
+        self._foreground = foreground
         self.workers = workers
         self._make_worker = make_worker
         self._gate = gate
@@ -195,11 +200,14 @@ class WorkerThreads(Generic[JobT]):
             log.exception("%s worker %d could not start", self.name, index)
             token.run_sync_soon(self._thread_exited)
             raise
+        wait_turn = self._foreground.wait_turn if self._foreground is not None else None
         try:
             while True:
                 job = self._queue.get()
                 if job is None:
                     return
+                if wait_turn is not None:
+                    wait_turn()
                 try:
                     result: Completion | _Crash = worker.execute(job)
                 except BaseException as exc:
@@ -208,6 +216,9 @@ class WorkerThreads(Generic[JobT]):
                     # never reports back.
                     log.exception("%s worker %d crashed on %r", self.name, index, job)
                     result = _Crash(exc)
+                if wait_turn is not None:
+                    # The report wakes the trio thread, which applies it to the core.
+                    wait_turn()
                 token.run_sync_soon(self._results_send.send_nowait, result)
         finally:
             try:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import torch
 
+from io_actors.actors.foreground import Foreground
 from io_actors.actors.gate import CompletionGate
 from io_actors.actors.worker_threads import WorkerThreads
 from io_actors.memory.host_checksums import HostChecksums
@@ -106,9 +107,10 @@ class WriterPool(WorkerThreads[WriteJob]):
         queue_depth: int,
         gate: CompletionGate,
         report: Callable[[Completion], Awaitable[None]],
+        foreground: Foreground | None = None,
     ) -> None:
         super().__init__(
             "writer", workers=workers, queue_depth=queue_depth,
             make_worker=lambda _index: SlotWriter(store, host_page, checksums),
-            gate=gate, report=report,
+            gate=gate, report=report, foreground=foreground,
         )
