@@ -39,7 +39,7 @@ from bench.flags import (
     positive_number,
 )
 from bench.plots import load_results
-from bench.results_files import source_commit
+from bench.results_files import machine_name, source_commit
 from bench.serving import (
     CONFIGS,
     NAMES,
@@ -146,6 +146,8 @@ def main() -> int:
     from io_actors.embed import resolve_device
 
     device = resolve_device(args.device)
+    if args.machine is None:
+        args.machine = machine_name(device)
     if args.cuda_graphs and device.type != "cuda":
         p.error(f"argument --cuda-graphs: CUDA graphs need a CUDA device, not {str(device)!r}")
     model_config = preset(args.model, num_layers=args.layers)
@@ -208,13 +210,15 @@ def main() -> int:
                   f"{s['queued_on_disk_reading_s'] / s['queued_on_disk_s']:.0%} of it",
                   flush=True)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    today = dt.date.today()
-    png = args.out / f"e2e-{args.machine}-{today:%Y%m%d}.png"
-    if plot({"bench": "e2e", "machine": args.machine, "date": today.isoformat(),
-             "commit": source_commit(), "summaries": summaries}, png):
-        print(f"wrote {png}")
     if args.write:
+        # Only a run asked to write leaves files (a run without --write once left a plot
+        # in bench/results/ under another machine's name).
+        args.out.mkdir(parents=True, exist_ok=True)
+        today = dt.date.today()
+        png = args.out / f"e2e-{args.machine}-{today:%Y%m%d}.png"
+        if plot({"bench": "e2e", "machine": args.machine, "date": today.isoformat(),
+                 "commit": source_commit(), "summaries": summaries}, png):
+            print(f"wrote {png}")
         figures: dict[str, dict[str, object]] = {}
         if "c" in summaries and "d" in summaries:
             ratio = summaries["d"]["ttft_p50_s"] / summaries["c"]["ttft_p50_s"]

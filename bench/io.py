@@ -62,6 +62,7 @@ from bench.flags import (
     shape_preset,
 )
 from bench.results_files import source_commit, write_new_results
+from bench.serving import FOREGROUND
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
 from io_actors.memory.pools import KVPools, TorchCopyEngine
@@ -439,12 +440,14 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             timed_model = _TimedCalls(model)
             loop = ServingLoop(cast(PagedDecoder, timed_model), cast(BlockingCache, timed_cache),
                                max_step_tokens=4096, prefill_chunk=512,
-                               max_running=args.decoders)
+                               max_running=args.decoders,
+                               hold_foreground=FOREGROUND[args.foreground])
             _submit_decoders(loop, args, "d")
             while loop.statistics().decode_tokens == 0:  # prefill is not what we time
                 loop.step()
             graphs_before = model.decode_graph_statistics()
-            before = cache.statistics().cache
+            before_all = cache.statistics()
+            before = before_all.cache
             iterations: list[float] = []
             steps: list[float] = []
             parts: dict[str, list[float]] = {"cache_calls": [], "forward_launch": []}
@@ -478,7 +481,15 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                 result[f"{phase}_trio_lock_hold_p99_ms"] = _percentile(holds, 99) * 1e3
                 result[f"{phase}_trio_lock_hold_max_ms"] = max(holds) * 1e3
                 result[f"{phase}_trio_lock_held_share"] = sum(holds) / sum(iterations)
-            after = cache.statistics().cache
+            after_all = cache.statistics()
+            after = after_all.cache
+            fg_before, fg_after = before_all.foreground, after_all.foreground
+            if fg_before is not None and fg_after is not None:
+                # How often the cache's threads waited for the serving thread to let go of
+                # the foreground, and how many of those waits ran out.
+                result[f"{phase}_foreground_holds"] = fg_after.holds - fg_before.holds
+                result[f"{phase}_foreground_yields"] = fg_after.yields - fg_before.yields
+                result[f"{phase}_foreground_timeouts"] = fg_after.timeouts - fg_before.timeouts
             graphs_after = model.decode_graph_statistics()
             if graphs_before is not None and graphs_after is not None:
                 # How the timed steps ran: replays of graphs captured before them, or not.
@@ -723,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-interval-ms", type=positive_number, default=None,
                         help="the interpreter's thread switch interval for the whole run "
                              "(sys.setswitchinterval; Python's own is 5 ms)")
+    parser.add_argument("--foreground", choices=tuple(FOREGROUND), default="auto",
+                        help="latency phase: whether the serving loop holds the cache's "
+                             "foreground while it works (auto: on a GPU); for an A/B")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the model replays decode-only steps from CUDA graphs "
                              "(PagedDecoder(cuda_graphs=True); CUDA only)")
@@ -779,6 +793,11 @@ def main(argv: list[str] | None = None) -> int:
                       f" / p99 {latency[f'{phase}_trio_lock_hold_p99_ms']:.3f} / max "
                       f"{latency[f'{phase}_trio_lock_hold_max_ms']:.3f} ms a time, "
                       f"{latency[f'{phase}_trio_lock_held_share']:.1%} of the run")
+        if latency.get("saturated_foreground_holds"):
+            print(f"foreground held {latency['saturated_foreground_holds']:.0f} times while "
+                  f"saturated; the cache's threads waited their turn "
+                  f"{latency['saturated_foreground_yields']:.0f} times, "
+                  f"{latency['saturated_foreground_timeouts']:.0f} of them for the whole bound")
         if "idle_graph_replays" in latency:
             print("decode steps timed as graph replays: " + ", ".join(
                 f"{phase} {latency[f'{phase}_graph_replays']:.0f} "
@@ -816,6 +835,11 @@ def main(argv: list[str] | None = None) -> int:
                     "value": round(latency["saturated_lock_wait_per_step_p99_ms"], 4),
                     "unit": "ms",
                     **{key: round(value, 4) for key, value in latency.items() if "lock" in key},
+                }
+            if "saturated_foreground_holds" in latency:
+                figures["foreground"] = {
+                    "value": int(latency["saturated_foreground_yields"]), "unit": "waits",
+                    **{key: int(value) for key, value in latency.items() if "foreground" in key},
                 }
             if "idle_graph_replays" in latency:
                 figures["decode_graph_steps"] = {

@@ -41,3 +41,20 @@ def source_commit() -> str:
         return named
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=False, cwd=RESULTS.parent.parent).stdout.strip()
+
+
+def machine_name(device: Any = None) -> str:
+    """The machine a results file names when its bench was not told (``--machine``): ``h100``
+    or ``h200`` from the CUDA device the run uses, else ``cpu``.  A fixed default once
+    labelled runs of another machine."""
+    import torch
+
+    if device is not None and torch.device(device).type != "cuda":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    for known in ("H100", "H200"):
+        if known in name:
+            return known.lower()
+    return "".join(c for c in name.lower() if c.isalnum())[:32] or "gpu"

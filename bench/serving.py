@@ -36,6 +36,8 @@ NAMES = {
 }
 SYNCHRONOUS_IO = "e"
 """The configurations whose disk reads and writes run inside the cache calls."""
+FOREGROUND: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+"""--foreground: ServingLoop's hold_foreground."""
 RESERVED_HOST_BLOCKS = 64
 """Host pages kept free for disk reads in (d) and (e)."""
 
@@ -83,8 +85,15 @@ def add_run_flags(p: argparse.ArgumentParser, *, layers: int) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode-only steps from CUDA graphs (PagedDecoder(cuda_graphs="
                         "True); CUDA only): the serving loop's steps that carry no prefill")
+    p.add_argument("--foreground", choices=tuple(FOREGROUND), default="auto",
+                   help="whether the serving thread holds the cache's foreground while it "
+                        "works, so that the cache's threads run their Python while it waits "
+                        "for the pass (ServingLoop's hold_foreground; auto: on a GPU); for "
+                        "an A/B")
     p.add_argument("--dir", type=Path, default=None, help="disk tier directory")
-    p.add_argument("--machine", default="h200", help="machine name in the results file")
+    p.add_argument("--machine", default=None,
+                   help="machine name in the results file (default: h100 or h200 from the "
+                        "GPU found, else cpu)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
 
 
@@ -193,6 +202,7 @@ def run_config(model: PagedDecoder, key: str,
         cost_aware_onboarding=not args.no_cost_aware,
         reclaim_prefetched_first=args.reclaim_prefetched == "first",
         progress=progress, total=chat.total_requests, stop_at=stop_at,
+        hold_foreground=FOREGROUND[args.foreground],
     )
 
 

@@ -124,7 +124,7 @@ from bench.flags import (
     shape_preset,
 )
 from bench.plots import load_results
-from bench.results_files import source_commit
+from bench.results_files import machine_name, source_commit
 from bench.serving import (
     CONFIGS,
     NAMES,
@@ -574,11 +574,11 @@ SIGNATURE: Final = (
     "slo_ttft_p99", "pressure", "layers", "users", "rounds", "system_tokens",
     "question_tokens", "answer_tokens", "block_size", "gpu_gib", "host_gib", "disk_gib",
     "readers", "writers", "configs", "prefetch_ahead", "reclaim_prefetched",
-    "no_cost_aware", "machine", "cuda_graphs",
+    "no_cost_aware", "machine", "cuda_graphs", "foreground",
 )
 """The flags a resumed sweep must share with the file it resumes: what a point measures."""
 
-SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False}
+SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False, "foreground": "off"}
 """What a flag added to the signature later was in files measured before it existed."""
 
 
@@ -873,6 +873,8 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
 
     began = time.perf_counter()
     device = resolve_device(args.device)
+    if args.machine is None:
+        args.machine = machine_name(device)
     today = dt.date.today()
     slo: float = args.slo_ttft_p99
     drain: float = args.drain_s if args.drain_s is not None else 2 * slo

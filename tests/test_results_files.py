@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import results_files
 
@@ -27,3 +28,11 @@ def test_a_second_run_of_the_day_gets_a_file_of_its_own(
     stem = "io-h100-20261205" + (f"-{tag}" if tag else "")
     assert first.name == f"{stem}.json"
     assert second.name == f"{stem}-2.json"
+
+
+def test_a_run_on_the_cpu_is_named_cpu_whatever_gpu_the_machine_has() -> None:
+    from bench.results_files import machine_name
+
+    assert machine_name("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        assert machine_name() == "cpu"

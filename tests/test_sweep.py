@@ -636,3 +636,19 @@ def test_a_file_measured_before_cuda_graphs_were_a_flag_resumes_as_eager(
     assert read_resumed(path, build_parser().parse_args(TINY))["signature"] == old
     with pytest.raises(SweepError, match="measured with --cuda-graphs False, not True"):
         read_resumed(path, build_parser().parse_args([*TINY, "--cuda-graphs"]))
+
+
+def test_a_file_measured_before_the_foreground_resumes_only_with_it_off(
+    tmp_path: Path,
+) -> None:
+    # Points measured before the serving loop held the cache's foreground ran without it:
+    # only a sweep that keeps it off (--foreground off) may add points to them.
+    from bench.sweep import SweepError, build_parser, read_resumed, signature
+
+    old = signature(build_parser().parse_args([*TINY, "--foreground", "off"]))
+    del old["foreground"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"bench": "sweep", "cases": [], "signature": old}))
+    assert read_resumed(path, build_parser().parse_args([*TINY, "--foreground", "off"]))
+    with pytest.raises(SweepError, match="measured with --foreground off, not auto"):
+        read_resumed(path, build_parser().parse_args(TINY))
