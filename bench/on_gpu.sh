@@ -70,7 +70,7 @@ for step in "$@"; do
         tests/test_disk_dir_ownership.py tests/test_vllm_layouts.py \
         tests/test_connector_machine.py tests/test_slot_format.py \
         tests/test_slot_format_upgrade.py tests/test_write_through.py \
-        tests/test_close_flush.py tests/test_host_copies.py tests/test_foreground.py} ;;
+        tests/test_close_flush.py tests/test_host_copies.py tests/test_foreground.py tests/test_pinned_tables.py} ;;
     io) run io ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 --write --tag 2m ${IO_ARGS:-} ;;

@@ -18,13 +18,14 @@ let the later one win.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
+
+from io_actors.storage.pinned_tables import PinnedTables
 
 _log = logging.getLogger(__name__)
 
@@ -121,8 +122,7 @@ class PageGather:
         # Each batch's (source, destination) table lives in pinned host memory, which the
         # kernel reads through its mapped address (no copy of its own to enqueue), until the
         # event recorded after its kernel has passed.
-        self._tables: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = (
-            collections.deque())
+        self._tables = PinnedTables()
 
     def copy(self, src_pool: torch.Tensor, dst_pool: torch.Tensor,
              pairs: Sequence[tuple[int, int]], page_nbytes: int) -> None:
@@ -137,11 +137,7 @@ class PageGather:
         import numpy as np
 
         assert page_nbytes % WORD == 0 and pairs
-        tables = self._tables
-        while tables and tables[0][0].query():  # type: ignore[no-untyped-call]
-            tables.popleft()
-        table = torch.tensor([page for pair in pairs for page in pair], dtype=torch.int64,
-                             pin_memory=True)
+        table = self._tables.table([page for pair in pairs for page in pair])
         words = page_nbytes // WORD
         blocks = min(len(pairs) * -(-words // _CHUNK_WORDS), self._max_blocks)
         with cupy.cuda.Device(self._device_index), self._cupy_stream:
@@ -152,6 +148,4 @@ class PageGather:
                     np.uint64(table.data_ptr()), np.int64(len(pairs)), np.int64(words),
                 ),
             )
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self._stream)
-        tables.append((event, table))
+        self._tables.launched(table, self._stream)

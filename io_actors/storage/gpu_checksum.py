@@ -26,6 +26,7 @@ from typing import Any, Final
 
 import torch
 
+from io_actors.storage.pinned_tables import PinnedTables
 from io_actors.storage.slot_format import (
     _CRC_CHUNK,
     FORMAT_VERSION,
@@ -43,14 +44,14 @@ _THREADS: Final = 512
 
 _SOURCE: Final = r"""
 extern "C" __global__ void crc32_pages(
-    const unsigned long long* pages,  // device address of each page
+    const unsigned long long* pages,  // device address of each page (in pinned host memory)
     long long length,                 // bytes per page
     int chunks,                       // ceil(length / CHUNK)
     const unsigned int* table,        // the 256-entry table of the CRC's polynomial
     const unsigned int* shifts,       // [chunks][1024]: byte tables of Z^(CHUNK*(chunks-1-k))
     unsigned int zeros_crc,           // the CRC of `length` zero bytes
     unsigned int* out,                // the CRCs (device memory, or pinned host memory)
-    const long long* out_index)       // where page k's CRC goes (null: at k)
+    const long long* out_index)       // where page k's CRC goes (null: at k; pinned host)
 {
     __shared__ unsigned int t[256];
     __shared__ unsigned int red[THREADS];
@@ -118,21 +119,16 @@ def _check_pages(pages: Sequence[torch.Tensor]) -> int:
     return length
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small int64 array on `device`, copied from pinned memory without waiting.
-
-    A copy from pageable memory would block the calling thread until the current stream had
-    drained everything queued before it -- on the copy stream, every page copy of the batch:
-    the serving thread stalled there (py-spy on the H200 machine).  torch's pinned allocator
-    keeps the source alive until the copy has run.
-    """
-    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+_TABLES: Final = PinnedTables()
+"""The kernel's page addresses and result slots, read from pinned host memory (shared by
+every thread that launches it: the serving thread's evictions, a reader's verifications)."""
 
 
 def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
-            index: torch.Tensor | None, version: int) -> None:
+            index: Sequence[int] | None, version: int) -> None:
     """Enqueue the kernel, computing the checksum of slot format `version`, on the current
-    stream (no synchronization)."""
+    stream (no synchronization).  Page k's result goes to ``out[index[k]]`` (at k without
+    an index)."""
     import cupy
     import numpy as np
 
@@ -142,22 +138,21 @@ def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
     chunks = -(-length // _CRC_CHUNK)
     _position, shifts = _crc_device_tables(device, chunks, version)
     table = _table(device, version)
-    addresses = _to_device([p.data_ptr() for p in pages], device)
+    n = len(pages)
+    # One table: the pages' addresses, then where each result goes.
+    table = _TABLES.table([p.data_ptr() for p in pages] + ([] if index is None else list(index)))
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
         kernel(
             (len(pages),), (_THREADS,),
             (
-                np.uint64(addresses.data_ptr()), np.int64(length), np.int32(chunks),
+                np.uint64(table.data_ptr()), np.int64(length), np.int32(chunks),
                 np.uint64(table.data_ptr()), np.uint64(shifts.data_ptr()),
                 np.uint32(_crc_of_zeros(length, version)), np.uint64(out.data_ptr()),
-                np.uint64(0 if index is None else index.data_ptr()),
+                np.uint64(0 if index is None else table.data_ptr() + 8 * n),
             ),
         )
-    # The small index tensors must outlive the kernel: keep them until the stream passes.
-    addresses.record_stream(stream)
-    if index is not None:
-        index.record_stream(stream)
+    _TABLES.launched(table, stream)
 
 
 def warm_up(length: int, device: torch.device) -> None:
@@ -209,5 +204,4 @@ def checksums_into(pages: Sequence[torch.Tensor], out: torch.Tensor,
                          "or in pinned host memory")
     if len(slots) != len(pages) or not all(0 <= s < out.numel() for s in slots):
         raise UsageError("slots", "one index into `out` per page")
-    index = _to_device(list(slots), pages[0].device)
-    _launch(pages, length, out, index, FORMAT_VERSION)
+    _launch(pages, length, out, slots, FORMAT_VERSION)
