@@ -62,6 +62,14 @@ def _until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
         time.sleep(0.001)
 
 
+def _until_spilled(cache: BlockingCache) -> None:
+    """Until no spill is queued or writing (reads may be held)."""
+    def spilled() -> bool:
+        stats = cache.statistics()
+        return stats.cache.writes_in_flight == 0 and stats.spill_backlog == 0
+    _until(spilled, "a spill never landed")
+
+
 @contextmanager
 def _disk_cache(tmp_path: Path, model: PagedDecoder, held: HeldReads
                 ) -> Iterator[BlockingCache]:
@@ -146,17 +154,24 @@ def test_a_queued_request_prefetches_at_once_and_the_disk_reads_while_it_waits(
     with _disk_cache(tmp_path, model, held) as cache:
         loop = ServingLoop(model, cache, max_running=1, prefetch_ahead=2)
         push_prompt_to_disk(loop, cache, min_on_disk=DISK_TOKENS // 4)
-        before = loop.statistics()
-        held.hold()
+        # "long" runs first and each of its steps' evictions spill before the next step:
+        # with spills still in flight, host pressure finds only the prefetched pages to take
+        # and reclaims them (as designed), which only thread timing on a loaded machine
+        # would decide (it did, once in a CI run).
         loop.submit(ServeRequest(request_id="long", prompt=tuple(range(460, 500)),
                                  max_new_tokens=12))
+        finished = loop.step()
+        _until_spilled(cache)
+        before = loop.statistics()
+        held.hold()
         loop.submit(ServeRequest(request_id="again", prompt=(*PROMPT, 7, 7),
                                  max_new_tokens=2))
-        finished = loop.step()
+        finished += loop.step()
         # The step that first saw it waiting asked for its disk blocks.
         assert cache.prefetch_reads_pending("again") == DISK_TOKENS // 4
         _until(lambda: held.waiting > 0, "the prefetch's reads never reached the disk")
         for _ in range(3):
+            _until_spilled(cache)
             finished += loop.step()
         stats = loop.statistics()
         waited = stats.queued_on_disk_seconds - before.queued_on_disk_seconds
@@ -166,7 +181,9 @@ def test_a_queued_request_prefetches_at_once_and_the_disk_reads_while_it_waits(
         assert stats.waiting_now == 1 and stats.running_now == 1
         held.release()
         _until(lambda: cache.prefetch_reads_pending("again") == 0, "the prefetch never landed")
-        finished += loop.drain(timeout=60)
+        while not loop.idle:
+            _until_spilled(cache)
+            finished += loop.step()
         done = {r.request_id: r for r in finished}
         again = done["again"]
         # Admitted after its prefetch landed: host hits, never parked.
