@@ -137,22 +137,23 @@ def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
     device = pages[0].device
     chunks = -(-length // _CRC_CHUNK)
     _position, shifts = _crc_device_tables(device, chunks, version)
-    table = _table(device, version)
+    crc_table = _table(device, version)
     n = len(pages)
-    # One table: the pages' addresses, then where each result goes.
-    table = _TABLES.table([p.data_ptr() for p in pages] + ([] if index is None else list(index)))
+    # One pinned table: the pages' addresses, then where each result goes.
+    entries = _TABLES.table(
+        [p.data_ptr() for p in pages] + ([] if index is None else list(index)))
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
         kernel(
             (len(pages),), (_THREADS,),
             (
-                np.uint64(table.data_ptr()), np.int64(length), np.int32(chunks),
-                np.uint64(table.data_ptr()), np.uint64(shifts.data_ptr()),
+                np.uint64(entries.data_ptr()), np.int64(length), np.int32(chunks),
+                np.uint64(crc_table.data_ptr()), np.uint64(shifts.data_ptr()),
                 np.uint32(_crc_of_zeros(length, version)), np.uint64(out.data_ptr()),
-                np.uint64(0 if index is None else table.data_ptr() + 8 * n),
+                np.uint64(0 if index is None else entries.data_ptr() + 8 * n),
             ),
         )
-    _TABLES.launched(table, stream)
+    _TABLES.launched(entries, stream)
 
 
 def warm_up(length: int, device: torch.device) -> None:

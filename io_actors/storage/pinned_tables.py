@@ -55,9 +55,10 @@ class PinnedTables:
                 if done.numel() == self._capacity:
                     self._free.append(done)
             buffer = self._free.pop() if self._free and n <= self._capacity else None
+            if buffer is None:
+                self.allocated += 1
         if buffer is None:
             buffer = torch.empty(max(n, self._capacity), dtype=torch.int64, pin_memory=True)
-            self.allocated += 1
         buffer.numpy()[:n] = values
         return buffer
 
