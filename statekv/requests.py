@@ -125,6 +125,17 @@ class RequestTable:
             ttl=ttl, priority=priority,
         )
 
+    @staticmethod
+    def from_queued(queued: Request, ttl: float | None, priority: int) -> Request:
+        """A request record for the prompt a queued request's prefetch already checked,
+        encoded and keyed (QueuedRecord): the same bytes and keys, copied, so the queued
+        record stays as it was (an add_request that raises OutOfBlocks changes nothing).
+        Keys are a function of the root and the tokens alone: reusing them is exact."""
+        return Request(
+            id=queued.id, encoded=bytearray(queued.encoded), num_tokens=queued.num_tokens,
+            root=queued.root, ttl=ttl, priority=priority, keys=list(queued.keys),
+        )
+
     def wake_waiters(self, block: Block) -> None:
         """`block`'s transfer landed: each request waiting for it waits for one block less."""
         live = self.live

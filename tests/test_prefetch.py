@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from statekv import UsageError
+from statekv import OutOfBlocks, UsageError
 from statekv.ids import RequestId
 from statekv.messages import CopyHostToGpu, FreeSlot, PrefetchSlot, ReadSlot
 from tests.harness import Executor, fresh_tokens, make
@@ -222,9 +222,78 @@ def test_a_repeat_call_with_the_same_tuple_checks_and_keys_the_prompt_once(
     salted = ex.cache.prefetch("q", prompt, now=ex.now, cache_salt="tenant")
     assert salted.started_tokens == 0 and len(encoded) == 5  # another tenant's: not cached
     assert ex.prefetch("q", prompt).shared_tokens == 4 and len(encoded) == 6
-    match = ex.add("q", prompt)               # admitted: the record goes with the queue entry
-    assert match.host_tokens == 4 and len(encoded) == 7
+    # Admitted with the same tuple: the prefetch's record serves, and goes with the queue.
+    match = ex.add("q", prompt)
+    assert match.host_tokens == 4 and len(encoded) == 6
     assert not ex.cache._onboarding.queued_records
+    ex.release("q")
+    ex.cache.check_invariants()
+
+
+@pytest.mark.parametrize("admitted_with", ["same tuple", "equal list", "other salt"])
+def test_admission_after_a_prefetch_keys_the_prompt_as_a_fresh_request_would(
+        admitted_with: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_request takes a prefetched request's checked, encoded and keyed prompt only for
+    the very tuple (and salt) the prefetch was given; the record it makes is the one a
+    fresh check would make, and the request grows from it as any other does."""
+    from statekv import requests
+    from statekv.hashing import token_bytes
+
+    encoded: list[int] = []
+
+    def counting(tokens: Sequence[int]) -> bytes:
+        encoded.append(len(tokens))
+        return token_bytes(tokens)
+
+    ex, doc = on_disk()
+    monkeypatch.setattr(requests, "token_bytes", counting)
+    prompt = tuple(doc)
+    ex.prefetch("q", prompt)
+    ex.drain()
+    queued = ex.cache._onboarding.queued_records[RequestId("q")].request
+    queued_keys, queued_bytes = list(queued.keys), bytes(queued.encoded)
+    fresh = ex.cache._requests.new_record(RequestId("q"), list(doc), None, None, 60.0, 3)
+    ex.cache._index.lookup(fresh)
+    tokens, salt = {"same tuple": (prompt, None), "equal list": (list(doc), None),
+                    "other salt": (prompt, "tenant")}[admitted_with]
+    encoded.clear()
+    match = ex.add("q", tokens, ttl=60.0, priority=3, salt=salt)
+    assert len(encoded) == (0 if admitted_with == "same tuple" else 1)
+    assert match.host_tokens == (0 if admitted_with == "other salt" else 4)
+    req = ex.cache._requests.live[RequestId("q")]
+    if salt is None:
+        assert req.keys[:len(fresh.keys)] == fresh.keys and bytes(req.encoded) == bytes(
+            fresh.encoded)
+        assert (req.root, req.ttl, req.priority) == (fresh.root, 60.0, 3)
+    # The queued record was copied, not taken: growing the request leaves it as it was.
+    assert queued.keys == queued_keys and bytes(queued.encoded) == queued_bytes
+    ex.cache.allocate_nowait("q", len(doc), now=ex.now)
+    ex.cache.commit("q", len(doc), now=ex.now)
+    ex.cache.append_tokens("q", [9, 9, 9])
+    assert bytes(queued.encoded) == queued_bytes
+    ex.cache.check_invariants()
+    ex.release("q")
+    ex.cache.check_invariants()
+
+
+def test_an_admission_refused_for_pages_leaves_the_prefetch_as_it_was() -> None:
+    """OutOfBlocks changes nothing: the queued request keeps its prefetch and its record,
+    and a later admission with the same tuple takes the prefetched blocks."""
+    ex, doc = on_disk()
+    prompt = tuple(doc)
+    ex.prefetch("q", prompt)
+    ex.drain()
+    hog = ex.add("hog", fresh_tokens(8))  # all four GPU pages, held by a running request
+    ex.cache.allocate_nowait("hog", 8, now=ex.now)
+    assert hog.matched_tokens == 0
+    record = ex.cache._onboarding.queued_records[RequestId("q")]
+    with pytest.raises(OutOfBlocks):
+        ex.cache.add_request("q", prompt, now=ex.now)
+    assert ex.cache._onboarding.queued_records[RequestId("q")] is record
+    assert RequestId("q") not in ex.cache._requests.live
+    ex.release("hog")
+    match = ex.add("q", prompt)
+    assert match.host_tokens == 4
     ex.release("q")
     ex.cache.check_invariants()
 
