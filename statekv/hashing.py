@@ -51,16 +51,46 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
         arr = array("I", tokens)
     except (OverflowError, TypeError) as exc:
         raise UsageError("token_ids", f"token ids must be integers in [0, 2**32): {exc}") from None
-    # array() takes True and False as 1 and 0: a bool among token ids is a caller's bug (a
-    # mask passed for ids), never a token.  type() through map() keeps this in C (about
-    # 15 ns a token, a third of the encoding's cost).
-    if bool in map(type, tokens):
-        at = next(i for i, t in enumerate(tokens) if type(t) is bool)
+    raw = arr.tobytes()
+    at = _first_bool(tokens, raw)
+    if at is not None:
         raise UsageError("token_ids", f"token ids must be integers, not bool "
                                       f"(token_ids[{at}] is {tokens[at]!r})")
     if _NEEDS_BYTESWAP:
         arr.byteswap()
-    return arr.tobytes()
+        return arr.tobytes()
+    return raw
+
+
+_ZERO: Final = array("I", [0]).tobytes()
+_ONE: Final = array("I", [1]).tobytes()
+_FEW_CANDIDATES: Final = 32
+
+
+def _first_bool(tokens: Sequence[int], raw: bytes) -> int | None:
+    """The index of the first bool among `tokens`, whose native uint32 encoding is `raw`.
+
+    array() takes True and False as 1 and 0: a bool among token ids is a caller's bug (a
+    mask passed for ids), never a token.  Only an entry encoded as 0 or 1 can be one, so
+    bytes.find (memchr speed) finds the candidates and only those are typed; a match not on
+    an entry's boundary is skipped.  Past a few matches (a padded prompt) one typing pass
+    in C over every entry is quicker: ``type`` through ``map``, about 30 ns a token on the
+    CPU machine, three quarters of the whole encoding's time when done for every prompt."""
+    candidates: list[int] = []
+    matches = 0
+    for pattern in (_ZERO, _ONE):
+        at = raw.find(pattern)
+        while at != -1:
+            matches += 1
+            if matches > _FEW_CANDIDATES:  # many (on a boundary or across two entries)
+                if bool not in map(type, tokens):
+                    return None
+                return next(i for i, t in enumerate(tokens) if type(t) is bool)
+            if not at & 3:
+                candidates.append(at >> 2)
+            at = raw.find(pattern, at + 1)
+    bools = [i for i in candidates if type(tokens[i]) is bool]
+    return min(bools) if bools else None
 
 
 def chain_key(parent: BlockHash, block_tokens: bytes | bytearray) -> BlockHash:
