@@ -571,9 +571,13 @@ class ServingLoop:
                     )
                 break
             spare -= need
+            # The tuple its prefetch passed: the cache checked, encoded and keyed it then.
+            prefetching = self._prefetching.get(req.request_id)
             try:
                 match = cache.add_request(
-                    req.request_id, req.prompt, ttl_seconds=req.ttl_seconds,
+                    req.request_id,
+                    req.prompt if prefetching is None else prefetching.tokens,
+                    ttl_seconds=req.ttl_seconds,
                     priority=req.priority, cache_salt=req.cache_salt,
                 )
             except OutOfBlocks:

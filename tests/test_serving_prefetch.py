@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -91,6 +91,34 @@ def test_a_waiting_request_prefetches_and_is_admitted_with_host_hits(tmp_path: P
         assert stats.prefetching_requests == 0 and stats.prefetched_blocks == 0
         # The loop reported its prefills: the prefill estimate exists.
         assert cache.cost_estimates()[1] is not None
+        cache.check_invariants()
+
+
+def test_a_prefetched_request_is_encoded_and_keyed_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop asks for a queued request's disk blocks every step and then admits it: the
+    cache checks and encodes its prompt once, at the first prefetch."""
+    from statekv import requests
+    from statekv.hashing import token_bytes
+
+    model = PagedDecoder(preset("tiny"), device="cpu")
+    with _cache(tmp_path, model) as cache:
+        loop = ServingLoop(model, cache, max_running=1, prefetch_ahead=2)
+        push_prompt_to_disk(loop, cache)
+        prompt = (*PROMPT, 7, 7)
+        encoded: list[tuple[int, ...]] = []
+
+        def counting(tokens: Sequence[int]) -> bytes:
+            encoded.append(tuple(tokens))
+            return token_bytes(tokens)
+
+        monkeypatch.setattr(requests, "token_bytes", counting)
+        loop.submit(ServeRequest(request_id="long", prompt=tuple(range(460, 500)),
+                                 max_new_tokens=8))
+        loop.submit(ServeRequest(request_id="again", prompt=prompt, max_new_tokens=2))
+        done = {r.request_id: r for r in loop.drain(timeout=60)}
+        assert "again" in done and cache.statistics().cache.prefetches > 0
+        assert encoded.count(prompt) == 1, encoded
         cache.check_invariants()
 
 
