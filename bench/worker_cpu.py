@@ -2,7 +2,7 @@
 time per block in the same run.
 
     python -m bench.worker_cpu [--block-kib 256] [--blocks 1024] [--batch 16] [--repeat 5]
-                               [--dir /tmp] [--machine cpu] [--write]
+                               [--dir /tmp] [--machine cpu] [--write [--tag TAG]]
 
 Why: every profile of the busy serving step and of the spill on a GPU machine (BENCHMARKS.md)
 found the writer, reader and serving threads taking turns at one interpreter lock.  What a
@@ -48,7 +48,7 @@ from typing import Final
 import attrs
 import torch
 
-from bench.flags import OneLineParser, existing_directory, int_at_least
+from bench.flags import OneLineParser, existing_directory, int_at_least, results_tag
 from bench.results_files import source_commit, write_new_results
 from io_actors.actors.reader_pool import ReadJob, SlotReader
 from io_actors.actors.writer_pool import SlotWriter, WriteJob
@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the scratch slot store goes")
     parser.add_argument("--machine", default="cpu")
     parser.add_argument("--write", action="store_true", help="write bench/results/*.json")
+    parser.add_argument("--tag", type=results_tag, default=None,
+                        help="suffix of the results file name (several runs a day)")
     args = parser.parse_args(argv)
     if (args.block_kib << 10) % _LAYER_BYTES:
         parser.error(f"--block-kib must be a multiple of {_LAYER_BYTES >> 10}, "
@@ -300,11 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             "commit": source_commit(),
             "command": f"python -m bench.worker_cpu --block-kib {args.block_kib} "
                        f"--blocks {args.blocks} --batch {args.batch} --repeat {args.repeat} "
-                       f"--machine {args.machine} --write",
+                       f"--machine {args.machine} --write"
+                       + (f" --tag {args.tag}" if args.tag else ""),
             "host": platform.node(), "cpus": os.cpu_count(), "direct": direct,
             "figures": result_figures,
         }
-        print(f"wrote {write_new_results('worker_cpu', args.machine, today, result)}")
+        print(f"wrote {write_new_results('worker_cpu', args.machine, today, result, tag=args.tag)}")
     return 0
 
 

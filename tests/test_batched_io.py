@@ -154,10 +154,23 @@ def test_unaligned_buffers_are_bounced_one_by_one(tmp_path: Path) -> None:
         store.close()
 
 
-@pytest.mark.parametrize("bad", ["duplicate", "slot", "key", "buffer", "type"])
+@pytest.mark.parametrize("bad", [
+    "duplicate", "slot", "key", "buffer", "type", "crc-high", "crc-negative", "crc-bool",
+    "crc-text", "meta",
+])
 def test_a_malformed_batch_moves_nothing(store: PosixSlotStore, bad: str) -> None:
     items = batch(store, [0, 1])
-    if bad == "duplicate":
+    # The bad item is a run of its own, after a good run: a check made only when its header
+    # is packed would come after the good run had landed.
+    crc: object = {"crc-high": 1 << 32, "crc-negative": -1, "crc-bool": True,
+                   "crc-text": "0"}.get(bad)
+    if crc is not None:
+        items.append(SlotIO(SlotId(5), key(5), payload(store.payload_len, 5),
+                            crc=crc))  # type: ignore[arg-type]
+    elif bad == "meta":
+        items.append(SlotIO(SlotId(5), key(5), payload(store.payload_len, 5),
+                            meta={"depth": 1}))  # type: ignore[arg-type]
+    elif bad == "duplicate":
         items.append(items[0])
     elif bad == "slot":
         items.append(SlotIO(SlotId(32), key(1), payload(store.payload_len, 1)))
@@ -167,8 +180,10 @@ def test_a_malformed_batch_moves_nothing(store: PosixSlotStore, bad: str) -> Non
         items.append(SlotIO(SlotId(2), key(2), torch.zeros(3, dtype=torch.uint8)))
     else:
         items.append((2, key(2), payload(store.payload_len, 1)))  # type: ignore[arg-type]
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError) as error:
         store.write_many(items)
+    if bad.startswith(("crc", "meta")):
+        assert error.value.field == bad.split("-", maxsplit=1)[0], error.value
     assert store.statistics().writes == 0
     assert store.read_many(empty_like(batch(store, [0]))) != [None]  # nothing landed
 

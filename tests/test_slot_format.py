@@ -49,6 +49,55 @@ def test_header_round_trips_every_field() -> None:
     assert SlotHeader.unpack(block, what="slot 7") == header
 
 
+_METAS = st.none() | st.builds(
+    SlotMeta, parent=st.binary(min_size=32, max_size=32), depth=st.integers(0, 2**32 - 1),
+    reuse_count=st.integers(0, 2**32 - 1),
+    expiry=st.none() | st.floats(allow_nan=False, allow_infinity=False),
+    written_at=st.floats(allow_nan=False, allow_infinity=False) | st.integers(-2**40, 2**40),
+    sequence=st.integers(0, 2**64 - 1),
+)
+
+
+@given(
+    slot=st.integers(0, 2**64 - 1), key=st.binary(min_size=32, max_size=32),
+    payload_len=st.integers(1, 2**64 - 1), crc=st.integers(0, 2**32 - 1),
+    version=st.sampled_from([OLDEST_READ_VERSION, FORMAT_VERSION]),
+    config=st.binary(min_size=16, max_size=16), meta=_METAS,
+    mac=st.none() | st.binary(min_size=32, max_size=32),
+)
+def test_an_unchecked_header_packs_as_the_checked_one_and_unpacks_equal(
+    slot: int, key: bytes, payload_len: int, crc: int, version: int, config: bytes,
+    meta: SlotMeta | None, mac: bytes | None,
+) -> None:
+    """The store packs its spills' headers unchecked (it checked the batch) and unpack
+    builds them unchecked: the bytes and the parsed header are those of a checked one."""
+    fields = dict(slot=slot, key=key, payload_len=payload_len, payload_crc=crc,
+                  version=version, config=config, meta=meta, mac=mac)
+    checked = SlotHeader(**fields)  # type: ignore[arg-type]
+    unchecked = SlotHeader.unchecked(**fields)  # type: ignore[arg-type]
+    assert unchecked == checked
+    assert unchecked.pack() == checked.pack()
+    parsed = SlotHeader.unpack(checked.pack(), what="slot")
+    assert parsed == checked
+    if meta is not None and isinstance(meta.written_at, int):
+        assert parsed.meta is not None and parsed.meta.written_at == float(meta.written_at)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("depth", True), ("depth", 1.0), ("depth", -1), ("depth", 2**32), ("reuse_count", 2**32),
+    ("reuse_count", False), ("sequence", 2**64), ("sequence", 1.5), ("expiry", float("nan")),
+    ("expiry", float("inf")), ("expiry", True), ("written_at", None),
+    ("written_at", float("-inf")), ("written_at", "1"),
+])
+def test_a_bad_restore_field_is_named(field: str, value: object) -> None:
+    fields: dict[str, object] = dict(parent=KEY, depth=1, reuse_count=0, expiry=None,
+                                     written_at=1.0, sequence=0)
+    fields[field] = value
+    with pytest.raises(UsageError) as info:
+        SlotMeta(**fields)  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
 @pytest.mark.parametrize(
     ("payload_len", "expected"),
     [(1, HEADER_SIZE + ALIGN), (ALIGN, HEADER_SIZE + ALIGN), (ALIGN + 1, HEADER_SIZE + 2 * ALIGN)],

@@ -135,9 +135,10 @@ def _pack(kind: int, slot: int, key: bytes, config: bytes, mac_key: bytes | None
         _FIELDS.pack_into(out, 0, MAGIC, INDEX_VERSION, kind, flags, meta.depth, slot, key,
                           meta.parent, meta.expiry if meta.expiry is not None else 0.0,
                           meta.written_at, meta.sequence, meta.reuse_count, 0, config)
+    view = memoryview(out)
     if mac_key is not None:
-        out[_MAC_AT : _MAC_AT + MAC_SIZE] = record_mac(mac_key, bytes(out[:_MAC_AT]))
-    _CRC.pack_into(out, _CRC_AT, zlib.crc32(bytes(out[:_CRC_AT])))
+        out[_MAC_AT : _MAC_AT + MAC_SIZE] = record_mac(mac_key, view[:_MAC_AT])
+    _CRC.pack_into(out, _CRC_AT, zlib.crc32(view[:_CRC_AT]))
     return bytes(out)
 
 

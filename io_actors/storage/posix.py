@@ -67,6 +67,7 @@ from io_actors.storage.slot_format import (
     SlotMeta,
     check_key,
     check_mac_key,
+    check_payload_crc,
     config_fingerprint,
     payload_checksum,
     slot_nbytes,
@@ -483,12 +484,20 @@ class PosixSlotStore:
     def _check_batch(self, field: str, batch: Sequence[SlotIO], role: str) -> list[SlotIO]:
         """Every item valid and every slot named once, before any byte moves."""
         items = list(batch)
+        write = role == "src"
         for item in items:
             if not isinstance(item, SlotIO):
                 raise UsageError(field, f"must hold SlotIO items, got {item!r:.80}")
             self._check_slot(item.slot)
             check_key(item.key)
             check_block_tensor(role, item.buffer, self._payload_len, device_type="cpu")
+            if write:
+                # What the header holds beyond the store's own fields, checked here, before
+                # any byte (or index record) moves, not when its header is packed.
+                if item.crc is not None:
+                    check_payload_crc("crc", item.crc)
+                if item.meta is not None and not isinstance(item.meta, SlotMeta):
+                    raise UsageError("meta", f"must be a SlotMeta or None, got {item.meta!r:.80}")
         if len({item.slot for item in items}) != len(items):
             raise UsageError(field, "a batch names one slot twice")
         return items
@@ -519,17 +528,23 @@ class PosixSlotStore:
         self, items: list[SlotIO], run: list[int], headers: _Headers, out: BatchOutcome
     ) -> None:
         iov: list[memoryview] = []
+        pad = self._zero_pad_view
         for n, i in enumerate(run):
             item = items[i]
             payload = host_view(item.buffer)
             crc = payload_checksum(payload) if item.crc is None else item.crc
+            header = headers.views[n]
             # One pwritev for the run: a crash can tear header from payload, and the payload
-            # checksum (and MAC) in the header is what finds that on the read back.
-            SlotHeader(
+            # checksum (and MAC) in the header is what finds that on the read back.  The
+            # fields are the store's own or were checked with the batch (_check_batch).
+            SlotHeader.unchecked(
                 slot=item.slot, key=item.key, payload_len=self._payload_len, payload_crc=crc,
                 config=self._config_fp, meta=item.meta,
-            ).pack_into(headers.views[n], mac_key=self._mac_key, payload=payload)
-            iov += self._iov(item, headers.views[n], self._zero_pad_view)
+            ).pack_into(header, mac_key=self._mac_key, payload=payload)
+            iov.append(header)
+            iov.append(payload)
+            if pad is not None:
+                iov.append(pad)
         self._vector_io(os.pwritev, "write", items, run, iov, out)
         if self._sync_writes and any(out[i] is None for i in run):
             try:

@@ -133,6 +133,8 @@ _META_AT: Final = _HEADER_USED
 _MAC_AT: Final = _META_AT + _META.size
 _FIELDS_END: Final = _MAC_AT + MAC_SIZE
 _ZERO_MAC: Final = bytes(MAC_SIZE)
+_ZERO_KEY: Final = bytes(KEY_SIZE)
+_ZERO_TAIL: Final = bytes(HEADER_SIZE - _HEADER_USED)
 _U32_MAX_FLAGS: Final = FLAG_META | FLAG_EXPIRY | FLAG_MAC
 _U32: Final = 0xFFFFFFFF
 _U64: Final = 2**64 - 1
@@ -173,6 +175,11 @@ def _check_field(field: str, value: object, high: int) -> None:
         raise UsageError(field, f"must be in [0, {high}], got {value}")
 
 
+def check_payload_crc(field: str, crc: object) -> None:
+    """raises: UsageError unless `crc` is a checksum a header can hold (u32)."""
+    _check_field(field, crc, _U32)
+
+
 def check_key(key: object) -> None:
     """raises: UsageError unless `key` is a BlockHash (32 bytes)."""
     if not isinstance(key, bytes) or len(key) != KEY_SIZE:
@@ -182,9 +189,9 @@ def check_key(key: object) -> None:
 def _header_crc(block: ReadableBuffer, version: int = FORMAT_VERSION) -> int:
     """The header checksum: the same function as the payload's, of the same version."""
     view = memoryview(block)
-    crc = payload_checksum(view[:_CRC_AT], version=version)
-    crc = payload_checksum(_ZERO_CRC_FIELD, crc, version=version)
-    return payload_checksum(view[_HEADER_USED:HEADER_SIZE], crc, version=version)
+    crc_of = crc32c.crc32c if version >= CRC32C_SINCE else zlib.crc32
+    crc = crc_of(view[_HEADER_USED:HEADER_SIZE], crc_of(_ZERO_CRC_FIELD, crc_of(view[:_CRC_AT])))
+    return crc & _U32
 
 
 def check_mac_key(field: str, key: object) -> bytes | None:
@@ -241,12 +248,20 @@ class SlotMeta:
     """The writer's transfer number: orders spills issued within one clock reading."""
 
     def __attrs_post_init__(self) -> None:
+        # The writer makes one of these per spilled block: the common case (exact ints and
+        # floats in range) is tested inline, and only a value failing it goes through the
+        # full check that names the field.
         if not isinstance(self.parent, bytes) or len(self.parent) != KEY_SIZE:
             raise UsageError("parent", f"must be {KEY_SIZE} bytes, got {self.parent!r:.80}")
-        _check_field("depth", self.depth, _U32)
-        _check_field("reuse_count", self.reuse_count, _U32)
-        _check_field("sequence", self.sequence, _U64)
+        depth, reuse, sequence = self.depth, self.reuse_count, self.sequence
+        if not (type(depth) is int and type(reuse) is int and type(sequence) is int
+                and 0 <= depth <= _U32 and 0 <= reuse <= _U32 and 0 <= sequence <= _U64):
+            _check_field("depth", depth, _U32)
+            _check_field("reuse_count", reuse, _U32)
+            _check_field("sequence", sequence, _U64)
         for field, value in (("expiry", self.expiry), ("written_at", self.written_at)):
+            if type(value) is float and math.isfinite(value):
+                continue
             if value is None and field == "expiry":
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
@@ -291,6 +306,30 @@ class SlotHeader:
     mac: bytes | None = None
     """The stored keyed MAC, or None when the writer had no MAC key."""
 
+    @classmethod
+    def unchecked(
+        cls, *, slot: int, key: bytes, payload_len: int, payload_crc: int,
+        version: int = FORMAT_VERSION, config: bytes = bytes(CONFIG_FINGERPRINT_SIZE),
+        meta: SlotMeta | None = None, mac: bytes | None = None,
+    ) -> SlotHeader:
+        """A header of fields whose types and ranges the caller has established, not checked
+        again: :meth:`unpack`'s, parsed by a struct from a block whose checksum matched, and
+        a slot store's, from its own configuration and a batch it checked at its boundary
+        (:func:`check_payload_crc` for a checksum given with it).  Every spilled block is
+        packed and every onboarded one unpacked: these checks cost about as much as the
+        packing."""
+        self = object.__new__(cls)
+        setattr_ = object.__setattr__
+        setattr_(self, "slot", slot)
+        setattr_(self, "key", key)
+        setattr_(self, "payload_len", payload_len)
+        setattr_(self, "payload_crc", payload_crc)
+        setattr_(self, "version", version)
+        setattr_(self, "config", config)
+        setattr_(self, "meta", meta)
+        setattr_(self, "mac", mac)
+        return self
+
     def __attrs_post_init__(self) -> None:
         _check_field("slot", self.slot, _U64)
         check_key(self.key)
@@ -322,9 +361,9 @@ class SlotHeader:
             view, 0, MAGIC, self.version, HEADER_SIZE, self.slot, self.payload_len, self.key,
             self.payload_crc,
         )
-        view[_HEADER_USED:HEADER_SIZE] = bytes(HEADER_SIZE - _HEADER_USED)
+        view[_HEADER_USED:HEADER_SIZE] = _ZERO_TAIL
         meta = self.meta
-        flags = 0
+        flags = FLAG_MAC if mac_key is not None or self.mac is not None else 0
         if meta is not None:
             flags |= FLAG_META
             if meta.expiry is not None:
@@ -332,13 +371,10 @@ class SlotHeader:
             _META.pack_into(
                 view, _META_AT, self.config, meta.parent,
                 meta.expiry if meta.expiry is not None else 0.0, meta.written_at,
-                meta.sequence, meta.depth, meta.reuse_count, 0,
+                meta.sequence, meta.depth, meta.reuse_count, flags,
             )
         else:
-            _META.pack_into(view, _META_AT, self.config, bytes(KEY_SIZE), 0.0, 0.0, 0, 0, 0, 0)
-        if mac_key is not None or self.mac is not None:
-            flags |= FLAG_MAC
-        struct.pack_into("<I", view, _MAC_AT - 4, flags)
+            _META.pack_into(view, _META_AT, self.config, _ZERO_KEY, 0.0, 0.0, 0, 0, 0, flags)
         if mac_key is not None:
             if payload is None:
                 raise UsageError("payload", "a MAC covers the payload: pass it with mac_key")
@@ -401,7 +437,7 @@ class SlotHeader:
                 sequence=sequence,
             )
         mac = bytes(view[_MAC_AT:_FIELDS_END]) if flags & FLAG_MAC else None
-        return cls(
+        return cls.unchecked(
             slot=slot, key=bytes(key), payload_len=payload_len, payload_crc=payload_crc,
             version=version, config=bytes(config), meta=meta, mac=mac,
         )
