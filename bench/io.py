@@ -65,6 +65,7 @@ from bench.results_files import source_commit, write_new_results
 from bench.serving import FOREGROUND
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache, resolve_device
+from io_actors.memory.page_copies import COMPUTE_WAITS
 from io_actors.memory.pools import KVPools, TorchCopyEngine
 from io_actors.storage.buffers import host_view, page_aligned_buffer, pinned_page_aligned_buffer
 from io_actors.storage.interfaces import SlotIO, SlotStore
@@ -104,7 +105,9 @@ def _fill(cache: BlockingCache, rid: str, first_token: int, blocks: int,
     cache.add_request(rid, tokens, ttl_seconds=ttl)
     cache.allocate_nowait(rid, len(tokens))
     if write_bytes:
-        for page in cache.block_table(rid):
+        table = cache.block_table(rid)
+        cache.order_forward_after_copies(table)  # GPU work on its pages, as a pass's
+        for page in table:
             cache.kv_pool[page].fill_(float(page % 7) + 1.0)
     cache.commit(rid, len(tokens))
     cache.release(rid)
@@ -119,6 +122,7 @@ def _transfer_config(args: argparse.Namespace, directory: Path) -> StateKVConfig
         writers=args.threads, readers=args.threads, write_queue_depth=max(64, n),
         device=args.device, spill_mode="retained_only", backend=args.backend,
         max_batch_blocks=args.batch_blocks, model_fingerprint="bench-io-transfer",
+        compute_waits=args.compute_waits,
         # The spill path alone (host -> disk on eviction): req1's retained blocks must not
         # be written through at their release, before the timed phase.
         retention_write_through=False,
@@ -143,7 +147,9 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         tokens = [40_000_000 + i for i in range(n * bs + 1)]
         cache.add_request("wt", tokens, ttl_seconds=3600.0)
         cache.allocate_nowait("wt", len(tokens))
-        for page in cache.block_table("wt"):
+        table = cache.block_table("wt")
+        cache.order_forward_after_copies(table)
+        for page in table:
             cache.kv_pool[page].fill_(float(page % 7) + 1.0)
         cache.commit("wt", len(tokens))
         before = cache.statistics().cache.spills_completed
@@ -411,6 +417,7 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             disk_dir=directory / phase, writers=args.threads, readers=args.threads,
             device=args.device, model_fingerprint=model_config.fingerprint(),
             backend=args.backend, max_batch_blocks=args.batch_blocks,
+            compute_waits=args.compute_waits,
         )
         with BlockingCache(config) as cache:
             if args.cuda_graphs:
@@ -740,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the model replays decode-only steps from CUDA graphs "
                              "(PagedDecoder(cuda_graphs=True); CUDA only)")
+    parser.add_argument("--compute-waits", choices=COMPUTE_WAITS, default="all",
+                        help="StateKVConfig.compute_waits: a step waits for every copy "
+                             "(all) or only its own pages' (pages); for an A/B")
     parser.add_argument("--time-lock", action="store_true",
                         help="latency phase: time the serving thread's waits for the "
                              "scheduler's lock and the cache thread's holds of it")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io io-graphs io-fg gil io-small profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab fg-ab
+#   bench/on_gpu.sh tests io io-graphs io-fg io-pages gil io-small profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab fg-ab pages-ab
 # tests: the GPU test files (TESTS_FILES replaces the list).
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
@@ -70,7 +70,8 @@ for step in "$@"; do
         tests/test_disk_dir_ownership.py tests/test_vllm_layouts.py \
         tests/test_connector_machine.py tests/test_slot_format.py \
         tests/test_slot_format_upgrade.py tests/test_write_through.py \
-        tests/test_close_flush.py tests/test_host_copies.py tests/test_foreground.py tests/test_pinned_tables.py} ;;
+        tests/test_close_flush.py tests/test_host_copies.py tests/test_foreground.py tests/test_pinned_tables.py \
+        tests/test_page_copies.py} ;;
     io) run io ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 2 --threads 4 --blocks 512 \
         --dir "$DISK" --model 8b-class --model-layers 4 --decoders 16 --decode-steps 200 \
         --loop-gpu-blocks 2048 --write --tag 2m ${IO_ARGS:-} ;;
@@ -92,6 +93,15 @@ for step in "$@"; do
         --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --latency-only \
         --tenant-blocks 32 --tenant-in-flight 16 --tag "lat-fg-$how" --write --time-lock \
         --foreground "$how" ${IO_ARGS:-}; done ;;
+    # The step-latency phase with the serving loop's steps waiting for every copy on the
+    # copy stream and then only for their own pages' (StateKVConfig.compute_waits), the
+    # foreground on: one pair in one call, same tenant.
+    io-pages) for how in all pages; do
+        run "io-pages-$how" ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 2 \
+        --threads 4 --blocks 512 --dir "$DISK" --model 8b-class --model-layers 4 \
+        --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --latency-only \
+        --tenant-blocks 32 --tenant-in-flight 16 --tag "lat-waits-$how" --write --time-lock \
+        --foreground on --compute-waits "$how" ${IO_ARGS:-}; done ;;
     # The decode pass beside a thread running Python in bursts, eager and as a graph
     # replay: the interpreter lock's cost without the disk.
     gil) run gil ${GIL_S:-200} python3 -m bench.gil_contention --machine "$MACHINE" --device cuda \
@@ -165,6 +175,16 @@ for step in "$@"; do
         --tag "fg-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" --configs "$cfg" \
         --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" --points 1 \
         --foreground "$how" ${SWEEP_ARGS:-}; done; done ;;
+    # The same, each step waiting for every copy (all) and then only for its own pages'
+    # (--compute-waits pages): what the copies of other requests' pages cost a
+    # configuration's throughput at one rate.
+    pages-ab) for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
+        for how in all pages; do
+        run "waits-$cfg-$how" ${AB_S:-140} python3 -m bench.sweep --machine "$MACHINE" \
+        --dir "$DISK/sweep" "${cell_flags[@]}" \
+        --tag "waits-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" --configs "$cfg" \
+        --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" --points 1 \
+        --foreground on --compute-waits "$how" ${SWEEP_ARGS:-}; done; done ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     # The whole gpu profile runs past one call's 10 minutes on the H200 (its system machine
     # alone did not finish 300 examples in 7.5 minutes): FUZZ_MACHINES=system in one call,

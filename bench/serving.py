@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bench.flags import int_at_least, positive_number
+from io_actors.memory.page_copies import COMPUTE_WAITS
 from models.chat_run import Budgets, RunResult, percentile, run_workload, ttft_summary
 from models.config import ModelConfig
 from models.model import Chunk, PagedDecoder
@@ -89,6 +90,10 @@ def add_run_flags(p: argparse.ArgumentParser, *, layers: int) -> None:
                    help="whether the serving thread holds the cache's foreground while it "
                         "works, so that the cache's threads run their Python while it waits "
                         "for the pass (ServingLoop's hold_foreground; auto: on a GPU); for "
+                        "an A/B")
+    p.add_argument("--compute-waits", choices=COMPUTE_WAITS, default="all",
+                   help="what a step waits for on the cache's copy stream: every copy (all) "
+                        "or only its own pages' (pages); StateKVConfig.compute_waits, for "
                         "an A/B")
     p.add_argument("--dir", type=Path, default=None, help="disk tier directory")
     p.add_argument("--machine", default=None,
@@ -203,6 +208,7 @@ def run_config(model: PagedDecoder, key: str,
         reclaim_prefetched_first=args.reclaim_prefetched == "first",
         progress=progress, total=chat.total_requests, stop_at=stop_at,
         hold_foreground=FOREGROUND[args.foreground],
+        compute_waits=args.compute_waits,
     )
 
 

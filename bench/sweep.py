@@ -574,11 +574,12 @@ SIGNATURE: Final = (
     "slo_ttft_p99", "pressure", "layers", "users", "rounds", "system_tokens",
     "question_tokens", "answer_tokens", "block_size", "gpu_gib", "host_gib", "disk_gib",
     "readers", "writers", "configs", "prefetch_ahead", "reclaim_prefetched",
-    "no_cost_aware", "machine", "cuda_graphs", "foreground",
+    "no_cost_aware", "machine", "cuda_graphs", "foreground", "compute_waits",
 )
 """The flags a resumed sweep must share with the file it resumes: what a point measures."""
 
-SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False, "foreground": "off"}
+SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False, "foreground": "off",
+                                           "compute_waits": "all"}
 """What a flag added to the signature later was in files measured before it existed."""
 
 

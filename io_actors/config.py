@@ -16,6 +16,7 @@ from typing import Any, Final
 
 import attrs
 
+from io_actors.memory.page_copies import COMPUTE_WAITS
 from io_actors.storage.cluster_url import MAX_TIMEOUT_S, parse_cluster_url
 from statekv.config import CacheConfig, KVLayout, SpillMode, is_utf8_encodable
 from statekv.errors import ConfigError
@@ -147,6 +148,13 @@ class StateKVConfig:
     is never served.  For a disk that other users can write.  Never stored on disk."""
     backend: str = attrs.field(default="posix")
     device: str = attrs.field(default="auto")
+    compute_waits: str = attrs.field(default="all")
+    """What a forward pass waits for on the cache's copy stream (CUDA only): "all" (the
+    default) -- every GPU <-> host copy enqueued before it; "pages" -- only the copies of the
+    pages its batch reads or writes, so a step never waits for a spill or onboard of other
+    requests' pages.  "pages" asks every forward pass, and any other GPU work that touches
+    the KV pool, to announce its pages first with ``BlockingCache.order_forward_after_copies``
+    (the serving loop does); work that does not could read a page before its copy landed."""
     writers: int = attrs.field(default=2, validator=_positive_int(1, 256))
     readers: int = attrs.field(default=2, validator=_positive_int(1, 256))
     write_queue_depth: int = attrs.field(default=64, validator=_positive_int(1, 1 << 20))
@@ -260,6 +268,12 @@ class StateKVConfig:
     def _check_disk_sync(self, _attribute: attrs.Attribute[str], value: object) -> None:
         if value not in DISK_SYNC:
             raise ConfigError("disk_sync", f"unknown policy {value!r} (known: {DISK_SYNC})")
+
+    @compute_waits.validator
+    def _check_compute_waits(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if value not in COMPUTE_WAITS:
+            raise ConfigError("compute_waits", f"must be one of {COMPUTE_WAITS}, got "
+                              f"{value!r}")
 
     @disk_mac_key.validator
     def _check_mac_key(self, _attribute: attrs.Attribute[bytes | None], value: object) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, suppress
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
@@ -228,6 +228,16 @@ class CacheAPI:
     def block_table(self, request_id: str) -> tuple[PageId, ...]:
         return self._scheduler.block_table(request_id)
 
+    def order_forward_after_copies(self, gpu_pages: Iterable[int]) -> None:
+        """Call before launching GPU work that reads or writes `gpu_pages` of :attr:`kv_pool`
+        (a forward pass: every page of its batch's block tables).  Under
+        ``compute_waits="pages"`` that work then waits for the copies of those pages only;
+        under "all" (and on a CPU device) it already waits for every copy, and this returns
+        at once.  A page named before, still held by the same request, need not be named
+        again: the cache copies into no page of a request once it is ready, and out of such a
+        page only whole committed blocks, which a pass does not write."""
+        self._scheduler.order_forward_after_copies(gpu_pages)
+
     def obtainable_gpu_blocks(self) -> int:
         """GPU pages allocation could have now (empty plus evictable): for admission control."""
         return self._scheduler.obtainable_gpu_blocks()
@@ -324,7 +334,7 @@ async def open_cache(
         pools = KVPools(core_config, device)
     except ConfigError as exc:
         raise public_size_error(exc) from None
-    copies = TorchCopyEngine(pools)
+    copies = TorchCopyEngine(pools, compute_waits=config.compute_waits)
     clock = clock or WallClock()
     owns_store = store is None
     # All or nothing: the shared tier is connected first, because opening the slot store

@@ -80,6 +80,7 @@ def run_workload(
     keep_disk_dir: bool = False,
     after_step: Callable[[BlockingCache], None] | None = None,
     hold_foreground: bool | None = None,
+    compute_waits: str = "all",
 ) -> RunResult:
     """Serve every request of `workload`; closed-loop workloads get their answers back.
 
@@ -95,7 +96,8 @@ def run_workload(
     removed after the run).
     `after_step` is called with the cache after every serving step: a test that checks
     what the tiers hold (not how the loop races them) lets transfers land there first.
-    `hold_foreground` is the serving loop's (None: on a GPU).
+    `hold_foreground` is the serving loop's (None: on a GPU); `compute_waits` is
+    StateKVConfig's (what a step waits for on the copy stream).
     """
     if disk_dir is not None:
         disk_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +118,7 @@ def run_workload(
             model_fingerprint=model.config.fingerprint(),
             cost_aware_onboarding=cost_aware_onboarding,
             reclaim_prefetched_first=reclaim_prefetched_first,
+            compute_waits=compute_waits,
         )
         done: list[RequestResult] = []
         unfinished: list[RequestResult] = []

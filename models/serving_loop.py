@@ -43,7 +43,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar, Final, Protocol
 
 import attrs
@@ -82,6 +82,8 @@ class Cache(Protocol):
     def is_ready(self, request_id: str) -> bool: ...
 
     def block_table(self, request_id: str) -> tuple[PageId, ...]: ...
+
+    def order_forward_after_copies(self, gpu_pages: Iterable[int]) -> None: ...
 
     def request_status(self, request_id: str) -> RequestStatus: ...
 
@@ -222,6 +224,9 @@ class _Running:
     matched: int = 0
     generator: torch.Generator | None = None
     """The request's own, made at its first draw (on the logits' device)."""
+    ordered: tuple[PageId, ...] = ()
+    """Its block table as last announced to the cache before a pass (the pages a pass has
+    been ordered after their copies: only pages added since are announced again)."""
 
 
 @attrs.define(eq=False)
@@ -647,16 +652,35 @@ class ServingLoop:
 
     def _forward(self, plan: list[tuple[_Running, int]]) -> torch.Tensor:
         pool = self.cache.kv_pool
+        tables = [self.cache.block_table(run.req.request_id) for run, _n in plan]
         chunks = [
             Chunk(token_ids=run.tokens[run.computed:run.computed + n], start=run.computed,
-                  block_table=self.cache.block_table(run.req.request_id))
-            for run, n in plan
+                  block_table=table)
+            for (run, n), table in zip(plan, tables, strict=True)
         ]
+        self._order_after_copies(plan, tables)
         self._forward_tokens += sum(n for _run, n in plan)
         if self.batch_invariant:
             rows = [self.model.forward(pool, [chunk]).last_logits for chunk in chunks]
             return torch.cat(rows, dim=0)
         return self.model.forward(pool, chunks).last_logits
+
+    def _order_after_copies(self, plan: list[tuple[_Running, int]],
+                            tables: list[tuple[PageId, ...]]) -> None:
+        """Announce the pass's pages to the cache, which orders the pass after their copies
+        (only theirs, under compute_waits="pages").  A request's pages announced before a
+        pass are not announced again: the cache copies into no page of a running request.
+        Only the pages added since are, or the whole table where it is not an extension
+        of the one announced (so the cost is per new page, not per page of every context)."""
+        pages: list[PageId] = []
+        for (run, _n), table in zip(plan, tables, strict=True):
+            done = run.ordered
+            if len(table) >= len(done) and table[:len(done)] == done:
+                pages += table[len(done):]
+            else:
+                pages += table
+            run.ordered = table
+        self.cache.order_forward_after_copies(pages)
 
     def _advance(self, plan: list[tuple[_Running, int]], logits: torch.Tensor,
                  tokens: list[int], forward_started: float) -> list[RequestResult]:

@@ -638,6 +638,22 @@ def test_a_file_measured_before_cuda_graphs_were_a_flag_resumes_as_eager(
         read_resumed(path, build_parser().parse_args([*TINY, "--cuda-graphs"]))
 
 
+def test_a_file_measured_before_page_waits_resumes_only_with_every_copy_waited_for(
+    tmp_path: Path,
+) -> None:
+    # Points measured before --compute-waits existed waited for every copy: only a sweep
+    # that keeps doing so (the default, all) may add points to them.
+    from bench.sweep import SweepError, build_parser, read_resumed, signature
+
+    old = signature(build_parser().parse_args(TINY))
+    del old["compute_waits"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"bench": "sweep", "cases": [], "signature": old}))
+    assert read_resumed(path, build_parser().parse_args(TINY))
+    with pytest.raises(SweepError, match="measured with --compute-waits all, not pages"):
+        read_resumed(path, build_parser().parse_args([*TINY, "--compute-waits", "pages"]))
+
+
 def test_a_file_measured_before_the_foreground_resumes_only_with_it_off(
     tmp_path: Path,
 ) -> None:

@@ -32,7 +32,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import attrs
@@ -367,6 +367,11 @@ class Scheduler:
     def request_status(self, request_id: str) -> RequestStatus:
         with self._lock:
             return self._core.request_status(request_id)
+
+    def order_forward_after_copies(self, gpu_pages: Iterable[int]) -> None:
+        # The copy engine's own lock orders this against every enqueue; the scheduler's is
+        # not needed (a page of a ready request gets no new copy while it is used).
+        self._copies.wait_for_pages(gpu_pages)
 
     def statistics(self) -> SystemStatistics:
         with self._lock:

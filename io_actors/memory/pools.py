@@ -16,7 +16,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 import attrs
@@ -24,6 +24,7 @@ import torch
 
 from io_actors.memory import page_gather
 from io_actors.memory.host_checksums import HostChecksums
+from io_actors.memory.page_copies import COMPUTE_WAITS, PendingPageCopies
 from io_actors.storage.buffers import page_aligned_buffer, pinned_page_aligned_buffer
 from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
 from io_actors.storage.interfaces import Fence
@@ -269,6 +270,10 @@ class CopyEngineStatistics:
     kernel_batches: int
     """Batches of page copies that ran as one gather/scatter kernel (the rest: a DMA per
     run of consecutive pages)."""
+    compute_waits: str
+    """"all" or "pages": what a forward pass waits for (TorchCopyEngine)."""
+    page_waits: int
+    """Forward passes that waited for a copy of their own pages (compute_waits="pages")."""
 
 
 class TorchCopyEngine:
@@ -286,8 +291,14 @@ class TorchCopyEngine:
       otherwise.  Capturing it once matters because torch's "current stream" is per thread,
       and the engine is driven from actor and worker threads, not the serving thread.
     - *Among copies.*  One stream executes them in enqueue order.
-    - *Forward pass after copies.*  :meth:`order_before_compute` makes the compute stream
-      wait for every copy enqueued so far (the serving loop calls it before each step).
+    - *Forward pass after copies.*  With ``compute_waits="all"`` (the default),
+      :meth:`order_before_compute` makes the compute stream wait for every copy enqueued so
+      far (the scheduler calls it after each batch of copies it enqueues).  With
+      ``compute_waits="pages"`` it does nothing: instead each forward pass is ordered after
+      the copies of its own pages only (:meth:`wait_for_pages`, which the serving loop calls
+      before each pass with the pages its batch reads or writes), so a pass never waits for
+      a spill or onboard of pages it does not use.  Every piece of compute-stream work that
+      touches a GPU page must then be announced that way.
     - *Host threads after copies.*  :meth:`fence` records an event after every copy enqueued
       so far, and after the compute work the copy stream has been made to wait for; a
       worker thread blocks on ``Fence.wait()`` before it reads a host page just filled by a
@@ -300,10 +311,13 @@ class TorchCopyEngine:
 
     def __init__(
         self, pools: KVPools, *, compute_stream: torch.cuda.Stream | None = None,
-        gather_kernel: bool | None = None,
+        gather_kernel: bool | None = None, compute_waits: str = "all",
     ) -> None:
         if not isinstance(pools, KVPools):
             raise ConfigError("pools", f"must be KVPools, got {pools!r}")
+        if compute_waits not in COMPUTE_WAITS:
+            raise ConfigError("compute_waits", f"must be one of {COMPUTE_WAITS}, got "
+                              f"{compute_waits!r}")
         if gather_kernel is not None and not isinstance(gather_kernel, bool):
             raise ConfigError("gather_kernel", f"must be True, False or None, got "
                               f"{gather_kernel!r}")
@@ -343,6 +357,12 @@ class TorchCopyEngine:
         self._gatherer = (page_gather.PageGather(pools.device, self._stream)
                           if can_gather and self._stream is not None else None)
         self._kernel_batches = 0
+        self.compute_waits: Final = compute_waits
+        # Only where copies are asynchronous: on a CPU device every copy is done when its
+        # call returns, and there is nothing to wait for.
+        self._page_copies: PendingPageCopies[torch.cuda.Event] | None = (
+            PendingPageCopies() if compute_waits == "pages" and self._async else None)
+        self._page_waits = 0
 
     def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
         if self._pools.host_checksums is not None:
@@ -352,14 +372,14 @@ class TorchCopyEngine:
         src = self._pools.gpu_page(gpu_page)
         dst = self._pools.host_page(host_page)
         with self._lock:
-            self._enqueue(dst, src)
+            self._enqueue(dst, src, gpu_page)
             self._copies_to_host += 1
 
     def copy_host_to_gpu(self, host_page: PageId, gpu_page: PageId) -> None:
         src = self._pools.host_page(host_page)
         dst = self._pools.gpu_page(gpu_page)
         with self._lock:
-            self._enqueue(dst, src)
+            self._enqueue(dst, src, gpu_page)
             self._copies_to_gpu += 1
 
     def copy_buffer_to_gpu(self, src: torch.Tensor, gpu_page: PageId) -> None:
@@ -377,7 +397,7 @@ class TorchCopyEngine:
             )
         dst = self._pools.gpu_page(gpu_page)
         with self._lock:
-            self._enqueue(dst, src)
+            self._enqueue(dst, src, gpu_page)
             self._copies_to_gpu += 1
 
     def copy_pages(
@@ -442,6 +462,8 @@ class TorchCopyEngine:
                                        checksums.table, hosts)
                         checksums.computed(hosts)
                 self._pending_for_compute = True
+                if self._page_copies is not None:
+                    self._copied([d if to_gpu else s for s, d in pairs])
             if to_gpu:
                 self._copies_to_gpu += len(pairs)
             else:
@@ -452,7 +474,7 @@ class TorchCopyEngine:
             return self._gather
         return runs >= 2 and pages * self._pools.block_nbytes < runs * GATHER_RUN_BYTES
 
-    def _enqueue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, gpu_page: PageId) -> None:
         if self._stream is None or self._compute is None:
             dst.copy_(src)
             return
@@ -460,6 +482,15 @@ class TorchCopyEngine:
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=self._non_blocking)
         self._pending_for_compute = True
+        if self._page_copies is not None:
+            self._copied((gpu_page,))
+
+    def _copied(self, gpu_pages: Iterable[int]) -> None:
+        """Under the lock, right after the copies of `gpu_pages` were enqueued."""
+        assert self._page_copies is not None and self._stream is not None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        self._page_copies.copied(gpu_pages, event)
 
     def fence(self) -> Fence:
         with self._lock:
@@ -474,11 +505,35 @@ class TorchCopyEngine:
             return _EventFence(event)
 
     def order_before_compute(self) -> None:
+        """After the scheduler enqueued copies: with ``compute_waits="all"``, later work on
+        the compute stream waits for every copy enqueued so far; with "pages", nothing
+        (:meth:`wait_for_pages` orders each forward pass instead)."""
         with self._lock:
-            if self._stream is None or self._compute is None or not self._pending_for_compute:
+            if (self._stream is None or self._compute is None or not self._pending_for_compute
+                    or self._page_copies is not None):
                 return
             self._compute.wait_stream(self._stream)
             self._pending_for_compute = False
+
+    def wait_for_pages(self, gpu_pages: Iterable[int]) -> None:
+        """Before a forward pass that reads or writes `gpu_pages`: with
+        ``compute_waits="pages"``, the compute stream waits for the latest copy of any of
+        them not waited for yet (one event: the copy stream runs in order), and for no
+        other.  A no-op otherwise (every copy is waited for already) and on a CPU device.
+
+        The pages a request has used in an earlier pass need not be named again: the cache
+        never copies into a page of a running request, nor out of the part of one a pass
+        writes (only whole, committed blocks are copied out, and a pass writes only its new
+        tokens' slots)."""
+        pending = self._page_copies
+        if pending is None:
+            return
+        assert self._compute is not None
+        with self._lock:
+            event = pending.take(gpu_pages)
+            if event is not None:
+                self._compute.wait_event(event)
+                self._page_waits += 1
 
     def statistics(self) -> CopyEngineStatistics:
         with self._lock:
@@ -491,4 +546,6 @@ class TorchCopyEngine:
                 fences=self._fences,
                 asynchronous=self._async,
                 kernel_batches=self._kernel_batches,
+                compute_waits=self.compute_waits,
+                page_waits=self._page_waits,
             )

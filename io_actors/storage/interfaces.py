@@ -13,7 +13,7 @@ short read or write, failed open, header or checksum mismatch) and never return 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -70,7 +70,13 @@ class CopyEngine(Protocol):
         ...
 
     def order_before_compute(self) -> None:
-        """Make later work on the compute stream wait for every copy enqueued so far."""
+        """Copies were just enqueued: order later compute-stream work after them as the
+        engine's mode says (all of them, or none here and each pass's own pages at
+        :meth:`wait_for_pages`)."""
+
+    def wait_for_pages(self, gpu_pages: Iterable[int]) -> None:
+        """Before a forward pass over `gpu_pages`: order it after their copies (a no-op
+        where :meth:`order_before_compute` already ordered every copy)."""
 
 
 class SlotStore(Protocol):

@@ -1,0 +1,241 @@
+"""compute_waits="pages": a forward pass waits for the copies of its own pages, and only
+for those.
+
+The bookkeeping (io_actors.memory.page_copies) is checked against a model of the two CUDA
+streams on any machine: the copy stream runs copies in enqueue order, so waiting on the
+event after copy k covers every copy up to k, and a wait on the compute stream holds for all
+later compute work.  The CUDA tests run the engine itself on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from io_actors.config import StateKVConfig
+from io_actors.embed import BlockingCache
+from io_actors.memory.page_copies import PendingPageCopies
+from io_actors.memory.pools import KVPools, TorchCopyEngine
+from models.config import preset
+from models.model import PagedDecoder
+from models.serving_loop import ServeRequest, ServingLoop
+from statekv.config import CacheConfig, KVLayout
+from statekv.errors import ConfigError
+from statekv.ids import PageId
+
+PAGES = 12
+
+# An operation: ("copy", pages) enqueues a batch of copies touching those pages (one event
+# after it); ("pass", pages) is a forward pass over those pages.
+_pages = st.frozensets(st.integers(0, PAGES - 1), max_size=PAGES)
+_ops = st.lists(st.tuples(st.sampled_from(["copy", "pass"]), _pages), max_size=40)
+
+
+@given(ops=_ops)
+def test_a_pass_waits_for_the_latest_copy_of_its_pages_and_for_nothing_later(
+    ops: list[tuple[str, frozenset[int]]],
+) -> None:
+    pending: PendingPageCopies[int] = PendingPageCopies()
+    copies: list[frozenset[int]] = []  # copy k (1-based) touched copies[k - 1]
+    waited = 0  # the compute stream is ordered after copies 1..waited
+    for op, pages in ops:
+        if op == "copy":
+            copies.append(pages)
+            pending.copied(sorted(pages), len(copies))
+            continue
+        event = pending.take(sorted(pages))
+        needed = [k for k, touched in enumerate(copies, 1) if touched & pages and k > waited]
+        # The one event waited for is the newest copy of one of the pass's pages not yet
+        # covered: every copy of its pages is before the pass, and no later copy is waited.
+        assert event == (max(needed) if needed else None)
+        if event is not None:
+            waited = max(waited, event)
+        assert all(k <= waited for k, touched in enumerate(copies, 1) if touched & pages)
+    assert pending.pending() == len({p for k, touched in enumerate(copies, 1) if k > waited
+                                     for p in touched})
+
+
+def test_pages_a_later_pass_names_again_need_no_second_wait() -> None:
+    pending: PendingPageCopies[str] = PendingPageCopies()
+    pending.copied([1, 2], "a")
+    pending.copied([3], "b")
+    assert pending.take([3]) == "b"         # covers "a" too: the copy stream is in order
+    assert pending.take([1, 2]) is None
+    pending.copied([2], "c")
+    assert pending.pending() == 1
+    assert pending.take([1]) is None
+    assert pending.take([2, 5]) == "c"
+    assert pending.pending() == 0
+
+
+def _layout() -> KVLayout:
+    return KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+
+
+def test_compute_waits_takes_all_or_pages_and_names_the_field() -> None:
+    pools = KVPools(CacheConfig(block_size=4, gpu_blocks=4, host_blocks=2, layout=_layout()),
+                    "cpu")
+    for mode in ("all", "pages"):
+        engine = TorchCopyEngine(pools, compute_waits=mode)
+        engine.copy_pages([(PageId(0), PageId(1))], to_gpu=False)
+        engine.wait_for_pages([PageId(0)])  # the CPU's copies are done: nothing to wait for
+        stats = engine.statistics()
+        assert (stats.compute_waits, stats.page_waits) == (mode, 0)
+    for bad in ("some", "", None, True):
+        with pytest.raises(ConfigError) as info:
+            TorchCopyEngine(pools, compute_waits=bad)  # type: ignore[arg-type]
+        assert info.value.field == "compute_waits"
+        with pytest.raises(ConfigError) as info:
+            StateKVConfig(layout=_layout(), gpu=4, compute_waits=bad)  # type: ignore[arg-type]
+        assert info.value.field == "compute_waits"
+
+
+class _Announced:
+    """The cache, recording the pages announced before each pass and checking each pass's
+    pages were announced (for their request) by the time it runs."""
+
+    def __init__(self, cache: BlockingCache) -> None:
+        self._cache = cache
+        self.announced: list[list[int]] = []
+        self.seen: set[int] = set()
+
+    def order_forward_after_copies(self, gpu_pages: Any) -> None:
+        pages = list(gpu_pages)
+        self.announced.append(pages)
+        self.seen.update(pages)
+        self._cache.order_forward_after_copies(pages)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+@pytest.mark.parametrize("compute_waits", ["all", "pages"])
+def test_the_serving_loop_announces_each_pass_pages_once_per_request(
+    tmp_path: Any, compute_waits: str,
+) -> None:
+    model_config = preset("tiny", num_layers=1)
+    model = PagedDecoder(model_config, device="cpu")
+    config = StateKVConfig(layout=model_config.kv_layout(), block_size=4, gpu=40, host=8,
+                           disk=64, disk_dir=tmp_path, device="cpu",
+                           model_fingerprint=model_config.fingerprint(),
+                           compute_waits=compute_waits)
+    passes: list[tuple[list[int], set[int]]] = []
+    with BlockingCache(config) as cache:
+        announced = _Announced(cache)
+        forward = model.forward
+
+        def checked_forward(pool: torch.Tensor, chunks: Any, **kwargs: Any) -> Any:
+            pages = [p for chunk in chunks for p in chunk.block_table]
+            passes.append((pages, set(announced.seen)))
+            return forward(pool, chunks, **kwargs)
+
+        model.forward = checked_forward  # type: ignore[method-assign]
+        loop = ServingLoop(model, cast(BlockingCache, announced), max_step_tokens=24,
+                           prefill_chunk=8, max_running=3)
+        prompts = [[7 + i] * 10 + list(range(3 * i, 3 * i + 9)) for i in range(5)]
+        for i, prompt in enumerate(prompts):
+            loop.submit(ServeRequest(request_id=f"r{i}", prompt=tuple(prompt), max_new_tokens=6))
+        results = loop.drain()
+    assert len(results) == 5 and all(r.finish_reason == "length" for r in results)
+    assert passes
+    for pages, seen in passes:
+        assert set(pages) <= seen  # every page of every pass announced before it ran
+    # Per new page, not per page of every pass: far fewer than the passes' pages in all.
+    total = sum(len(pages) for pages in announced.announced)
+    assert total < sum(len(pages) for pages, _seen in passes)
+
+
+def _cuda_pools(gpu_blocks: int = 8) -> KVPools:
+    return KVPools(CacheConfig(block_size=16, gpu_blocks=gpu_blocks, host_blocks=gpu_blocks,
+                               layout=KVLayout(num_layers=32, num_kv_heads=8, head_dim=128,
+                                               dtype="bfloat16")), "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_pass_over_a_page_waits_for_the_copy_out_of_it() -> None:
+    pools = _cuda_pools()
+    engine = TorchCopyEngine(pools, compute_waits="pages")
+    page = pools.gpu_page(PageId(0))
+    page.fill_(9)
+    # Copies of other pages first, so the copy stream is still busy when the pass is queued.
+    engine.copy_pages([(PageId(i), PageId(i)) for i in range(1, 8)], to_gpu=False)
+    engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
+    engine.wait_for_pages([PageId(0)])
+    page.fill_(1)                         # the pass writes the page the copy reads
+    engine.fence().wait()
+    assert bool((pools.host_page(PageId(0)) == 9).all())
+    assert engine.statistics().page_waits == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_pass_over_a_page_sees_the_copy_into_it() -> None:
+    pools = _cuda_pools()
+    engine = TorchCopyEngine(pools, compute_waits="pages")
+    pools.host_page(PageId(3)).fill_(5)
+    engine.copy_pages([(PageId(i), PageId(i)) for i in range(7)], to_gpu=False)
+    engine.copy_pages([(PageId(3), PageId(7))], to_gpu=True)
+    engine.wait_for_pages([PageId(7)])
+    total = pools.gpu_page(PageId(7)).to(torch.int64).sum()  # on the compute stream
+    assert int(total) == 5 * pools.block_nbytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_pass_over_other_pages_does_not_wait_for_a_copy() -> None:
+    """The point of the mode: a long spill of pages the pass does not use leaves it alone."""
+    pools = _cuda_pools(gpu_blocks=256)   # 256 x 2 MiB: a copy of about 10 ms
+    engine = TorchCopyEngine(pools, compute_waits="pages")
+    torch.cuda.synchronize()
+    engine.copy_pages([(PageId(i), PageId(i)) for i in range(255)], to_gpu=False)
+    spill_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    spill_done.record(engine._stream)  # a test may look inside
+    engine.wait_for_pages([PageId(255)])
+    pools.gpu_page(PageId(255)).add_(1)
+    pass_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    pass_done.record()
+    start = time.perf_counter()
+    pass_done.synchronize()
+    assert not spill_done.query(), (  # type: ignore[no-untyped-call]
+        "the pass waited for the spill of pages it does not use")
+    assert time.perf_counter() - start < 0.5
+    spill_done.synchronize()
+
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tokens_through_disk_are_identical_with_page_waits() -> None:
+    """The serving loop over the real cache on a GPU, steps waiting only for their own pages'
+    copies: every block reused through host and disk gives the tokens an unlimited GPU pool
+    gives (as tests/test_serving_identity.py on the CPU)."""
+    from models.chat_run import Budgets, identical_outputs, run_workload, token_match_rate
+    from models.workloads import ChatWorkload, ChatWorkloadConfig
+    from tests.io_helpers import wait_quiet
+
+    model = PagedDecoder(preset("tiny"), device="cuda")
+
+    def chat() -> ChatWorkload:
+        return ChatWorkload(ChatWorkloadConfig(
+            num_users=10, num_rounds=3, system_prompt_tokens=64, question_tokens=20,
+            answer_tokens=10, arrival_rate=100.0, vocab_size=model.config.vocab_size, seed=3,
+            ttl_seconds=300.0, retained_fraction=0.5))
+
+    tight = Budgets(block_size=16, gpu_blocks=24, host_blocks=4, reserved_host_blocks=8,
+                    disk_blocks=2048)
+    roomy = Budgets(block_size=16, gpu_blocks=1024, host_blocks=0, reserved_host_blocks=0,
+                    disk_blocks=0)
+    quiet = run_workload(model, chat(), tight, device="cuda", cost_aware_onboarding=False,
+                         after_step=wait_quiet, compute_waits="pages")
+    reference = run_workload(model, chat(), roomy, device="cuda")
+    assert quiet.cache.cache.onboards_completed > 0 and quiet.cache.cache.spills_completed > 0
+    assert identical_outputs(quiet, reference) == (30, 30)
+    # Without waiting between steps: copies race the passes, which wait for their own pages.
+    racing = run_workload(model, chat(), tight, device="cuda", cost_aware_onboarding=False,
+                          compute_waits="pages")
+    recompute = run_workload(model, chat(), roomy, device="cuda", salt_every_request=True)
+    assert racing.cache.cache.io_errors == 0
+    assert token_match_rate(racing, recompute) >= 0.9
