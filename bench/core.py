@@ -12,7 +12,15 @@ Phases (each timed over every block it touches, best of --repeat runs):
 * evict          allocation when the GPU is full of cached content (each page evicts one
                  block; no host tier, so the victim is dropped);
 * offload        the same with a host tier with room (each GPU victim is copied to host:
-                 one CopyGpuToHost command per block).
+                 one CopyGpuToHost command per block);
+* spill          allocation when GPU and host are full of cached content and a disk tier has
+                 room: each GPU victim goes to host and pushes a host victim to disk (one
+                 WriteSlot per block, in batches);
+* spill landed   the writers' reports of those writes handled (BatchFinished of SlotWritten:
+                 what the cache's trio thread does per spilled block);
+* onboard        add_request of prompts whose every block is on disk only (hash, match, a
+                 GPU page evicted for each, one ReadSlot per block);
+* read landed    the readers' reports of those reads handled (BatchFinished of SlotRead).
 
 The limit each per-block figure is compared with is the 2 us target of the core issue; the
 same run also measures one blake2b block key (the floor of any chained-hash lookup).
@@ -32,6 +40,7 @@ from bench.flags import OneLineParser, int_at_least
 from bench.results_files import source_commit, write_new_results
 from statekv import CacheConfig, KVCacheManager
 from statekv.hashing import chain_key, root_key, token_bytes
+from statekv.messages import BatchFinished, ReadSlots, SlotRead, SlotWritten, WriteSlots
 
 TARGET_US = 2.0
 BLOCK_SIZE = 16
@@ -59,7 +68,10 @@ def per_block_phases(blocks_per_request: int, requests: int, repeat: int) -> dic
     total_blocks = blocks_per_request * requests
     best: dict[str, float] = {}
     for _ in range(repeat):
-        for phase, seconds in _one_run(blocks_per_request, requests).items():
+        timings = _one_run(blocks_per_request, requests)
+        for phase, (seconds, blocks) in _disk_phases(blocks_per_request, requests).items():
+            timings[phase] = seconds * total_blocks / blocks  # per block it moved
+        for phase, seconds in timings.items():
             us = seconds / total_blocks * 1e6
             best[phase] = min(best.get(phase, float("inf")), us)
     return best
@@ -139,6 +151,71 @@ def _one_run(blocks_per_request: int, requests: int) -> dict[str, float]:
     timings["offload"] = _timed(offload)
     host_cache.take_commands()
     return timings
+
+
+def _disk_phases(blocks_per_request: int, requests: int) -> dict[str, tuple[float, int]]:
+    """Seconds of the disk tier's phases (spill, spill landed, onboard, read landed) and the
+    blocks each moved to or from disk."""
+    gpu = (blocks_per_request + 1) * requests
+    cache = KVCacheManager(CacheConfig(
+        block_size=BLOCK_SIZE, gpu_blocks=gpu, host_blocks=gpu, reserved_host_blocks=64,
+        disk_blocks=4 * gpu, max_batch_blocks=16))
+    now = 1.0
+
+    def cached(first: int, rid: str) -> list[list[int]]:
+        prompts = _prompts(first, requests, blocks_per_request)
+        for n, prompt in enumerate(prompts):
+            cache.add_request(f"{rid}{n}", prompt, now=now)
+            cache.allocate_nowait(f"{rid}{n}", len(prompt), now=now)
+            cache.commit(f"{rid}{n}", len(prompt), now=now)
+            cache.release(f"{rid}{n}", now=now)
+        return prompts
+
+    on_disk = cached(2 * requests, "old")  # fills the GPU
+    cached(3 * requests, "mid")            # pushes it to host
+    cache.take_commands()
+    fresh = _prompts(4 * requests, requests, blocks_per_request)
+    for n, prompt in enumerate(fresh):
+        cache.add_request(f"new{n}", prompt, now=now)
+
+    def spill() -> None:
+        for n, prompt in enumerate(fresh):
+            cache.allocate_nowait(f"new{n}", len(prompt), now=now)
+
+    spill_s = _timed(spill)
+    writes = [cmd for cmd in cache.take_commands() if isinstance(cmd, WriteSlots)]
+    landed = [BatchFinished(outcomes=tuple(SlotWritten(transfer=w.transfer)
+                                           for w in cmd.writes)) for cmd in writes]
+
+    def spill_landed() -> None:
+        for report in landed:
+            cache.handle(report, now=now)
+
+    spill_landed_s = _timed(spill_landed)
+    for n in range(requests):
+        cache.release(f"new{n}", now=now)  # uncommitted: their pages come back empty
+    cache.take_commands()
+
+    def onboard() -> None:
+        for n, prompt in enumerate(on_disk):
+            cache.add_request(f"back{n}", prompt, now=now)
+
+    onboard_s = _timed(onboard)
+    reads = [cmd for cmd in cache.take_commands() if isinstance(cmd, ReadSlots)]
+    read = [BatchFinished(outcomes=tuple(SlotRead(transfer=r.transfer) for r in cmd.reads))
+            for cmd in reads]
+
+    def read_landed() -> None:
+        for report in read:
+            cache.handle(report, now=now)
+
+    read_landed_s = _timed(read_landed)
+    spilled = sum(len(cmd.writes) for cmd in writes)
+    onboarded = sum(len(cmd.reads) for cmd in reads)
+    if not spilled or not onboarded:
+        raise RuntimeError(f"the disk phases moved {spilled} and {onboarded} blocks")
+    return {"spill": (spill_s, spilled), "spill landed": (spill_landed_s, spilled),
+            "onboard": (onboard_s, onboarded), "read landed": (read_landed_s, onboarded)}
 
 
 def key_floor_us(samples: int = 200_000) -> float:
