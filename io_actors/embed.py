@@ -228,6 +228,13 @@ class CacheAPI:
     def block_table(self, request_id: str) -> tuple[PageId, ...]:
         return self._scheduler.block_table(request_id)
 
+    @property
+    def orders_passes_by_page(self) -> bool:
+        """Whether :meth:`order_forward_after_copies` orders anything: True under
+        ``compute_waits="pages"`` on a GPU; False where every pass already waits for every
+        copy (a serving loop then need not gather its pages at all)."""
+        return self._scheduler.orders_passes_by_page
+
     def order_forward_after_copies(self, gpu_pages: Iterable[int]) -> None:
         """Call before launching GPU work that reads or writes `gpu_pages` of :attr:`kv_pool`
         (a forward pass: every page of its batch's block tables).  Under

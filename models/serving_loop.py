@@ -83,6 +83,9 @@ class Cache(Protocol):
 
     def block_table(self, request_id: str) -> tuple[PageId, ...]: ...
 
+    @property
+    def orders_passes_by_page(self) -> bool: ...
+
     def order_forward_after_copies(self, gpu_pages: Iterable[int]) -> None: ...
 
     def request_status(self, request_id: str) -> RequestStatus: ...
@@ -658,7 +661,8 @@ class ServingLoop:
                   block_table=table)
             for (run, n), table in zip(plan, tables, strict=True)
         ]
-        self._order_after_copies(plan, tables)
+        if self.cache.orders_passes_by_page:
+            self._order_after_copies(plan, tables)
         self._forward_tokens += sum(n for _run, n in plan)
         if self.batch_invariant:
             rows = [self.model.forward(pool, [chunk]).last_logits for chunk in chunks]
@@ -675,7 +679,9 @@ class ServingLoop:
         pages: list[PageId] = []
         for (run, _n), table in zip(plan, tables, strict=True):
             done = run.ordered
-            if len(table) >= len(done) and table[:len(done)] == done:
+            if table == done:  # the common step: no new page
+                continue
+            if len(table) > len(done) and table[:len(done)] == done:
                 pages += table[len(done):]
             else:
                 pages += table

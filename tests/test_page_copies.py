@@ -97,12 +97,14 @@ def test_compute_waits_takes_all_or_pages_and_names_the_field() -> None:
 
 class _Announced:
     """The cache, recording the pages announced before each pass and checking each pass's
-    pages were announced (for their request) by the time it runs."""
+    pages were announced (for their request) by the time it runs.  It says it orders passes
+    by page (as under compute_waits="pages" on a GPU) unless told otherwise."""
 
-    def __init__(self, cache: BlockingCache) -> None:
+    def __init__(self, cache: BlockingCache, *, by_page: bool = True) -> None:
         self._cache = cache
         self.announced: list[list[int]] = []
         self.seen: set[int] = set()
+        self.orders_passes_by_page = by_page
 
     def order_forward_after_copies(self, gpu_pages: Any) -> None:
         pages = list(gpu_pages)
@@ -118,6 +120,17 @@ class _Announced:
 def test_the_serving_loop_announces_each_pass_pages_once_per_request(
     tmp_path: Any, compute_waits: str,
 ) -> None:
+    _serve_announced(tmp_path, compute_waits, by_page=True)
+
+
+def test_a_cache_that_waits_for_every_copy_is_not_told_the_pages(tmp_path: Any) -> None:
+    """Where every pass already waits for every copy, the loop does not gather its pages:
+    that is a walk of every running request's table a step, for nothing."""
+    announced = _serve_announced(tmp_path, "all", by_page=False)
+    assert announced == []
+
+
+def _serve_announced(tmp_path: Any, compute_waits: str, *, by_page: bool) -> list[list[int]]:
     model_config = preset("tiny", num_layers=1)
     model = PagedDecoder(model_config, device="cpu")
     config = StateKVConfig(layout=model_config.kv_layout(), block_size=4, gpu=40, host=8,
@@ -126,7 +139,8 @@ def test_the_serving_loop_announces_each_pass_pages_once_per_request(
                            compute_waits=compute_waits)
     passes: list[tuple[list[int], set[int]]] = []
     with BlockingCache(config) as cache:
-        announced = _Announced(cache)
+        assert not cache.orders_passes_by_page  # a CPU device: every copy is done at once
+        announced = _Announced(cache, by_page=by_page)
         forward = model.forward
 
         def checked_forward(pool: torch.Tensor, chunks: Any, **kwargs: Any) -> Any:
@@ -143,11 +157,13 @@ def test_the_serving_loop_announces_each_pass_pages_once_per_request(
         results = loop.drain()
     assert len(results) == 5 and all(r.finish_reason == "length" for r in results)
     assert passes
-    for pages, seen in passes:
-        assert set(pages) <= seen  # every page of every pass announced before it ran
-    # Per new page, not per page of every pass: far fewer than the passes' pages in all.
-    total = sum(len(pages) for pages in announced.announced)
-    assert total < sum(len(pages) for pages, _seen in passes)
+    if by_page:
+        for pages, seen in passes:
+            assert set(pages) <= seen  # every page of every pass announced before it ran
+        # Per new page, not per page of every pass: far fewer than the passes' pages in all.
+        total = sum(len(pages) for pages in announced.announced)
+        assert total < sum(len(pages) for pages, _seen in passes)
+    return announced.announced
 
 
 def _cuda_pools(gpu_blocks: int = 8) -> KVPools:

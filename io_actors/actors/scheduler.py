@@ -368,6 +368,10 @@ class Scheduler:
         with self._lock:
             return self._core.request_status(request_id)
 
+    @property
+    def orders_passes_by_page(self) -> bool:
+        return self._copies.orders_by_page
+
     def order_forward_after_copies(self, gpu_pages: Iterable[int]) -> None:
         # The copy engine's own lock orders this against every enqueue; the scheduler's is
         # not needed (a page of a ready request gets no new copy while it is used).

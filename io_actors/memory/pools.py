@@ -515,6 +515,12 @@ class TorchCopyEngine:
             self._compute.wait_stream(self._stream)
             self._pending_for_compute = False
 
+    @property
+    def orders_by_page(self) -> bool:
+        """Whether :meth:`wait_for_pages` orders passes (compute_waits="pages" on a GPU): a
+        caller with nothing else to do with its pages can skip naming them otherwise."""
+        return self._page_copies is not None
+
     def wait_for_pages(self, gpu_pages: Iterable[int]) -> None:
         """Before a forward pass that reads or writes `gpu_pages`: with
         ``compute_waits="pages"``, the compute stream waits for the latest copy of any of

@@ -74,6 +74,11 @@ class CopyEngine(Protocol):
         engine's mode says (all of them, or none here and each pass's own pages at
         :meth:`wait_for_pages`)."""
 
+    @property
+    def orders_by_page(self) -> bool:
+        """Whether :meth:`wait_for_pages` does anything (else every copy is waited for)."""
+        ...
+
     def wait_for_pages(self, gpu_pages: Iterable[int]) -> None:
         """Before a forward pass over `gpu_pages`: order it after their copies (a no-op
         where :meth:`order_before_compute` already ordered every copy)."""
