@@ -60,6 +60,29 @@ run() {  # name, seconds allowed, command...
     timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     echo "=== $name: rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
 }
+# An A/B of one flag in one call, each value back to back on the same machine: $1 names the
+# runs and results files, $2 is the flag, the rest its values; AB_EXTRA adds flags to both.
+latency_ab() {  # the step-latency phase alone (bench.io), the lock timed
+    local what=$1 flag=$2; shift 2
+    for how in "$@"; do
+        run "io-$what-$how" ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 2 \
+        --threads 4 --blocks 512 --dir "$DISK" --model 8b-class --model-layers 4 \
+        --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --latency-only \
+        --tenant-blocks 32 --tenant-in-flight 16 --tag "lat-$what-$how" --write --time-lock \
+        ${AB_EXTRA:-} "$flag" "$how" ${IO_ARGS:-}
+    done
+}
+sweep_ab() {  # one sweep point per configuration (SWEEP_CONFIGS) at AB_RATE
+    local what=$1 flag=$2; shift 2
+    for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
+        for how in "$@"; do
+        run "$what-$cfg-$how" ${AB_S:-140} python3 -m bench.sweep --machine "$MACHINE" \
+        --dir "$DISK/sweep" "${cell_flags[@]}" \
+        --tag "$what-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" --configs "$cfg" \
+        --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" --points 1 \
+        ${AB_EXTRA:-} "$flag" "$how" ${SWEEP_ARGS:-}; done
+    done
+}
 for step in "$@"; do
     case $step in
     info) run info 30 bash -c 'nvidia-smi -L; python3 -c "import torch, kvikio, trio; print(torch.__version__, torch.cuda.get_device_name(0), kvikio.__version__, trio.__version__)"; df -h /tmp | tail -1' ;;
@@ -87,21 +110,11 @@ for step in "$@"; do
     # The step-latency phase alone with the serving loop's foreground off and then on (the
     # cache's threads wait their turn while the serving thread works), the lock timed:
     # one pair in one call, same tenant.  IO_ARGS=--cuda-graphs for the graph replays.
-    io-fg) for how in off on; do
-        run "io-fg-$how" ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 2 \
-        --threads 4 --blocks 512 --dir "$DISK" --model 8b-class --model-layers 4 \
-        --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --latency-only \
-        --tenant-blocks 32 --tenant-in-flight 16 --tag "lat-fg-$how" --write --time-lock \
-        --foreground "$how" ${IO_ARGS:-}; done ;;
+    io-fg) latency_ab fg --foreground off on ;;
     # The step-latency phase with the serving loop's steps waiting for every copy on the
     # copy stream and then only for their own pages' (StateKVConfig.compute_waits), the
     # foreground on: one pair in one call, same tenant.
-    io-pages) for how in all pages; do
-        run "io-pages-$how" ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 2 \
-        --threads 4 --blocks 512 --dir "$DISK" --model 8b-class --model-layers 4 \
-        --decoders 16 --decode-steps 200 --loop-gpu-blocks 2048 --latency-only \
-        --tenant-blocks 32 --tenant-in-flight 16 --tag "lat-waits-$how" --write --time-lock \
-        --foreground on --compute-waits "$how" ${IO_ARGS:-}; done ;;
+    io-pages) AB_EXTRA="--foreground on" latency_ab waits --compute-waits all pages ;;
     # The decode pass beside a thread running Python in bursts, eager and as a graph
     # replay: the interpreter lock's cost without the disk.
     gil) run gil ${GIL_S:-200} python3 -m bench.gil_contention --machine "$MACHINE" --device cuda \
@@ -168,23 +181,11 @@ for step in "$@"; do
     # The same, with the serving loop's foreground off and then on (--foreground): whether
     # keeping the cache's Python out of the serving thread's work moves what a
     # configuration sustains there.
-    fg-ab) for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
-        for how in off on; do
-        run "fg-$cfg-$how" ${AB_S:-140} python3 -m bench.sweep --machine "$MACHINE" \
-        --dir "$DISK/sweep" "${cell_flags[@]}" \
-        --tag "fg-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" --configs "$cfg" \
-        --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" --points 1 \
-        --foreground "$how" ${SWEEP_ARGS:-}; done; done ;;
+    fg-ab) sweep_ab fg --foreground off on ;;
     # The same, each step waiting for every copy (all) and then only for its own pages'
     # (--compute-waits pages): what the copies of other requests' pages cost a
     # configuration's throughput at one rate.
-    pages-ab) for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
-        for how in all pages; do
-        run "waits-$cfg-$how" ${AB_S:-140} python3 -m bench.sweep --machine "$MACHINE" \
-        --dir "$DISK/sweep" "${cell_flags[@]}" \
-        --tag "waits-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" --configs "$cfg" \
-        --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" --points 1 \
-        --foreground on --compute-waits "$how" ${SWEEP_ARGS:-}; done; done ;;
+    pages-ab) AB_EXTRA="--foreground on" sweep_ab waits --compute-waits all pages ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     # The whole gpu profile runs past one call's 10 minutes on the H200 (its system machine
     # alone did not finish 300 examples in 7.5 minutes): FUZZ_MACHINES=system in one call,
