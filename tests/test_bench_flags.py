@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import blockpool, checksum, core, disk_limits, rebuild, remote
+from bench import blockpool, checksum, core, disk_limits, rebuild, remote, worker_cpu
 from bench.io import main
 
 
@@ -72,6 +72,11 @@ def test_a_dir_that_does_not_exist_is_one_line_and_is_not_created(
     (rebuild.main, ["--dir", "/nonexistent/statekv"], "--dir"),
     (remote.main, ["--block-kib", "0"], "--block-kib"),
     (remote.main, ["--seconds", "-1"], "--seconds"),
+    (worker_cpu.main, ["--block-kib", "100"], "--block-kib must be a multiple of 64"),
+    (worker_cpu.main, ["--block-kib", "32"], "--block-kib"),
+    (worker_cpu.main, ["--blocks", "0"], "--blocks"),
+    (worker_cpu.main, ["--dir", "/nonexistent/statekv"], "--dir"),
+    (worker_cpu.main, ["--tag", "a/b"], "--tag"),
 ])
 def test_every_benchmark_names_a_bad_flag_in_one_line(
     bench: Callable[[list[str]], object], argv: list[str], flag: str,

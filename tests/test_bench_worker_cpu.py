@@ -1,6 +1,6 @@
 """bench.worker_cpu on this machine, small: each worker path is printed against its raw
-pass, its figure is that path's own CPU over the raw pass's wall time, the scratch store is
-gone afterwards, and bad flags are one line."""
+pass, its figure is that path's own CPU over the raw pass's wall time, and the scratch store
+is gone afterwards (its bad flags: tests/test_bench_flags.py)."""
 
 from __future__ import annotations
 
@@ -38,18 +38,3 @@ def test_the_figure_is_own_cpu_over_the_raw_wall_time() -> None:
     assert out["prefetch_reader_own_cpu_us_per_block"]["ratio"] == 0.05
     assert "buffered" in str(figures(best, direct=False)[
         "prefetch_reader_own_cpu_us_per_block"]["limit_name"])
-
-
-@pytest.mark.parametrize("argv, says", [
-    (["--block-kib", "100"], "--block-kib must be a multiple of 64"),
-    (["--block-kib", "32"], "--block-kib"),
-    (["--blocks", "0"], "--blocks"),
-    (["--dir", "/nonexistent/statekv"], "--dir"),
-])
-def test_bad_flags_are_one_line(argv: list[str], says: str,
-                                capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and says in err[0], err
