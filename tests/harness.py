@@ -17,6 +17,8 @@ from collections.abc import Collection, Sequence
 from itertools import count
 from typing import Any
 
+import pytest
+
 from statekv import CacheConfig, KVCacheManager
 from statekv.hashing import chain_key, root_key, token_bytes
 from statekv.ids import BlockHash, BlockId, SlotId, TransferId
@@ -384,3 +386,18 @@ class Executor:
 def make(**overrides: Any) -> Executor:
     """A manager built from :func:`config` with `overrides`, and its executor."""
     return Executor(KVCacheManager(config(**overrides)))
+
+
+def count_encodings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Every prompt the core encodes from now on (``statekv.requests.token_bytes``), in
+    order: how a test sees that a prompt was checked, encoded and keyed once."""
+    from statekv import requests
+
+    encoded: list[tuple[int, ...]] = []
+
+    def counting(tokens: Sequence[int]) -> bytes:
+        encoded.append(tuple(tokens))
+        return token_bytes(tokens)
+
+    monkeypatch.setattr(requests, "token_bytes", counting)
+    return encoded

@@ -8,14 +8,13 @@ accounting fails on any host page or slot that is leaked or owned twice.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import pytest
 
 from statekv import OutOfBlocks, UsageError
 from statekv.ids import RequestId
 from statekv.messages import CopyHostToGpu, FreeSlot, PrefetchSlot, ReadSlot
-from tests.harness import Executor, fresh_tokens, make
+from tests.harness import Executor, count_encodings, fresh_tokens, make
 
 
 def on_disk(**overrides: object) -> tuple[Executor, list[int]]:
@@ -198,17 +197,8 @@ def test_a_repeat_call_with_the_same_tuple_checks_and_keys_the_prompt_once(
     tuple (immutable, checked at the first call) the cache does not check, encode and key
     the prompt again; any other argument is checked anew, and the record ends with the
     queued request."""
-    from statekv import requests
-    from statekv.hashing import token_bytes
-
-    encoded: list[int] = []
-
-    def counting(tokens: Sequence[int]) -> bytes:
-        encoded.append(len(tokens))
-        return token_bytes(tokens)
-
     ex, doc = on_disk()
-    monkeypatch.setattr(requests, "token_bytes", counting)
+    encoded = count_encodings(monkeypatch)
     prompt = tuple(doc)
     assert ex.prefetch("q", prompt).started_tokens == 4 and len(encoded) == 1
     ex.drain()
@@ -236,17 +226,8 @@ def test_admission_after_a_prefetch_keys_the_prompt_as_a_fresh_request_would(
     """add_request takes a prefetched request's checked, encoded and keyed prompt only for
     the very tuple (and salt) the prefetch was given; the record it makes is the one a
     fresh check would make, and the request grows from it as any other does."""
-    from statekv import requests
-    from statekv.hashing import token_bytes
-
-    encoded: list[int] = []
-
-    def counting(tokens: Sequence[int]) -> bytes:
-        encoded.append(len(tokens))
-        return token_bytes(tokens)
-
     ex, doc = on_disk()
-    monkeypatch.setattr(requests, "token_bytes", counting)
+    encoded = count_encodings(monkeypatch)
     prompt = tuple(doc)
     ex.prefetch("q", prompt)
     ex.drain()

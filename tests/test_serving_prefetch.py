@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ from models.config import preset
 from models.model import PagedDecoder
 from models.serving_loop import RequestResult, ServeRequest, ServingLoop
 from statekv import UsageError
+from tests.harness import count_encodings
 from tests.io_helpers import wait_quiet
 
 PROMPT = tuple(range(13))  # three full blocks of 4
@@ -98,21 +99,12 @@ def test_a_prefetched_request_is_encoded_and_keyed_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop asks for a queued request's disk blocks every step and then admits it: the
     cache checks and encodes its prompt once, at the first prefetch."""
-    from statekv import requests
-    from statekv.hashing import token_bytes
-
     model = PagedDecoder(preset("tiny"), device="cpu")
     with _cache(tmp_path, model) as cache:
         loop = ServingLoop(model, cache, max_running=1, prefetch_ahead=2)
         push_prompt_to_disk(loop, cache)
         prompt = (*PROMPT, 7, 7)
-        encoded: list[tuple[int, ...]] = []
-
-        def counting(tokens: Sequence[int]) -> bytes:
-            encoded.append(tuple(tokens))
-            return token_bytes(tokens)
-
-        monkeypatch.setattr(requests, "token_bytes", counting)
+        encoded = count_encodings(monkeypatch)
         loop.submit(ServeRequest(request_id="long", prompt=tuple(range(460, 500)),
                                  max_new_tokens=8))
         loop.submit(ServeRequest(request_id="again", prompt=prompt, max_new_tokens=2))
