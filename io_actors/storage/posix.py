@@ -518,11 +518,11 @@ class PosixSlotStore:
         if run:
             yield run, True
 
-    def _iov(self, item: SlotIO, header: memoryview, pad: memoryview | None) -> list[memoryview]:
-        iov = [header, host_view(item.buffer)]
-        if pad is not None:
-            iov.append(pad)
-        return iov
+    @staticmethod
+    def _iov(header: memoryview, payload: memoryview, pad: memoryview | None
+             ) -> list[memoryview]:
+        """One slot's part of a run's vector: header block, payload, padding."""
+        return [header, payload] if pad is None else [header, payload, pad]
 
     def _write_run(
         self, items: list[SlotIO], run: list[int], headers: _Headers, out: BatchOutcome
@@ -541,10 +541,7 @@ class PosixSlotStore:
                 slot=item.slot, key=item.key, payload_len=self._payload_len, payload_crc=crc,
                 config=self._config_fp, meta=item.meta,
             ).pack_into(header, mac_key=self._mac_key, payload=payload)
-            iov.append(header)
-            iov.append(payload)
-            if pad is not None:
-                iov.append(pad)
+            iov += self._iov(header, payload, pad)
         self._vector_io(os.pwritev, "write", items, run, iov, out)
         if self._sync_writes and any(out[i] is None for i in run):
             try:
@@ -559,7 +556,8 @@ class PosixSlotStore:
     ) -> None:
         iov: list[memoryview] = []
         for n, i in enumerate(run):
-            iov += self._iov(items[i], headers.views[n], self._scratch_pad_view)
+            iov += self._iov(headers.views[n], host_view(items[i].buffer),
+                             self._scratch_pad_view)
         self._vector_io(os.preadv, "read", items, run, iov, out)
         for n, i in enumerate(run):
             if out[i] is not None:

@@ -82,6 +82,7 @@ import hmac
 import math
 import struct
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -156,9 +157,12 @@ def payload_checksum(data: ReadableBuffer, value: int = 0, *,
     """The payload checksum of host bytes under slot format `version` (a read verifies a
     slot with its header's version): CRC-32C, or zlib's CRC-32 before CRC32C_SINCE.  Both
     release the GIL on large buffers (crc32c from 32 KiB, zlib above 5 KiB)."""
-    if version >= CRC32C_SINCE:
-        return crc32c.crc32c(data, value)
-    return zlib.crc32(data, value) & _U32
+    return _crc_function(version)(data, value)
+
+
+def _crc_function(version: int) -> Callable[[ReadableBuffer, int], int]:
+    """The checksum function of slot format `version` (both checksums of a slot use it)."""
+    return crc32c.crc32c if version >= CRC32C_SINCE else zlib.crc32
 
 
 def _check_payload_len(payload_len: object) -> None:
@@ -189,9 +193,9 @@ def check_key(key: object) -> None:
 def _header_crc(block: ReadableBuffer, version: int = FORMAT_VERSION) -> int:
     """The header checksum: the same function as the payload's, of the same version."""
     view = memoryview(block)
-    crc_of = crc32c.crc32c if version >= CRC32C_SINCE else zlib.crc32
-    crc = crc_of(view[_HEADER_USED:HEADER_SIZE], crc_of(_ZERO_CRC_FIELD, crc_of(view[:_CRC_AT])))
-    return crc & _U32
+    crc_of = _crc_function(version)
+    crc = crc_of(_ZERO_CRC_FIELD, crc_of(view[:_CRC_AT], 0))
+    return crc_of(view[_HEADER_USED:HEADER_SIZE], crc)
 
 
 def check_mac_key(field: str, key: object) -> bytes | None:
