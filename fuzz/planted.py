@@ -33,7 +33,7 @@ from io_actors.storage import posix
 from io_actors.storage.buffers import host_view
 from io_actors.storage.slot_format import payload_checksum
 from statekv.block import Block
-from statekv.disk_tier import DiskTier
+from statekv.disk_tier import DiskTier, Refusal
 from statekv.eviction import Eviction
 from statekv.lifecycle import BlockEvent, BlockState
 from statekv.manager import KVCacheManager
@@ -76,14 +76,16 @@ def slot_reused_before_read() -> AbstractContextManager[None]:
     """Seed: onboardBlock queued the read, then returned the slot's card to the free queue at
     once, so the next spill could overwrite the slot before the read ran."""
 
-    def make(original: Callable[..., None]) -> Callable[..., None]:
-        def start_read(self: Onboarding, req: Any, block: Block) -> None:
-            original(self, req, block)
-            assert block.disk_slot is not None
-            self.disk.slots.empty.append(block.disk_slot)
-        return start_read
+    def make(original: Callable[..., int]) -> Callable[..., int]:
+        def start_reads(self: Onboarding, req: Any, run: list[Block]) -> int:
+            retained = original(self, req, run)
+            for block in run:
+                assert block.disk_slot is not None
+                self.disk.slots.empty.append(block.disk_slot)
+            return retained
+        return start_reads
 
-    return _wrapped(Onboarding, "start_read", make)
+    return _wrapped(Onboarding, "start_reads", make)
 
 
 def displaced_identity_left_in_tree() -> AbstractContextManager[None]:
@@ -105,20 +107,20 @@ def spills_displace_before_empty_slots() -> AbstractContextManager[None]:
     """Seed: empty disk slots were filed above fresh content, so spills displaced each other
     while empty slots sat unused."""
 
-    def make(original: Callable[..., None]) -> Callable[..., None]:
-        def spill(self: DiskTier, victim: Block, now: float) -> None:
+    def make(original: Callable[..., Refusal | None]) -> Callable[..., Refusal | None]:
+        def try_spill(self: DiskTier, victim: Block, now: float,
+                      **kwargs: Any) -> Refusal | None:
             disk = self.slots
             if disk.empty and disk.next_victim(True) is not None:
                 empty, disk.empty = disk.empty, []
                 try:
-                    original(self, victim, now)
+                    return original(self, victim, now, **kwargs)
                 finally:
                     disk.empty = empty + disk.empty
-            else:
-                original(self, victim, now)
-        return spill
+            return original(self, victim, now, **kwargs)
+        return try_spill
 
-    return _wrapped(DiskTier, "spill", make)
+    return _wrapped(DiskTier, "try_spill", make)
 
 
 def stale_deadline_kept() -> AbstractContextManager[None]:
@@ -154,18 +156,20 @@ def displaced_copy_kept() -> AbstractContextManager[None]:
     the block pointing at the slot, so a later eviction trusts bytes that were overwritten
     (and the slot has two owners)."""
 
-    def make(original: Callable[..., None]) -> Callable[..., None]:
-        def spill(self: DiskTier, victim: Block, now: float) -> None:
-            slots = self.slots
-            displaced = None if slots.empty else slots.next_victim(
-                self.policies.admission.may_displace_live())
+    def make(original: Callable[..., Refusal | None]) -> Callable[..., Refusal | None]:
+        def try_spill(self: DiskTier, victim: Block, now: float,
+                      **kwargs: Any) -> Refusal | None:
+            placement = self._placement(victim, now)
+            displaced = placement if isinstance(placement, Block) else None
             slot = None if displaced is None else displaced.disk_slot
-            original(self, victim, now)
-            if displaced is not None and displaced.state is not BlockState.FREE:
+            refusal = original(self, victim, now, **kwargs)
+            if (refusal is None and displaced is not None
+                    and displaced.state is not BlockState.FREE):
                 displaced.disk_slot = slot
-        return spill
+            return refusal
+        return try_spill
 
-    return _wrapped(DiskTier, "spill", make)
+    return _wrapped(DiskTier, "try_spill", make)
 
 
 def checksum_not_verified() -> AbstractContextManager[None]:

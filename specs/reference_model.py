@@ -655,8 +655,16 @@ class ReferenceCache:
         self._advance(now)
         self.protected = {id(b) for b in matched}
         hits = {GPU: 0, HOST: 0, DISK: 0}
-        for b in matched:
+        run_end = 0  # matched[:run_end] had their pages taken already
+        for i, b in enumerate(matched):
             b.reuse += 1
+            if b.tier == DISK and i >= run_end:
+                # The first of a run of blocks only on disk: the run's GPU pages are taken
+                # before any of its reads is issued (one eviction pass for the run).
+                run_end = i
+                while run_end < len(matched) and matched[run_end].tier == DISK:
+                    self._take_gpu_page()
+                    run_end += 1
             if b.tier == GPU:
                 hits[GPU] += 1
             elif b.tier == READING:
@@ -702,7 +710,6 @@ class ReferenceCache:
             else:
                 assert b.tier == DISK
                 self.c["hit_blocks_disk_retained"] += is_live(b.expiry, now)
-                self._take_gpu_page()
                 self.next_transfer += 1
                 self.reads[self.next_transfer] = b
                 self.commands.append(("ReadSlot", b.key))

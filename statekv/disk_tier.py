@@ -20,7 +20,7 @@ import attrs
 from statekv.arith import is_live
 from statekv.block import Block
 from statekv.config import CacheConfig, is_finite_number
-from statekv.errors import UsageError
+from statekv.errors import InvariantViolation, UsageError
 from statekv.hashing import DIGEST_SIZE
 from statekv.ids import BlockHash, PageId, SlotId, TransferId
 from statekv.lifecycle import COPY_STATES, BlockEvent, BlockState
@@ -142,32 +142,44 @@ class DiskTier:
 
     def spill_refusal(self, victim: Block, now: float) -> Refusal | None:
         """Why `victim` may not be spilled now, or None when it may."""
+        placement = self._placement(victim, now)
+        return placement if isinstance(placement, Refusal) else None
+
+    def _placement(self, victim: Block, now: float) -> Refusal | Block | None:
+        """Why `victim` may not be spilled now; else the block on disk its spill would
+        displace, or None where an empty slot takes it.  Decides only: nothing changes.
+
+        Displacing content whose TTL is running is only for content under a TTL itself, and
+        only where the admission policy lets it: a best-effort spill never costs a retained
+        block its place, even while every best-effort block on disk is busy with a
+        transfer."""
         policies = self.policies
         if not policies.spill.admits(victim, now):
             return Refusal.GATE
-        if policies.pressure.sheds(is_live(victim.expiry, now), len(self.writes)):
+        live = is_live(victim.expiry, now)
+        if policies.pressure.sheds(live, len(self.writes)):
             return Refusal.PRESSURE
         disk = self.slots
         if disk.empty:
             return None
-        if disk.next_victim(self._may_displace_live(victim, now)) is not None:
-            return None
+        displaced = disk.next_victim(live and policies.admission.may_displace_live())
+        if displaced is not None:
+            return displaced
         if disk.next_victim(True) is not None:
             return Refusal.ADMISSION
         return Refusal.DISK_BUSY
 
-    def _may_displace_live(self, victim: Block, now: float) -> bool:
-        """Whether `victim`'s spill may displace content whose TTL is running: only content
-        under a TTL itself, and only where the admission policy lets it (a best-effort
-        spill never costs a retained block its place, even while every best-effort block on
-        disk is busy with a transfer)."""
-        return self.policies.admission.may_displace_live() and is_live(victim.expiry, now)
-
-    def spill(self, victim: Block, now: float, *, keep_host: bool = False) -> None:
-        """Start writing `victim` to a disk slot (displacing the next disk victim if need be).
+    def try_spill(self, victim: Block, now: float, *, keep_host: bool = False
+                  ) -> Refusal | None:
+        """Start writing `victim` to a disk slot if the disk admits it now (displacing the
+        next disk victim if need be), deciding and taking the slot in one pass; else return
+        why not, with nothing changed.
 
         `keep_host`: a write-through of a block that stays on host (see write_landed)."""
-        slot = self._take_slot(victim, now)
+        placement = self._placement(victim, now)
+        if isinstance(placement, Refusal):
+            return placement
+        slot = self._take_slot(placement)
         host_page = victim.host_page
         assert host_page is not None
         tid = self.outbox.new_transfer()
@@ -177,6 +189,14 @@ class DiskTier:
         victim.transfer = tid
         self.records.move(victim, _E.SPILL_STARTED)
         self._issue(tid, victim, host_page, slot, now)
+        return None
+
+    def spill(self, victim: Block, now: float, *, keep_host: bool = False) -> None:
+        """try_spill for a caller that checked :meth:`spill_refusal` already."""
+        refusal = self.try_spill(victim, now, keep_host=keep_host)
+        if refusal is not None:
+            raise InvariantViolation(f"spilling {victim!r}, which the disk refuses: "
+                                     f"{refusal.value}")
 
     def write_through_staged(self, block: Block, staging_page: PageId, now: float) -> None:
         """Start writing the content of `block` (on GPU, its bytes just copied into
@@ -184,7 +204,11 @@ class DiskTier:
         The caller checked :meth:`spill_refusal`."""
         key = block.key
         assert key is not None and key not in self.staged
-        slot = self._take_slot(block, now)
+        placement = self._placement(block, now)
+        if isinstance(placement, Refusal):
+            raise InvariantViolation(f"writing {block!r} through, which the disk refuses: "
+                                     f"{placement.value}")
+        slot = self._take_slot(placement)
         tid = self.outbox.new_transfer()
         self.writes[tid] = Write(block=None, host_page=staging_page, slot=slot,
                                  staged_key=key, staged_expiry=block.expiry,
@@ -193,13 +217,11 @@ class DiskTier:
         self.staged[key] = tid
         self._issue(tid, block, staging_page, slot, now)
 
-    def _take_slot(self, victim: Block, now: float) -> SlotId:
-        """An empty slot, else the next disk victim's (displaced)."""
+    def _take_slot(self, displaced: Block | None) -> SlotId:
+        """An empty slot (`displaced` None), else `displaced`'s: the content there goes."""
         disk = self.slots
-        if disk.empty:
+        if displaced is None:
             return disk.empty.pop()
-        displaced = disk.next_victim(self._may_displace_live(victim, now))
-        assert displaced is not None
         disk.unfile(displaced)
         slot = displaced.disk_slot
         assert slot is not None

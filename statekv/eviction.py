@@ -195,11 +195,13 @@ class Eviction:
         """`count` empty GPU pages for one allocation, evicting as `count` take_gpu_page
         calls would (the same victims, pages, records and transitions, in the same order).
 
-        Callers check `obtainable()` first.  Empty pages go first, taken as one slice; with
-        no host tier every victim is dropped (no host copy, no disk copy either: both need a
-        host tier), so the victims are popped as one run and dropped in one pass.  With a
-        host tier each victim's way down depends on the host pages the one before it left,
-        so they go one at a time.
+        Callers check `obtainable()` first.  Empty pages go first, taken as one slice; the
+        victims are then popped from the GPU order as one run (nothing a victim's way down
+        does puts a block back in that order, so the run is what `count` pops would take).
+        With no host tier every victim is dropped (no host copy, no disk copy either: both
+        need a host tier) in one pass.  With a host tier each victim's way down depends on
+        the host pages and slots the one before it left, so they go down one at a time, in
+        eviction order.
         """
         empty = self.gpu.empty
         have = min(count, len(empty))
@@ -209,11 +211,11 @@ class Eviction:
         rest = count - have
         if not rest:
             return pages
-        if self.has_host:
-            take = self.take_gpu_page
-            pages += [take(now) for _ in range(rest)]
-            return pages
         victims = self.gpu.evictable.pop_run(rest)
+        if self.has_host:
+            down = self.evict_gpu_victim
+            pages += [down(victim, now) for victim in victims]
+            return pages
         for victim in victims:
             page = victim.gpu_page
             assert page is not None
@@ -231,7 +233,12 @@ class Eviction:
         gpu = self.gpu
         if gpu.empty:
             return gpu.empty.pop()
-        victim = gpu.evictable.pop()
+        return self.evict_gpu_victim(gpu.evictable.pop(), now)
+
+    def evict_gpu_victim(self, victim: Block, now: float) -> PageId:
+        """Take `victim` (just out of the GPU order) off its GPU page and return the page:
+        to host onto its host copy, or copied into a host page, or to its disk copy, or
+        dropped."""
         page = victim.gpu_page
         assert page is not None
         victim.gpu_page = None
@@ -463,9 +470,8 @@ class Eviction:
             self.records.discard(victim, _E.DROPPED)
             return page
         if self.has_disk:
-            refusal = self.disk.spill_refusal(victim, now)
+            refusal = self.disk.try_spill(victim, now)
             if refusal is None:
-                self.disk.spill(victim, now)
                 host = self.host
                 return host.reserved.pop() if host.reserved else None
             if refusal is Refusal.GATE:

@@ -149,8 +149,22 @@ class Onboarding:
         move = self.records.move
         now = self.records.now
         gpu_hits = host_hits = disk_hits = retained_hits = 0
-        for block in matched:
+        i, count = 0, len(matched)
+        while i < count:
+            block = matched[i]
             state = block.state
+            if state is _S.ON_DISK:
+                # A run of blocks only on disk (the common tail of a long history) is read
+                # back in one pass: nothing between their reads changes the pools.
+                end = i + 1
+                while end < count and matched[end].state is _S.ON_DISK:
+                    end += 1
+                run = matched[i:end]
+                retained_hits += self.start_reads(req, run)
+                disk_hits += len(run)
+                i = end
+                continue
+            i += 1
             block.reuse_count += 1
             if state is _S.RELEASED or state is _S.ON_GPU:
                 move(block, _E.ACQUIRED)
@@ -170,10 +184,6 @@ class Onboarding:
             elif state is _S.ON_HOST or state is _S.SPILLING or state is _S.PREFETCHED:
                 self.recall(block)
                 host_hits += 1
-            elif state is _S.ON_DISK:
-                retained_hits += is_live(block.expiry, now)
-                self.start_read(req, block)
-                disk_hits += 1
             elif state is _S.PREFETCHING:
                 retained_hits += is_live(block.expiry, now)
                 self.take_over_prefetch(req, block)
@@ -300,23 +310,43 @@ class Onboarding:
         c.fetches += 1
         c.hit_blocks_remote += 1
 
-    def start_read(self, req: Request, block: Block) -> None:
-        """Read a disk block back into a GPU page; `req` is parked until it lands."""
-        page = self.eviction.take_gpu_page(self.records.now)
-        slot = block.disk_slot
-        key = block.key
-        assert slot is not None and key is not None
-        tid = self.outbox.new_transfer()
-        self.outbox.reads.append(
-            ReadSlot(transfer=tid, block=block.id, key=key, slot=slot, gpu_page=page)
-        )
-        self.reads[tid] = block
-        block.transfer = tid
-        block.gpu_page = page
-        self.records.move(block, _E.READ_STARTED)
-        block.waiters.append(req.id)
-        req.pending += 1
-        self.counters.onboards += 1
+    def start_reads(self, req: Request, run: list[Block]) -> int:
+        """Read a run of disk blocks (ON_DISK, out of the displacement order, matched in
+        this order) back into GPU pages and acquire them for `req`, parked until they land;
+        returns how many hold content whose TTL runs.
+
+        One pass for the run: its pages are taken in one call (the victims, pages and
+        transitions `len(run)` page-at-a-time evictions would make, in the same order:
+        nothing a read's start does changes the pools), and the blocks move together."""
+        records = self.records
+        now = records.now
+        pages = self.eviction.take_gpu_pages(len(run), now)
+        outbox = self.outbox
+        reads_out = outbox.reads
+        reads = self.reads
+        rid = req.id
+        retained = 0
+        transfers = outbox.new_transfers(len(run))
+        for block, page, transfer in zip(run, pages, transfers, strict=True):
+            slot = block.disk_slot
+            key = block.key
+            assert slot is not None and key is not None
+            reads_out.append(
+                ReadSlot(transfer=transfer, block=block.id, key=key, slot=slot, gpu_page=page))
+            reads[transfer] = block
+            block.transfer = transfer
+            block.gpu_page = page
+            block.waiters.append(rid)
+            block.reuse_count += 1
+            block.ref_count += 1
+            retained += is_live(block.expiry, now)
+        records.move_all(run, _E.READ_STARTED)
+        n = len(run)
+        req.pending += n
+        req.blocks += run
+        req.pages += pages
+        self.counters.onboards += n
+        return retained
 
     # ------------------------------------------------------------------ prefetch
 

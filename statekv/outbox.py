@@ -9,6 +9,8 @@ here, and :meth:`Outbox.take` alone decides how they are packed.
 
 from __future__ import annotations
 
+from typing import cast
+
 from statekv.ids import TransferId
 from statekv.messages import (
     Command,
@@ -44,6 +46,12 @@ class Outbox:
     def new_transfer(self) -> TransferId:
         self.last_transfer += 1
         return TransferId(self.last_transfer)
+
+    def new_transfers(self, count: int) -> list[TransferId]:
+        """`count` new_transfer calls' ids, in order, for a run of transfers."""
+        first = self.last_transfer + 1
+        self.last_transfer += count
+        return cast("list[TransferId]", list(range(first, first + count)))  # NewType: ints
 
     def take(self, max_batch_blocks: int) -> list[Command]:
         """Everything the actors must do, in order; the outbox is empty afterwards.
