@@ -155,10 +155,9 @@ class Eviction:
             return _SKIPPED
         c = self.counters
         if not on_gpu:
-            if disk.spill_refusal(target, now) is not None:
+            if disk.try_spill(target, now, keep_host=True) is not None:
                 return _SKIPPED
             self.host.evictable.remove(target)
-            disk.spill(target, now, keep_host=True)
             c.write_throughs += 1
             return _WRITTEN
         # Staging never takes the last host page a GPU victim could have (an empty one,
@@ -398,9 +397,8 @@ class Eviction:
 
         if self.has_disk:
             for block in [b for b in host.evictable if retained(b)]:
-                if disk.spill_refusal(block, now) is None:
+                if disk.try_spill(block, now) is None:
                     host.evictable.remove(block)
-                    disk.spill(block, now)
                     moved += 1
                 else:
                     left += 1
