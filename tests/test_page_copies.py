@@ -192,9 +192,11 @@ def test_cuda_a_pass_over_a_page_waits_for_the_copy_out_of_it() -> None:
 def test_cuda_a_pass_over_a_page_sees_the_copy_into_it() -> None:
     pools = _cuda_pools()
     engine = TorchCopyEngine(pools, compute_waits="pages")
-    pools.host_page(PageId(3)).fill_(5)
+    # Copies out of other pages first (into host pages 0-6, not the source below: a copy
+    # into it would land first, in stream order), so the copy stream is still busy.
+    pools.host_page(PageId(7)).fill_(5)
     engine.copy_pages([(PageId(i), PageId(i)) for i in range(7)], to_gpu=False)
-    engine.copy_pages([(PageId(3), PageId(7))], to_gpu=True)
+    engine.copy_pages([(PageId(7), PageId(7))], to_gpu=True)
     engine.wait_for_pages([PageId(7)])
     total = pools.gpu_page(PageId(7)).to(torch.int64).sum()  # on the compute stream
     assert int(total) == 5 * pools.block_nbytes
