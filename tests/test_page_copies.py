@@ -207,6 +207,11 @@ def test_cuda_a_pass_over_other_pages_does_not_wait_for_a_copy() -> None:
     """The point of the mode: a long spill of pages the pass does not use leaves it alone."""
     pools = _cuda_pools(gpu_blocks=256)   # 256 x 2 MiB: a copy of about 10 ms
     engine = TorchCopyEngine(pools, compute_waits="pages")
+    # A spill's first batch compiles the host pages' checksum kernel and makes its pinned
+    # table (0.7 s on the H200): long enough for the spill to be over before the pass is
+    # even queued.  A cache does this when it opens; here one small spill does it.
+    engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
+    engine.fence().wait()
     torch.cuda.synchronize()
     engine.copy_pages([(PageId(i), PageId(i)) for i in range(255)], to_gpu=False)
     spill_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
