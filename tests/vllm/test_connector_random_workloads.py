@@ -59,7 +59,9 @@ def draw(seed: int) -> Workload:
                 prompt = rng.choice(systems) + tokens(rng.randrange(0, 150))
             else:
                 prompt = tokens(rng.randrange(2, 400))
-            prompt = (prompt + tokens(2))[:900] if len(prompt) < 2 else prompt[:900]
+            if len(prompt) < 2:  # the connector's floor
+                prompt += tokens(2)
+            prompt = prompt[: engine.MAX_MODEL_LEN - 16]  # room left for the answer
             requests.append((prompt, rng.randrange(1, 10)))
         rounds.append(Round(requests, restart=rng.random() < 0.3))
         asked += [prompt for prompt, _ in requests]
