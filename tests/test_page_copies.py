@@ -209,9 +209,12 @@ def test_cuda_a_pass_over_other_pages_does_not_wait_for_a_copy() -> None:
     engine = TorchCopyEngine(pools, compute_waits="pages")
     # A spill's first batch compiles the host pages' checksum kernel and makes its pinned
     # table (0.7 s on the H200): long enough for the spill to be over before the pass is
-    # even queued.  A cache does this when it opens; here one small spill does it.
+    # even queued.  A cache does this when it opens; here one small spill does it.  And the
+    # pass's own kernel is loaded first: CUDA loads a kernel's module at its first launch
+    # (lazy loading), which may synchronize the whole context, copy stream included.
     engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
     engine.fence().wait()
+    pools.gpu_page(PageId(255)).add_(1)
     torch.cuda.synchronize()
     engine.copy_pages([(PageId(i), PageId(i)) for i in range(255)], to_gpu=False)
     spill_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
