@@ -73,6 +73,22 @@ def test_page_views_alias_the_pool_and_are_contiguous_bytes() -> None:
     assert not pools.gpu[1].any() and not pools.gpu[3].any()
 
 
+def test_every_page_view_is_its_own_page_across_the_runs_views_are_made_in() -> None:
+    # Views are made a run of pages at a time: each must still be exactly its page, the
+    # last (short) run included, whichever page of a run is asked for first.
+    pools = KVPools(CacheConfig(block_size=1, gpu_blocks=600, host_blocks=300,
+                                layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=4,
+                                                dtype="bfloat16")), "cpu")
+    for pool, page_of, pages in ((pools.host, pools.host_page, 300),
+                                 (pools.gpu, pools.gpu_page, 600)):
+        nbytes = pools.block_nbytes
+        for page in (299, 3, 0, 257, 256, pages - 1, 511 % pages):
+            view = page_of(PageId(page))
+            assert view.data_ptr() == pool.data_ptr() + page * nbytes
+            assert view.numel() == nbytes and view.is_contiguous() and view.dtype == torch.uint8
+            assert page_of(PageId(page)) is view  # made once
+
+
 def test_pages_start_zeroed() -> None:
     pools = KVPools(config(), "cpu")
     assert not pools.gpu.view(torch.uint8).any()

@@ -223,15 +223,26 @@ def _page_bytes(pool: torch.Tensor, views: list[torch.Tensor | None], field: str
         raise UsageError(field, f"must be an integer page number, got {page!r}")
     if not 0 <= page < pool.shape[0]:
         raise UsageError(field, f"page {page} out of range [0, {pool.shape[0]})")
-    # Each page's view is made once: making one is three torch calls, each of which gives
-    # up the interpreter lock and waits to take it back.  Under a 256 KiB spill on the H200
-    # machine 264 of 1,219 samples of the writer threads' batches were in this line (py-spy),
-    # against 821 in the disk writes themselves.  Two threads racing here make two equal
-    # views, one of which is kept.
+    # Each page's view is made once, and for a run of _VIEW_RUN pages at a time: making
+    # views takes torch calls, each of which gives up the interpreter lock and waits to take
+    # it back.  One view a call, under a 256 KiB spill on the H200 machine 264 of 1,219
+    # samples of the writer threads' batches were making them (py-spy), against 821 in the
+    # disk writes themselves; made once per page, still 42-50 of each writer's 320 samples
+    # on an H100 (a spill touches each page about once).  Two threads racing here make
+    # equal views, either of which is kept.
     view = views[page]
     if view is None:
-        view = views[page] = pool[page].view(-1).view(torch.uint8)
+        start = page - page % _VIEW_RUN
+        stop = min(start + _VIEW_RUN, pool.shape[0])
+        run = pool[start:stop].reshape(stop - start, -1).view(torch.uint8).unbind(0)
+        views[start:stop] = run
+        view = run[page - start]
     return view
+
+
+_VIEW_RUN: Final = 256
+"""Pages whose byte views are made together (one tensor object each, ~0.5 KiB: a pool's
+views are made only for the runs of pages it uses)."""
 
 
 # --- the copy engine --------------------------------------------------------------------------
