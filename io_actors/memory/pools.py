@@ -217,6 +217,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+_VIEW_RUN: Final = 256
+"""Pages whose byte views are made together (one tensor object each, ~0.5 KiB: a pool's
+views are made only for the runs of pages it uses)."""
+
+
 def _page_bytes(pool: torch.Tensor, views: list[torch.Tensor | None], field: str,
                 page: int) -> torch.Tensor:
     if isinstance(page, bool) or not isinstance(page, int):
@@ -238,11 +243,6 @@ def _page_bytes(pool: torch.Tensor, views: list[torch.Tensor | None], field: str
         views[start:stop] = run
         view = run[page - start]
     return view
-
-
-_VIEW_RUN: Final = 256
-"""Pages whose byte views are made together (one tensor object each, ~0.5 KiB: a pool's
-views are made only for the runs of pages it uses)."""
 
 
 # --- the copy engine --------------------------------------------------------------------------

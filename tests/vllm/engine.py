@@ -17,7 +17,10 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from statekv.stats import CacheStatistics
 
 # One engine's KV cache on the CPU backend, in GiB; vLLM's default (4 GiB) is far more than a
 # 2-core test machine needs, and the blocks are allocated up front.
@@ -217,6 +220,15 @@ def generate(
         num_cached_tokens=[int(o.num_cached_tokens or 0) for o in outputs],
         kv_transfer_params=[o.kv_transfer_params for o in outputs],
     )
+
+
+def statekv_statistics(llm: Any) -> CacheStatistics:
+    """The statekv connector's scheduler-side statistics of an in-process engine."""
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    side = connector.scheduler_side
+    assert side is not None
+    result: CacheStatistics = side.statistics()
+    return result
 
 
 def shutdown(llm: Any) -> None:

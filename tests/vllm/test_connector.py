@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from io_actors.vllm.scheduler_side import ERROR_PARAM
-from statekv.stats import CacheStatistics
 from tests.vllm import engine
 
 MODULE = "io_actors.vllm.connector"
@@ -48,13 +47,7 @@ def statekv(disk_dir: Path, **extra: Any) -> dict[str, Any]:
     return engine.kv_transfer_config(MODULE, CLASS, config, kv_load_failure_policy="recompute")
 
 
-def stats(llm: Any) -> CacheStatistics:
-    """The scheduler side's statistics of an in-process engine."""
-    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    side = connector.scheduler_side
-    assert side is not None
-    result: CacheStatistics = side.statistics()
-    return result
+stats = engine.statekv_statistics
 
 
 def prometheus_value(name: str, model_dir: Path) -> float | None:

@@ -28,7 +28,7 @@ SEEDS = (3, 5, 13, 15)  # each serves blocks from statekv's tiers (asserted belo
 @dataclass(frozen=True)
 class Round:
     requests: list[tuple[list[int], int]]
-    """(prompt token ids, max_tokens) of one `generate` call."""
+    """(prompt token ids, max_tokens) of the requests added to the engine together."""
     restart: bool
     """statekv's engine is shut down and a new one opened on the same tiers before it."""
     aborts: dict[int, int]
@@ -79,7 +79,7 @@ def draw(seed: int) -> Workload:
     return Workload(rounds, pool_blocks=pool, tiers={"host": host, "disk": disk})
 
 
-def generate(llm: Any, round_: Round, number: int) -> dict[int, list[int]]:
+def run_round(llm: Any, round_: Round, number: int) -> dict[int, list[int]]:
     """The round's requests, each with its own answer length (so they finish apart), stepped
     through the engine with the round's aborts; the tokens of each one that finished."""
     from vllm import SamplingParams
@@ -111,8 +111,7 @@ def serve(model_dir: Path, work: Workload, kv_transfer: dict[str, Any] | None,
 
     def close() -> None:
         if kv_transfer is not None:
-            connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-            stats.append(connector.scheduler_side.statistics())
+            stats.append(engine.statekv_statistics(llm))
         engine.shutdown(llm)
 
     try:
@@ -122,7 +121,7 @@ def serve(model_dir: Path, work: Workload, kv_transfer: dict[str, Any] | None,
                     close()
                 llm = engine.make_llm(model_dir, kv_transfer=kv_transfer,
                                       num_gpu_blocks_override=work.pool_blocks)
-            answers.append(generate(llm, round_, len(answers)))
+            answers.append(run_round(llm, round_, len(answers)))
     finally:
         if llm is not None:
             close()
