@@ -161,8 +161,12 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
         assert stats.spills_completed - before == n and stats.write_throughs_skipped == 0, stats
         out["write_through_gb_per_s"] = n * block_bytes / through_s / 1e9
     with BlockingCache(config) as cache:
-        first, spill_s = _timed_spill(cache, n)
-        out["spill_gb_per_s"] = n * block_bytes / spill_s / 1e9
+        spill = _timed_spill(cache, n)
+        first = spill.first
+        out["spill_gb_per_s"] = n * block_bytes / spill.seconds / 1e9
+        # How much of the spill's span the writers spent in their jobs (fence, page views,
+        # the store's writes): the rest they waited for the next job.
+        out["spill_writers_busy_fraction"] = spill.writers_busy / (args.threads * spill.seconds)
         stats = cache.statistics().cache
         assert stats.disk_empty_slots == n, stats   # req1's slots were fresh ones
 
@@ -187,25 +191,43 @@ def transfer_phases(args: argparse.Namespace, directory: Path) -> dict[str, floa
     _write_every_slot(steady)
     with BlockingCache(steady) as cache:
         assert cache.statistics().cache.disk_empty_slots == steady.core_config().disk_blocks
-        _, spill_s = _timed_spill(cache, n)
+        spill = _timed_spill(cache, n)
         assert cache.statistics().cache.io_errors == 0
-        out["spill_written_gb_per_s"] = n * block_bytes / spill_s / 1e9
+        out["spill_written_gb_per_s"] = n * block_bytes / spill.seconds / 1e9
+        out["spill_written_writers_busy_fraction"] = (
+            spill.writers_busy / (args.threads * spill.seconds))
     out["block_bytes"] = block_bytes
     return out
 
 
-def _timed_spill(cache: BlockingCache, n: int) -> tuple[list[int], float]:
-    """req1 (retained, `n` blocks) pushed to host by req2, then to disk by req3: req1's tokens
-    and the seconds from req3's arrival until every spill landed."""
+@attrs.frozen
+class TimedSpill:
+    first: list[int]
+    """req1's tokens."""
+    seconds: float
+    """From req3's arrival until every spill landed."""
+    writers_busy: float
+    """The writer threads' seconds in their jobs over the same span, summed over threads."""
+
+
+def _timed_spill(cache: BlockingCache, n: int) -> TimedSpill:
+    """req1 (retained, `n` blocks) pushed to host by req2, then to disk by req3."""
     first = _fill(cache, "req1", 0, n, ttl=3600.0)
     _fill(cache, "req2", 10_000_000, 2 * n)
+    busy_before = _writers_busy(cache)
     start = time.perf_counter()
     _fill(cache, "req3", 20_000_000, n, write_bytes=False)
     _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
     spill_s = time.perf_counter() - start
-    stats = cache.statistics().cache
-    assert stats.spills_completed >= n, stats
-    return first, spill_s
+    system = cache.statistics()
+    assert system.cache.spills_completed >= n, system.cache
+    return TimedSpill(first, spill_s, _writers_busy(cache) - busy_before)
+
+
+def _writers_busy(cache: BlockingCache) -> float:
+    writer = cache.statistics().writer
+    assert writer is not None
+    return writer.busy_seconds
 
 
 def _write_every_slot(config: StateKVConfig) -> None:
@@ -666,9 +688,10 @@ Row = tuple[str, str, float, float, str]
 
 
 def transfer_rows(args: argparse.Namespace, directory: Path, block_bytes: int
-                  ) -> tuple[list[Row], dict[str, int]]:
+                  ) -> tuple[list[Row], dict[str, float]]:
     """Every transfer phase against its limit, measured in this run, and the counts that go
-    with them (whether the raw limits ran O_DIRECT, transfers through a bounce buffer)."""
+    with them (whether the raw limits ran O_DIRECT, transfers through a bounce buffer, how
+    busy the spill kept its writer threads)."""
     total = args.blocks * block_bytes
     raw_write = raw_write_rate(directory, block_bytes=block_bytes, threads=args.threads,
                                total_bytes=total)
@@ -707,7 +730,10 @@ def transfer_rows(args: argparse.Namespace, directory: Path, block_bytes: int
         rows.append(("onboard_vs_kvikio_alone", "onboard vs kvikio", phases["onboard_gb_per_s"],
                      phases["kvikio_gb_per_s"], "kvikio's own read"))
     return rows, {"direct": int(raw_write.direct),
-                  "bounced_transfers": int(phases["bounced_transfers"])}
+                  "bounced_transfers": int(phases["bounced_transfers"]),
+                  "spill_writers_busy_fraction": phases["spill_writers_busy_fraction"],
+                  "spill_written_writers_busy_fraction":
+                      phases["spill_written_writers_busy_fraction"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -782,6 +808,9 @@ def main(argv: list[str] | None = None) -> int:
         bounced = counts["bounced_transfers"]
         print(f"transfers through the store's bounce buffer (spill and onboard): {bounced}"
               + (" -- buffers off a page boundary" if bounced else ""))
+        print("writer threads busy during the spill (their seconds in jobs / threads x "
+              f"the spill's seconds): fresh slots {counts['spill_writers_busy_fraction']:.2f}, "
+              f"written slots {counts['spill_written_writers_busy_fraction']:.2f}")
     if latency:
         print(f"step p50 idle {latency['idle_p50_ms']:.2f} ms, saturated "
               f"{latency['saturated_p50_ms']:.2f} ms; p99 idle {latency['idle_p99_ms']:.2f} ms, "
@@ -870,6 +899,11 @@ def main(argv: list[str] | None = None) -> int:
             # A count, not a figure: transfers of the spill and onboard phases that went
             # through the store's bounce buffer (0 when every buffer was page aligned).
             **({"bounced_transfers": counts["bounced_transfers"]} if counts else {}),
+            # Fractions, not figures: the writer threads' seconds in their jobs over the
+            # spill's span, per thread (1.0: never waiting for the next job).
+            **({key: round(counts[key], 3) for key in (
+                "spill_writers_busy_fraction", "spill_written_writers_busy_fraction")}
+               if counts else {}),
         }, tag=args.tag)
         print(f"wrote {out}")
     return 0
