@@ -10,14 +10,10 @@ Flow of one job::
     trio: pump task  --(SimpleQueue)-->  worker thread: execute(job) -> Completion
     worker thread    --(token.run_sync_soon)-->  trio: results channel -> deliver task
 
-The pump keeps at most N + `lookahead` jobs handed to the threads and not yet reported (a trio
-semaphore), so a thread that finishes a job finds the next one waiting in its queue instead
-of waiting for the trio thread to wake, take the report and hand one over: that round trip
-competes for the interpreter lock with every other thread's Python, once per job.  Jobs
-beyond those stay in the pool's bounded trio channel, where the sender feels the
-backpressure.  A handed job no thread has started is still queued: a close that drops the
-queue takes it back.  A thread never waits for the trio thread: it reports with
-run_sync_soon and goes back to its queue.
+The pump hands a job to the threads only when one is idle (a trio semaphore of N), so jobs
+waiting for a thread stay in the pool's bounded trio channel, where the sender feels the
+backpressure.  A thread never waits for the trio thread: it reports with run_sync_soon and
+goes back to its queue.
 """
 
 from __future__ import annotations
@@ -100,9 +96,7 @@ class WorkerThreads(Generic[JobT]):
         gate: CompletionGate,
         report: Callable[[Completion], Awaitable[None]],
         foreground: Foreground | None = None,
-        lookahead: int | None = None,
     ) -> None:
-        """`lookahead`: jobs handed to the threads beyond one per thread (default `workers`)."""
         self.name = name
         self._foreground = foreground
         self.workers = workers
@@ -113,20 +107,13 @@ class WorkerThreads(Generic[JobT]):
         self._queue: queue.SimpleQueue[JobT | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._queued = 0
-        """Jobs in the trio channel, or taken from it by the pump and not handed over yet."""
-        self._handed = 0
-        """Jobs the pump put in the threads' queue and no close took back, ever."""
-        self._started = [0] * workers
-        """Jobs each thread took from its queue, ever: written by that thread only."""
-        self._busy_seconds = [0.0] * workers
-        """Seconds each thread spent in execute(): written by that thread only."""
-        self._finished = 0
-        """Jobs whose completion was delivered (or that crashed), ever."""
+        self._in_flight = 0
         self._completed = 0
         self._failed = 0
         self._dropped = 0
-        self._handing = trio.Semaphore(workers + (workers if lookahead is None else lookahead))
-        """Permits for jobs handed over and not yet reported."""
+        self._busy_seconds = [0.0] * workers
+        """Seconds each thread spent in execute(): written by that thread only."""
+        self._idle = trio.Semaphore(workers)
         self._results_send, self._results_recv = trio.open_memory_channel[
             Completion | _Crash
         ](float("inf"))
@@ -136,15 +123,9 @@ class WorkerThreads(Generic[JobT]):
         self._stopped = False
 
     def statistics(self) -> PoolStatistics:
-        # Read in this order from any thread, none goes negative: a job is handed before
-        # it starts and starts before it finishes.
-        finished = self._finished
-        started = sum(self._started)
-        queued = self._queued + self._handed - started
         return PoolStatistics(
-            workers=self.workers, queued=queued, in_flight=started - finished,
-            completed=self._completed,
-            failed=self._failed, dropped_at_close=self._dropped,
+            workers=self.workers, queued=self._queued, in_flight=self._in_flight,
+            completed=self._completed, failed=self._failed, dropped_at_close=self._dropped,
             busy_seconds=sum(self._busy_seconds),
         )
 
@@ -155,7 +136,7 @@ class WorkerThreads(Generic[JobT]):
         (the scheduler's close) must not wait for ever."""
         if self._stopped:
             return 0
-        return self._queued + self._handed - self._finished
+        return self._queued + self._in_flight
 
     async def submit(self, job: JobT) -> None:
         """Queue a job, waiting while the queue is full."""
@@ -181,29 +162,9 @@ class WorkerThreads(Generic[JobT]):
                 except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                     break
             self._queued -= len(dropped)
-            handed = self._take_back_handed()
-            self._handed -= len(handed)
-            for _ in handed:
-                self._handing.release()  # the pump may hold a job waiting for a permit
-            dropped = handed + dropped  # oldest first
             self._dropped += len(dropped)
         self._send.close()
         return dropped
-
-    def _take_back_handed(self) -> list[JobT]:
-        """The jobs handed to the threads that none has started (a thread takes a job
-        atomically: each is either taken back here or started there)."""
-        taken: list[JobT] = []
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return taken
-            if job is None:
-                # The stop signals, put after every job: leave them for the threads.
-                self._queue.put(None)
-                return taken
-            taken.append(job)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve jobs until the queue is closed and drained, then stop every thread."""
@@ -222,9 +183,9 @@ class WorkerThreads(Generic[JobT]):
                 try:
                     async with self._recv:
                         async for job in self._recv:
-                            await self._handing.acquire()
+                            await self._idle.acquire()
                             self._queued -= 1
-                            self._handed += 1
+                            self._in_flight += 1
                             self._queue.put(job)
                 finally:
                     for _ in self._threads:
@@ -247,14 +208,12 @@ class WorkerThreads(Generic[JobT]):
             token.run_sync_soon(self._thread_exited)
             raise
         wait_turn = self._foreground.wait_turn if self._foreground is not None else None
-        started = self._started
         busy = self._busy_seconds
         try:
             while True:
                 job = self._queue.get()
                 if job is None:
                     return
-                started[index] += 1
                 if wait_turn is not None:
                     wait_turn()
                 began = time.perf_counter()
@@ -285,9 +244,8 @@ class WorkerThreads(Generic[JobT]):
     async def _deliver_results(self) -> None:
         async with trio.open_nursery() as nursery:
             async for result in self._results_recv:
-                self._handing.release()
+                self._idle.release()
                 if isinstance(result, _Crash):
-                    self._finished += 1
                     raise WorkerCrashed(f"a {self.name} worker crashed") from result.error
                 # One task per completion: a gate may hold some while others are reported.
                 nursery.start_soon(self._deliver_one, result)
@@ -297,7 +255,7 @@ class WorkerThreads(Generic[JobT]):
             await self._gate.hold(result)
             await self._report(result)
         finally:
-            self._finished += 1
+            self._in_flight -= 1
             for outcome in outcomes(result):
                 if isinstance(outcome, SlotWriteFailed | SlotReadFailed):
                     self._failed += 1
