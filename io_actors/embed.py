@@ -159,6 +159,8 @@ class CacheAPI:
     @property
     def kv_pool(self) -> torch.Tensor:
         """The GPU pool: [blocks, layers, 2 (K, V), block_size, kv_heads, head_dim]."""
+        if self._pools.released:
+            raise UsageError("kv_pool", "the cache is closed: its pools were given back")
         return self._pools.gpu
 
     @property
@@ -414,6 +416,8 @@ async def open_cache(
                         drain=cache.drain_on_close and ok
                     )
     finally:
+        # Every thread that touched a page has stopped (the nursery is done, or never ran).
+        pools.release()
         if remote is not None:
             remote.fetcher.close()
         if shared is not None:

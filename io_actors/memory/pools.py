@@ -125,9 +125,11 @@ class KVPools:
         self.host_pages: Final = config.host_blocks + config.reserved_host_blocks
         self._check_fits("gpu_blocks", self.gpu_pages, on_host=self.device.type == "cpu")
         self._check_fits("host_blocks", self.host_pages, on_host=True)
-        self.gpu: Final = self._allocate_gpu()
+        self.gpu = self._allocate_gpu()
         self.host_pinned: bool = False
-        self.host: Final = self._allocate_host()
+        self.host = self._allocate_host()
+        self.released = False
+        """Set by release(): the pools' memory was given back when the cache closed."""
         self._gpu_views: list[torch.Tensor | None] = [None] * self.gpu_pages
         self._host_views: list[torch.Tensor | None] = [None] * self.host_pages
         self.host_checksums: HostChecksums | None = self._allocate_host_checksums()
@@ -199,6 +201,21 @@ class KVPools:
         """One host page as a 1-D uint8 view of its block_nbytes bytes."""
         return _page_bytes(self.host, self._host_views, "host_page", page)
 
+    def release(self) -> None:
+        """Give the pools' memory back now; for the cache's close, once every thread that
+        used a page is done.  The actors around the pools refer to each other (the pools'
+        callbacks in the workers, the scheduler's report in the pools), so without this the
+        GPU pool and the pinned host pool would stay allocated after close until the
+        garbage collector's next full pass -- a cache opened next in the same process could
+        find no room -- and would then be freed in whichever thread set off that pass.  A
+        caller that kept a reference to a pool tensor keeps that tensor."""
+        self.released = True
+        self.gpu = torch.empty((0, *self.page_shape), dtype=self.dtype, device=self.device)
+        self.host = torch.empty((0, *self.page_shape), dtype=self.dtype)
+        self._gpu_views = []
+        self._host_views = []
+        self.host_checksums = None
+
     def new_staging_buffer(self, blocks: int = 1) -> torch.Tensor:
         """A uint8 host buffer of `blocks` blocks, page aligned and pinned like the host pool.
 
@@ -227,7 +244,8 @@ def _page_bytes(pool: torch.Tensor, views: list[torch.Tensor | None], field: str
     if isinstance(page, bool) or not isinstance(page, int):
         raise UsageError(field, f"must be an integer page number, got {page!r}")
     if not 0 <= page < pool.shape[0]:
-        raise UsageError(field, f"page {page} out of range [0, {pool.shape[0]})")
+        given_back = " (the pool was given back when the cache closed)" if not views else ""
+        raise UsageError(field, f"page {page} out of range [0, {pool.shape[0]}){given_back}")
     # Each page's view is made once, and for a run of _VIEW_RUN pages at a time: making
     # views takes torch calls, each of which gives up the interpreter lock and waits to take
     # it back.  One view a call, under a 256 KiB spill on the H200 machine 264 of 1,219

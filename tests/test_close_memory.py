@@ -1,0 +1,89 @@
+"""Closing a cache gives its pools' memory back at once, not at the garbage collector's next
+full pass: a cache opened next in the same process must find the room the closed one had."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from io_actors.embed import BlockingCache
+from io_actors.storage import buffers
+from statekv.errors import UsageError
+from tests.io_helpers import serve, small_config, wait_quiet, wait_ready
+
+
+@pytest.fixture
+def no_collector() -> Iterator[None]:
+    """The cyclic collector off: only reference counting frees anything."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class _RecordedMappings:
+    """Stands in for the mmap module inside io_actors.storage.buffers: every anonymous
+    mapping made for a host buffer is watched through a weak reference."""
+
+    PAGESIZE = mmap.PAGESIZE
+
+    def __init__(self) -> None:
+        self.made: list[weakref.ref[mmap.mmap]] = []
+
+    def mmap(self, *args: Any, **kwargs: Any) -> mmap.mmap:
+        mapping = mmap.mmap(*args, **kwargs)
+        self.made.append(weakref.ref(mapping))
+        return mapping
+
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.made)
+
+
+def _spill_and_onboard(cache: BlockingCache) -> None:
+    """Pages used by every actor: the serving thread's, the writers', the readers'."""
+    prompt = list(range(1, 14))
+    serve(cache, "first", prompt)
+    for i in range(4):
+        serve(cache, f"churn{i}", [1000 * (i + 1) + t for t in range(29)])
+    wait_quiet(cache)
+    cache.add_request("again", prompt)
+    wait_ready(cache, "again")
+    cache.release("again")
+
+
+@pytest.mark.usefixtures("no_collector")
+def test_close_gives_the_pools_memory_back_while_the_cache_object_lives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mappings = _RecordedMappings()
+    monkeypatch.setattr(buffers, "mmap", mappings)
+    config = small_config(tmp_path)
+    on_cuda = config.device == "cuda"
+    before = torch.cuda.memory_allocated() if on_cuda else 0
+    cache = BlockingCache(config)
+    gpu_pool = weakref.ref(cache.kv_pool)
+    _spill_and_onboard(cache)
+    if not on_cuda:
+        assert mappings.alive() >= 1  # the host pool (unpinned here) and staging buffers
+    cache.close()
+
+    assert gpu_pool() is None, "the GPU pool outlived close()"
+    if on_cuda:
+        assert torch.cuda.memory_allocated() == before
+    else:
+        assert mappings.alive() == 0, "a host buffer outlived close()"
+    with pytest.raises(UsageError, match="kv_pool: the cache is closed"):
+        _ = cache.kv_pool
+    with pytest.raises(UsageError, match="given back when the cache closed"):
+        cache._pools.host_page(0)  # what a worker would call
