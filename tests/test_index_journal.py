@@ -517,3 +517,44 @@ def test_a_record_changed_behind_the_journal_is_not_given_a_fresh_checksum(
     assert store.recovery.index.source == "scan"
     assert restored(store)[0] == key(0)
     store.close()
+
+
+def test_the_serving_threads_calls_never_wait_for_a_writers_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A discard (the scheduler dispatching a FreeSlot, under its lock) and statistics()
+    return while a writer's append is stuck in the disk; the discard's FREE record still
+    goes with the next append, ahead of the slot's next write."""
+    import threading
+
+    store = reopen(tmp_path)
+    store.write(SlotId(0), key(0), block(0), meta(0))
+    store.write(SlotId(1), key(1), block(1), meta(1))
+    real_append = RecordFile.append
+    in_append, go_on = threading.Event(), threading.Event()
+
+    def stuck(self: RecordFile, data: bytes, *, sync: bool) -> None:
+        if self.path.name == INDEX_FILE and not go_on.is_set():
+            in_append.set()
+            assert go_on.wait(10)
+        real_append(self, data, sync=sync)
+
+    monkeypatch.setattr(RecordFile, "append", stuck)
+    writer = threading.Thread(
+        target=store.write, args=(SlotId(2), key(2), block(2), meta(2)))
+    writer.start()
+    try:
+        assert in_append.wait(10)
+        calls = threading.Thread(target=lambda: (store.discard(SlotId(0)), store.statistics()))
+        calls.start()
+        calls.join(5)
+        assert not calls.is_alive(), "discard() or statistics() waited for the append"
+    finally:
+        go_on.set()
+        writer.join(10)
+    store.write(SlotId(1), key(3), block(3), meta(3))
+    assert kinds(tmp_path)[-3:] == [(FREE, 0), (FREE, 1), (SLOT, 1)]
+    store.close()
+    store = reopen(tmp_path)
+    assert restored(store) == {1: key(3), 2: key(2)}
+    store.close()

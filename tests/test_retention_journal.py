@@ -296,3 +296,43 @@ def test_the_journal_stays_bounded_at_run_time(tmp_path: Path) -> None:
     store = PosixSlotStore(tmp_path, core(slots=4))
     assert deadlines(store) == {s: HEADER_DEADLINE + 396 + s for s in range(4)}
     store.close()
+
+
+def test_statistics_never_wait_for_a_retention_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache's statistics() runs on the serving thread: it must not wait for the
+    retention task's append (its write and fdatasync hold the journal's lock)."""
+    import threading
+
+    from io_actors.storage.record_file import RecordFile
+
+    store = PosixSlotStore(tmp_path, core())
+    spill(store, 0, 1)
+    real_append = RecordFile.append
+    in_append, go_on = threading.Event(), threading.Event()
+
+    def stuck(self: RecordFile, data: bytes, *, sync: bool) -> None:
+        if self.path.name == JOURNAL_FILE and not go_on.is_set():
+            in_append.set()
+            assert go_on.wait(10)
+        real_append(self, data, sync=sync)
+
+    monkeypatch.setattr(RecordFile, "append", stuck)
+    appender = threading.Thread(target=store.persist_retention,
+                                args=([record(0, 1, HEADER_DEADLINE + 50)],))
+    appender.start()
+    try:
+        assert in_append.wait(10)
+        seen: list[int] = []
+        reader = threading.Thread(target=lambda: seen.append(
+            store.statistics().retention_records))
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), "statistics() waited for the append"
+        assert seen == [0]
+    finally:
+        go_on.set()
+        appender.join(10)
+    assert store.statistics().retention_records == 1
+    store.close()

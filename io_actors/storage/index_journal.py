@@ -337,7 +337,11 @@ class IndexJournal:
     """The index journal of one slot store: rewritten by the store's open, kept up to date
     by its writes, sealed by its close.
 
-    Thread safety: every method takes one lock; appends are one ``write(2)`` each under it.
+    Thread safety: the writers' methods take one lock, and each append is one ``write(2)``
+    under it (``fdatasync``ed there under disk_sync="data"; a compaction rewrites the file
+    under it).  The serving thread's ``discard`` and ``statistics`` never take that lock: a
+    discard runs under the scheduler's lock, and waiting there for a writer's append would
+    stall every caller of the cache on the disk.
     """
 
     def __init__(
@@ -352,10 +356,14 @@ class IndexJournal:
         self._mac_key = mac_key
         self._sync = sync
         self._lock = threading.Lock()
+        """Held by the writers' methods, across their appends (I/O)."""
+        self._pending_lock = threading.Lock()
+        """Guards `_pending` alone; never held across I/O."""
         self._where = array.array("q", [-1]) * slots
         """slot -> offset of the record naming its content, -1 for none."""
         self._pending: set[int] = set()
-        """Slots discarded since the last append (FREE records still to append)."""
+        """Slots discarded since the last append (FREE records still to append): changed
+        under `_pending_lock`, and replaced (not changed) by whoever takes it."""
         self._file_id = b""
         self._active = False
         self._appended = 0
@@ -448,12 +456,11 @@ class IndexJournal:
             if not self._active:
                 return
             where = self._where
-            free = {s for s in slots if where[s] >= 0} | self._pending
+            free = {s for s in slots if where[s] >= 0} | self._take_pending()
             if free:
                 self._append_locked("free", [self._free_record(s) for s in sorted(free)])
                 for s in free:
                     where[s] = -1
-                self._pending.clear()
 
     def landed(self, entries: Sequence[Entry]) -> None:
         """Writes that returned (synced, under disk_sync="data"): one SLOT record each,
@@ -471,16 +478,26 @@ class IndexJournal:
             if self._append_locked("landed", records, sync=self._sync):
                 for n, (slot, _key, _meta) in enumerate(entries):
                     self._where[slot] = start + n * RECORD_SIZE
-                    self._pending.discard(slot)
+                with self._pending_lock:
+                    self._pending.difference_update(slot for slot, _key, _meta in entries)
                 if self._file.size // RECORD_SIZE > COMPACT_FACTOR * self._slots + 64:
                     self._compact_locked()
 
     def discard(self, slot: int) -> None:
         """`slot`'s content left the cache: its FREE record goes with the next append (no
-        I/O here: this runs on the serving thread)."""
-        with self._lock:
-            if self._active and self._where[slot] >= 0:
+        I/O here, and no wait for a writer's append: this runs on the serving thread).
+
+        Read without the writers' lock, `_where[slot]` is exact for this slot: the core
+        issues no write to a slot between freeing it and this call (the scheduler calls it
+        while dispatching that FreeSlot), and a compaction keeps which slots are indexed."""
+        if self._active and self._where[slot] >= 0:
+            with self._pending_lock:
                 self._pending.add(slot)
+
+    def _take_pending(self) -> set[int]:
+        with self._pending_lock:
+            pending, self._pending = self._pending, set()
+        return pending
 
     def _free_record(self, slot: int) -> bytes:
         return _pack(FREE, slot, _ZERO_KEY, self._config, self._mac_key)
@@ -503,7 +520,7 @@ class IndexJournal:
     def _give_up_locked(self, why: str) -> None:
         self._failures += 1
         self._active = False
-        self._pending.clear()
+        self._take_pending()
         try:
             self._file.remove()
         except OSError as exc:
@@ -571,27 +588,28 @@ class IndexJournal:
         self._compactions += 1
 
     def statistics(self) -> IndexJournalStatistics:
-        with self._lock:
-            return IndexJournalStatistics(appended=self._appended, failures=self._failures,
-                                          compactions=self._compactions, active=self._active)
+        """The counters as they are now, each read once: never waits for an append (the
+        cache's statistics() runs on the serving thread)."""
+        return IndexJournalStatistics(appended=self._appended, failures=self._failures,
+                                      compactions=self._compactions, active=self._active)
 
     def close(self) -> None:
         """Append the discards still held and the seal (a clean close), then close."""
         with self._lock:
             try:
                 if self._active:
-                    records = [self._free_record(s) for s in sorted(self._pending)]
+                    records = [self._free_record(s) for s in sorted(self._take_pending())]
                     records.append(_pack(SEAL, self._file.size // RECORD_SIZE + len(records),
                                          _ZERO_KEY, self._config, self._mac_key))
                     self._append_locked("seal", records, sync=self._sync)
             finally:
                 self._active = False
-                self._pending.clear()
+                self._take_pending()
                 self._file.close()
 
     def abandon(self) -> None:
         """Close without writing anything (a process that died: fault injection)."""
         with self._lock:
             self._active = False
-            self._pending.clear()
+            self._take_pending()
             self._file.close()
