@@ -16,6 +16,7 @@ import torch
 from io_actors.embed import BlockingCache
 from io_actors.storage import buffers
 from statekv.errors import UsageError
+from statekv.ids import PageId
 from tests.io_helpers import serve, small_config, wait_quiet, wait_ready
 
 
@@ -86,4 +87,4 @@ def test_close_gives_the_pools_memory_back_while_the_cache_object_lives(
     with pytest.raises(UsageError, match="kv_pool: the cache is closed"):
         _ = cache.kv_pool
     with pytest.raises(UsageError, match="given back when the cache closed"):
-        cache._pools.host_page(0)  # what a worker would call
+        cache._pools.host_page(PageId(0))  # what a worker would call

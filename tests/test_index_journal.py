@@ -545,7 +545,11 @@ def test_the_serving_threads_calls_never_wait_for_a_writers_append(
     writer.start()
     try:
         assert in_append.wait(10)
-        calls = threading.Thread(target=lambda: (store.discard(SlotId(0)), store.statistics()))
+        def serving_thread_calls() -> None:
+            store.discard(SlotId(0))
+            store.statistics()
+
+        calls = threading.Thread(target=serving_thread_calls)
         calls.start()
         calls.join(5)
         assert not calls.is_alive(), "discard() or statistics() waited for the append"
