@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import gc
 import platform
 import random
 import statistics
@@ -61,6 +62,7 @@ from bench.flags import (
     results_tag,
     shape_preset,
 )
+from bench.gc_pauses import GcPauses
 from bench.results_files import source_commit, write_new_results
 from bench.serving import FOREGROUND
 from io_actors.config import StateKVConfig
@@ -484,6 +486,13 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             clock = time.perf_counter
             if lock is not None:
                 lock.reset()
+            if args.gc_freeze:
+                # What a server does once it has started (vLLM's engine does the same): the
+                # objects made so far -- torch's, the model's, the cache's -- leave the
+                # collector's generations, so a full collection walks only what came after.
+                gc.collect()
+                gc.freeze()
+            pauses = GcPauses()
             while not loop.idle:
                 start = clock()
                 if tenant is not None:
@@ -499,6 +508,15 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
                 parts["forward_launch"].append(timed_model.seconds)
                 if lock is not None:
                     lock_waits.append(lock.waited(_SERVING_THREAD) - waited_before)
+            pauses.stop()
+            if args.gc_freeze:
+                gc.unfreeze()
+            # Every cyclic collection stops every Python thread, the serving thread's step
+            # included: how many ran in the timed steps, and how long the full ones took.
+            result[f"{phase}_gc_collections"] = pauses.collections
+            result[f"{phase}_gc_full_collections"] = len(pauses.full)
+            result[f"{phase}_gc_pause_ms"] = pauses.total * 1e3
+            result[f"{phase}_gc_full_pause_max_ms"] = max(pauses.full, default=0.0) * 1e3
             if lock is not None:
                 # The serving thread's waits for the scheduler's lock inside its steps, and
                 # how long the cache's trio thread held it each time (its completions and
@@ -776,6 +794,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-waits", choices=COMPUTE_WAITS, default="all",
                         help="StateKVConfig.compute_waits: a step waits for every copy "
                              "(all) or only its own pages' (pages); for an A/B")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="freeze the collector's generations after each latency phase's "
+                        "set-up, as a server does once started (gc.freeze())")
     parser.add_argument("--time-lock", action="store_true",
                         help="latency phase: time the serving thread's waits for the "
                              "scheduler's lock and the cache thread's holds of it")
@@ -784,6 +805,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="suffix of the results file name (several runs a day)")
     args = parser.parse_args(argv)
 
+    if args.gc_freeze and args.skip_latency:
+        parser.error("--gc-freeze: it applies to the latency phases, which --skip-latency "
+                     "leaves out")
     if args.cuda_graphs and not args.skip_latency and resolve_device(args.device).type != "cuda":
         parser.error(f"--cuda-graphs: CUDA graphs need a CUDA device, not {args.device!r}")
     if args.switch_interval_ms is not None:
@@ -832,6 +856,12 @@ def main(argv: list[str] | None = None) -> int:
                       f" / p99 {latency[f'{phase}_trio_lock_hold_p99_ms']:.3f} / max "
                       f"{latency[f'{phase}_trio_lock_hold_max_ms']:.3f} ms a time, "
                       f"{latency[f'{phase}_trio_lock_held_share']:.1%} of the run")
+        for phase in ("idle", "saturated"):
+            print(f"  garbage collector, {phase}: {latency[f'{phase}_gc_collections']:.0f} "
+                  f"collections, {latency[f'{phase}_gc_pause_ms']:.1f} ms in all; "
+                  f"{latency[f'{phase}_gc_full_collections']:.0f} full, the longest "
+                  f"{latency[f'{phase}_gc_full_pause_max_ms']:.1f} ms"
+                  + (" (generations frozen after set-up)" if args.gc_freeze else ""))
         if latency.get("saturated_foreground_holds"):
             print(f"foreground held {latency['saturated_foreground_holds']:.0f} times while "
                   f"saturated; the cache's threads waited their turn "
@@ -875,6 +905,10 @@ def main(argv: list[str] | None = None) -> int:
                     "unit": "ms",
                     **{key: round(value, 4) for key, value in latency.items() if "lock" in key},
                 }
+            figures["garbage_collector"] = {
+                "value": round(latency["saturated_gc_pause_ms"], 3), "unit": "ms",
+                **{key: round(value, 3) for key, value in latency.items() if "_gc_" in key},
+            }
             if "saturated_foreground_holds" in latency:
                 figures["foreground"] = {
                     "value": int(latency["saturated_foreground_yields"]), "unit": "waits",

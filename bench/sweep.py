@@ -123,6 +123,7 @@ from bench.flags import (
     results_tag,
     shape_preset,
 )
+from bench.gc_pauses import GcPauses
 from bench.plots import load_results
 from bench.results_files import machine_name, source_commit
 from bench.serving import (
@@ -1189,11 +1190,13 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         inner.update(done - inner.n)
 
     graphs_before = model.decode_graph_statistics()
+    pauses = GcPauses()
     try:
         run = run_config(model, key, workload, budgets_for(key, args, blocks),
                          device=state.device, disk_dir=state.disk_dir, args=args,
                          progress=tick, stop_at=last + state.drain, tier_dir=tier)
     finally:
+        pauses.stop()
         inner.close()
         if tier is not None:
             shutil.rmtree(tier, ignore_errors=True)
@@ -1219,7 +1222,12 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         busy_skips=workload.busy_skips, joined_for_load=workload.joined_for_load,
         restored_slots=(len(run.cache.recovery.slots)
                         if run.cache.recovery is not None else None),
-        prepare_s=prepared.seconds, copy_s=copied, setup_s=setup)
+        prepare_s=prepared.seconds, copy_s=copied, setup_s=setup,
+        # The whole run (set-up and warm-up included): every collection stopped the
+        # serving thread too.
+        run_gc_collections=pauses.collections, run_gc_pause_s=pauses.total,
+        run_gc_full_collections=len(pauses.full),
+        run_gc_full_pause_max_s=max(pauses.full, default=0.0))
     graphs_after = model.decode_graph_statistics()
     if graphs_before is not None and graphs_after is not None:
         # The whole run's decode-only steps (warm-up included): how many replayed a graph,
@@ -1254,6 +1262,9 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
                    f"reading in {reading:.0%} of it (warm-up included)")
     if "run_steps_prefill" in s:
         tqdm.write("    " + step_parts_line(s, "run_"))
+    tqdm.write(f"    garbage collector over the run: {s['run_gc_collections']} collections, "
+               f"{s['run_gc_pause_s'] * 1e3:.0f} ms in all; {s['run_gc_full_collections']} full, "
+               f"the longest {s['run_gc_full_pause_max_s'] * 1e3:.0f} ms")
     if "run_graph_replays" in s:
         tqdm.write(f"    decode-only steps of the run: {s['run_graph_replays']} graph replays, "
                    f"{s['run_graph_captures']} captures, {s['run_graph_eager']} eager")

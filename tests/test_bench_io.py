@@ -26,6 +26,10 @@ def test_every_transfer_phase_reports_a_rate_against_its_limit(
         # Printed rounded to 2 decimals, the ratio computed before rounding.
         assert value > 0 and limit > 0
         assert ratio == pytest.approx(value / limit, rel=0.05, abs=0.02)
+    busy = next(x for x in out.splitlines() if x.startswith("writer threads busy"))
+    fresh, written = (float(v) for v in re.findall(r"slots (\d+\.\d+)", busy))
+    # A fraction of the threads' time over the spill's span (timed a little wider).
+    assert 0 < fresh <= 1.05 and 0 < written <= 1.05
     assert list(tmp_path.iterdir()) == []   # the scratch directory went with the run
 
 
@@ -79,3 +83,28 @@ def test_the_timed_lock_reports_waits_and_holds_per_phase(
         assert 0 <= share <= 100
     # The tenant keeps the cache's thread busy: it took the lock in the busy phase.
     assert float(re.findall(r"max (\d+\.\d+) ms", lines[1])[0]) > 0
+
+
+def test_gc_freeze_without_a_latency_phase_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cpu", "--skip-latency", "--gc-freeze", "--dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gc-freeze" in err[0] and "--skip-latency" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_latency_phases_count_the_collectors_pauses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import gc
+
+    assert main(["--block-mib", "0.0625", "--blocks", "32", "--threads", "2",
+                 "--batch-blocks", "4", "--dir", str(tmp_path), "--device", "cpu",
+                 "--latency-only", "--gc-freeze", "--decoders", "2", "--decode-steps", "8",
+                 "--loop-gpu-blocks", "64", "--tenant-blocks", "2",
+                 "--tenant-in-flight", "2"]) == 0
+    assert gc.get_freeze_count() == 0  # each phase gave its frozen objects back
+    lines = [x for x in capsys.readouterr().out.splitlines() if "garbage collector" in x]
+    assert [x.split(",")[1].split(":")[0].strip() for x in lines] == ["idle", "saturated"]
+    assert all("(generations frozen after set-up)" in x for x in lines)

@@ -71,17 +71,22 @@ def test_close_gives_the_pools_memory_back_while_the_cache_object_lives(
     monkeypatch.setattr(buffers, "mmap", mappings)
     config = small_config(tmp_path)
     on_cuda = config.device == "cuda"
-    before = torch.cuda.memory_allocated() if on_cuda else 0
     cache = BlockingCache(config)
     gpu_pool = weakref.ref(cache.kv_pool)
+    pool_bytes = cache.kv_pool.numel() * cache.kv_pool.element_size()
     _spill_and_onboard(cache)
     if not on_cuda:
         assert mappings.alive() >= 1  # the host pool (unpinned here) and staging buffers
+    allocated = torch.cuda.memory_allocated() if on_cuda else 0
     cache.close()
 
-    assert gpu_pool() is None, "the GPU pool outlived close()"
+    pool = gpu_pool()
+    holders = [type(r).__name__ for r in gc.get_referrers(pool)] if pool is not None else []
+    del pool
+    assert not holders, f"the GPU pool outlived close(), held by {holders}"
     if on_cuda:
-        assert torch.cuda.memory_allocated() == before
+        # Other allocations of the process (kernels' tables made once) may stay.
+        assert allocated - torch.cuda.memory_allocated() >= pool_bytes
     else:
         assert mappings.alive() == 0, "a host buffer outlived close()"
     with pytest.raises(UsageError, match="kv_pool: the cache is closed"):
