@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import hashlib
 import itertools
 import json
@@ -575,12 +576,12 @@ SIGNATURE: Final = (
     "slo_ttft_p99", "pressure", "layers", "users", "rounds", "system_tokens",
     "question_tokens", "answer_tokens", "block_size", "gpu_gib", "host_gib", "disk_gib",
     "readers", "writers", "configs", "prefetch_ahead", "reclaim_prefetched",
-    "no_cost_aware", "machine", "cuda_graphs", "foreground", "compute_waits",
+    "no_cost_aware", "machine", "cuda_graphs", "foreground", "compute_waits", "gc_freeze",
 )
 """The flags a resumed sweep must share with the file it resumes: what a point measures."""
 
 SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False, "foreground": "off",
-                                           "compute_waits": "all"}
+                                           "compute_waits": "all", "gc_freeze": False}
 """What a flag added to the signature later was in files measured before it existed."""
 
 
@@ -633,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="goodput's SLO: TTFT p99 in seconds")
     p.add_argument("--disk-probe-mib", type=positive_number, default=2048.0,
                    help="bytes moved by the raw disk read-rate measurement")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="freeze the collector's generations before each point's run, as a "
+                        "server does once started (gc.freeze()): a full collection then "
+                        "walks only the objects made since; for an A/B")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bars (auto: when stderr is a terminal)")
     p.add_argument("--tag", type=results_tag, default=None,
@@ -1190,6 +1195,9 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         inner.update(done - inner.n)
 
     graphs_before = model.decode_graph_statistics()
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     pauses = GcPauses()
     try:
         run = run_config(model, key, workload, budgets_for(key, args, blocks),
@@ -1197,6 +1205,8 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
                          progress=tick, stop_at=last + state.drain, tier_dir=tier)
     finally:
         pauses.stop()
+        if args.gc_freeze:
+            gc.unfreeze()
         inner.close()
         if tier is not None:
             shutil.rmtree(tier, ignore_errors=True)
