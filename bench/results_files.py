@@ -21,13 +21,19 @@ def write_new_results(
     its path.  Two runs of one call once wrote the same name, and the second replaced the
     first's figures."""
     RESULTS.mkdir(exist_ok=True)
-    stem = f"{bench}-{machine}-{day:%Y%m%d}" + (f"-{tag}" if tag else "")
-    out = RESULTS / f"{stem}.json"
+    out = unused_path(RESULTS, f"{bench}-{machine}-{day:%Y%m%d}" + (f"-{tag}" if tag else ""))
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return out
+
+
+def unused_path(directory: Path, stem: str) -> Path:
+    """``<stem>.json`` in `directory`, or the first of ``<stem>-2.json``, ``-3``... that no
+    earlier run wrote."""
+    out = directory / f"{stem}.json"
     run = 2
     while out.exists():
-        out = RESULTS / f"{stem}-{run}.json"
+        out = directory / f"{stem}-{run}.json"
         run += 1
-    out.write_text(json.dumps(result, indent=2) + "\n")
     return out
 
 

@@ -126,7 +126,7 @@ from bench.flags import (
 )
 from bench.gc_pauses import GcPauses
 from bench.plots import load_results
-from bench.results_files import machine_name, source_commit
+from bench.results_files import machine_name, source_commit, unused_path
 from bench.serving import (
     CONFIGS,
     NAMES,
@@ -959,7 +959,9 @@ def sweep(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         tag = f"-{args.tag}" if args.tag else ""
-        path = args.out / f"sweep-{args.machine}-{today:%Y%m%d}{tag}.json"
+        # A new sweep never replaces an earlier one's file (two A/B runs of one call with
+        # the same tag did: the second kept only its own points).
+        path = unused_path(args.out, f"sweep-{args.machine}-{today:%Y%m%d}{tag}")
         header = {
             "bench": "sweep", "machine": args.machine, "date": today.isoformat(),
             "commit": call["commit"], "command": call["command"],

@@ -668,3 +668,19 @@ def test_a_file_measured_before_the_foreground_resumes_only_with_it_off(
     assert read_resumed(path, build_parser().parse_args([*TINY, "--foreground", "off"]))
     with pytest.raises(SweepError, match="measured with --foreground off, not auto"):
         read_resumed(path, build_parser().parse_args(TINY))
+
+
+def test_a_new_sweep_never_replaces_an_earlier_ones_file(tmp_path: Path) -> None:
+    """Two fresh sweeps of one day and tag (an A/B run twice in one call): each keeps its own
+    file, the second named -2, and each file holds its own run's points."""
+    out, disk = tmp_path / "results", tmp_path / "disk"
+    argv = [*TINY, "--out", str(out), "--dir", str(disk), "--seeds", "1", "--points", "1",
+            "--tag", "ab"]
+    assert main(argv) == 0
+    assert main(argv) == 0
+    files = sorted(out.glob("sweep-cpu-*-ab*.json"))
+    assert [f.name.split("-ab")[1] for f in files] == ["-2.json", ".json"]
+    for f in files:
+        doc = json.loads(f.read_text())
+        assert len(doc["calls"]) == 1
+        assert sum(len(runs) for runs in doc["cases"][0]["runs"].values()) == 1
