@@ -195,11 +195,11 @@ class KVPools:
 
     def gpu_page(self, page: PageId) -> torch.Tensor:
         """One GPU page as a 1-D uint8 view of its block_nbytes bytes."""
-        return _page_bytes(self.gpu, self._gpu_views, "gpu_page", page)
+        return _page_bytes(self.gpu, self._gpu_views, "gpu_page", page, self.released)
 
     def host_page(self, page: PageId) -> torch.Tensor:
         """One host page as a 1-D uint8 view of its block_nbytes bytes."""
-        return _page_bytes(self.host, self._host_views, "host_page", page)
+        return _page_bytes(self.host, self._host_views, "host_page", page, self.released)
 
     def release(self) -> None:
         """Give the pools' memory back now; for the cache's close, once every thread that
@@ -240,11 +240,11 @@ views are made only for the runs of pages it uses)."""
 
 
 def _page_bytes(pool: torch.Tensor, views: list[torch.Tensor | None], field: str,
-                page: int) -> torch.Tensor:
+                page: int, released: bool) -> torch.Tensor:
     if isinstance(page, bool) or not isinstance(page, int):
         raise UsageError(field, f"must be an integer page number, got {page!r}")
     if not 0 <= page < pool.shape[0]:
-        given_back = " (the pool was given back when the cache closed)" if not views else ""
+        given_back = " (the pool was given back when the cache closed)" if released else ""
         raise UsageError(field, f"page {page} out of range [0, {pool.shape[0]}){given_back}")
     # Each page's view is made once, and for a run of _VIEW_RUN pages at a time: making
     # views takes torch calls, each of which gives up the interpreter lock and waits to take
