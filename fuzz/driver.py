@@ -230,6 +230,11 @@ class Driver:
             raise
         self.core: KVCacheManager = self.cache._scheduler._core
         self.lock = self.cache._scheduler._lock
+        self.pools: tuple[torch.Tensor, torch.Tensor] | None = (
+            self.cache.kv_pool, self.cache._pools.host)
+        """The cache's GPU and host pools, held for the byte checks: a close gives the
+        cache's own references back, and a check after a close still reads what the pages
+        held (this harness's references keep them until clean_up or the leak check)."""
         self.contract = CommandContract(core_config.max_batch_blocks)
         self.spy = CoreSpy(self.core, on_commands=on_commands, notify=notify)
         self.follower = ModelFollower(ReferenceCache(core_config), self.contract)
@@ -376,7 +381,12 @@ class Driver:
             api.commit(req.rid, target)
 
     def page(self, page: PageId) -> torch.Tensor:
-        return self.api.kv_pool[page].view(-1).view(torch.uint8)
+        assert self.pools is not None
+        return self.pools[0][page].view(-1).view(torch.uint8)
+
+    def host_page(self, page: PageId) -> torch.Tensor:
+        assert self.pools is not None
+        return self.pools[1][page].reshape(-1).view(torch.uint8)
 
     def decode(self, req: LiveRequest, token: int) -> None:
         try:
@@ -468,7 +478,6 @@ class Driver:
                 assert torch.equal(self.page(table[i]).cpu(), expected), (
                     f"{rid}: block {i} (page {table[i]}) holds bytes other than its KV"
                 )
-        pools = self.api._pools
         for block in core._index.blocks.values():
             key = block.key
             assert key is not None
@@ -481,7 +490,7 @@ class Driver:
                                  BlockState.PREFETCHED):
                 # A prefetched block's page holds what its read landed: the content's bytes.
                 assert block.host_page is not None
-                got = pools.host_page(block.host_page)
+                got = self.host_page(block.host_page)
             else:
                 continue
             assert torch.equal(got, payloads.bytes_of(serial)), (
@@ -566,6 +575,7 @@ class Driver:
             # checksum's CRC tables, torch's per-thread handles and workspaces: see
             # fuzz.memory_probe): what is held now beyond it, this cache kept after closing.
             self.cache = None
+            self.pools = None
             held = self.memory_probe()  # it collects garbage first
             if held != self.gpu_memory_at_start:
                 holders = tensor_holders() if self.device == "cuda" else ""
@@ -586,6 +596,7 @@ class Driver:
         if hasattr(self, "watchdog"):
             self.watchdog.stop()
         cache, self.cache = self.cache, None
+        self.pools = None
         if self.store is not None:
             self.store.unstall()
         # The failed step's own error is what gets reported, not these.

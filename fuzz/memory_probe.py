@@ -34,8 +34,6 @@ from collections.abc import Callable
 
 import torch
 
-from io_actors.memory.pools import KVPools
-
 log = logging.getLogger(__name__)
 
 MemoryProbe = Callable[[], int]
@@ -101,10 +99,19 @@ def _referrers(obj: object, depth: int, skip: set[int], indent: str) -> list[str
 
 
 def live_pool_bytes() -> int:
-    """Bytes of the GPU pools of every KV pool still alive (any device): the CPU machine's
-    probe for a cache whose memory outlives it."""
+    """Bytes of every KV pool tensor still alive, anywhere (any device): the CPU machine's
+    probe for a cache whose memory outlives it.  A pool is the one 6-D tensor of its storage
+    ([pages, layers, K/V, block size, heads, head dim]); a closed cache gives its own
+    references to it back, so a pool still alive is one somebody kept."""
     gc.collect()
-    return sum(obj.gpu.untyped_storage().nbytes() for obj in gc.get_objects()
-               # type(), not isinstance(): some of torch's module objects warn when asked
-               # for their class.
-               if type(obj) is KVPools)
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some of torch's module objects warn when asked for
+        # their class.
+        if type(obj) is torch.Tensor and obj._base is None and obj.dim() == _POOL_DIMS:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+_POOL_DIMS = len(("pages", "layers", "K/V", "block size", "heads", "head dim"))

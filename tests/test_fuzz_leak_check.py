@@ -85,7 +85,7 @@ def test_a_reopened_cache_is_held_to_the_first_caches_baseline() -> None:
     m.close_with_work_in_flight()
     assert m.d.gpu_memory_at_start == first
     assert m.d.cache is not None
-    kept = m.d.cache._scheduler._copies  # the second cache's pools outlive it
+    kept = m.d.cache.kv_pool  # the second cache's GPU pool outlives it
     m.close_with_work_in_flight()
     m.system_agrees_with_the_spec()
     with pytest.raises(AssertionError, match="GPU memory leaked: 32768 bytes"):
