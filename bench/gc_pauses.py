@@ -8,9 +8,11 @@ ms each on the H100 machine's CPU (2026-12-06), none once they are frozen (``gc.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
+from collections.abc import Iterator
 
 
 class GcPauses:
@@ -41,3 +43,21 @@ class GcPauses:
 
     def stop(self) -> None:
         gc.callbacks.remove(self._callback)
+
+
+@contextlib.contextmanager
+def collector_watched(*, freeze: bool) -> Iterator[GcPauses]:
+    """The collector's runs over the block.  With `freeze`, the generations are frozen first,
+    as a server does once it has started (vLLM's engine does the same): the objects made so
+    far -- torch's, the model's, the cache's -- leave them, so a full collection walks only
+    what came after; they are given back after the block."""
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    pauses = GcPauses()
+    try:
+        yield pauses
+    finally:
+        pauses.stop()
+        if freeze:
+            gc.unfreeze()

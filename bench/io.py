@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import gc
 import platform
 import random
 import statistics
@@ -62,7 +61,7 @@ from bench.flags import (
     results_tag,
     shape_preset,
 )
-from bench.gc_pauses import GcPauses
+from bench.gc_pauses import collector_watched
 from bench.results_files import source_commit, write_new_results
 from bench.serving import FOREGROUND
 from io_actors.config import StateKVConfig
@@ -216,20 +215,17 @@ def _timed_spill(cache: BlockingCache, n: int) -> TimedSpill:
     """req1 (retained, `n` blocks) pushed to host by req2, then to disk by req3."""
     first = _fill(cache, "req1", 0, n, ttl=3600.0)
     _fill(cache, "req2", 10_000_000, 2 * n)
-    busy_before = _writers_busy(cache)
+    writer = cache.statistics().writer
+    assert writer is not None
+    busy_before = writer.busy_seconds
     start = time.perf_counter()
     _fill(cache, "req3", 20_000_000, n, write_bytes=False)
     _wait(lambda: cache.statistics().cache.writes_in_flight == 0)
     spill_s = time.perf_counter() - start
     system = cache.statistics()
     assert system.cache.spills_completed >= n, system.cache
-    return TimedSpill(first, spill_s, _writers_busy(cache) - busy_before)
-
-
-def _writers_busy(cache: BlockingCache) -> float:
-    writer = cache.statistics().writer
-    assert writer is not None
-    return writer.busy_seconds
+    assert system.writer is not None
+    return TimedSpill(first, spill_s, system.writer.busy_seconds - busy_before)
 
 
 def _write_every_slot(config: StateKVConfig) -> None:
@@ -486,31 +482,22 @@ def step_latency(args: argparse.Namespace, directory: Path) -> dict[str, float]:
             clock = time.perf_counter
             if lock is not None:
                 lock.reset()
-            if args.gc_freeze:
-                # What a server does once it has started (vLLM's engine does the same): the
-                # objects made so far -- torch's, the model's, the cache's -- leave the
-                # collector's generations, so a full collection walks only what came after.
-                gc.collect()
-                gc.freeze()
-            pauses = GcPauses()
-            while not loop.idle:
-                start = clock()
-                if tenant is not None:
-                    tenant.step()
-                middle = clock()
-                timed_cache.seconds = timed_model.seconds = 0.0
-                waited_before = lock.waited(_SERVING_THREAD) if lock is not None else 0.0
-                loop.step()
-                end = clock()
-                iterations.append(end - start)
-                steps.append(end - middle)
-                parts["cache_calls"].append(timed_cache.seconds)
-                parts["forward_launch"].append(timed_model.seconds)
-                if lock is not None:
-                    lock_waits.append(lock.waited(_SERVING_THREAD) - waited_before)
-            pauses.stop()
-            if args.gc_freeze:
-                gc.unfreeze()
+            with collector_watched(freeze=args.gc_freeze) as pauses:
+                while not loop.idle:
+                    start = clock()
+                    if tenant is not None:
+                        tenant.step()
+                    middle = clock()
+                    timed_cache.seconds = timed_model.seconds = 0.0
+                    waited_before = lock.waited(_SERVING_THREAD) if lock is not None else 0.0
+                    loop.step()
+                    end = clock()
+                    iterations.append(end - start)
+                    steps.append(end - middle)
+                    parts["cache_calls"].append(timed_cache.seconds)
+                    parts["forward_launch"].append(timed_model.seconds)
+                    if lock is not None:
+                        lock_waits.append(lock.waited(_SERVING_THREAD) - waited_before)
             # Every cyclic collection stops every Python thread, the serving thread's step
             # included: how many ran in the timed steps, and how long the full ones took.
             result[f"{phase}_gc_collections"] = pauses.collections

@@ -99,7 +99,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import hashlib
 import itertools
 import json
@@ -124,7 +123,7 @@ from bench.flags import (
     results_tag,
     shape_preset,
 )
-from bench.gc_pauses import GcPauses
+from bench.gc_pauses import collector_watched
 from bench.plots import load_results
 from bench.results_files import machine_name, source_commit, unused_path
 from bench.serving import (
@@ -1197,18 +1196,12 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         inner.update(done - inner.n)
 
     graphs_before = model.decode_graph_statistics()
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
-    pauses = GcPauses()
     try:
-        run = run_config(model, key, workload, budgets_for(key, args, blocks),
-                         device=state.device, disk_dir=state.disk_dir, args=args,
-                         progress=tick, stop_at=last + state.drain, tier_dir=tier)
+        with collector_watched(freeze=args.gc_freeze) as pauses:
+            run = run_config(model, key, workload, budgets_for(key, args, blocks),
+                             device=state.device, disk_dir=state.disk_dir, args=args,
+                             progress=tick, stop_at=last + state.drain, tier_dir=tier)
     finally:
-        pauses.stop()
-        if args.gc_freeze:
-            gc.unfreeze()
         inner.close()
         if tier is not None:
             shutil.rmtree(tier, ignore_errors=True)

@@ -8,15 +8,19 @@ computed that prefix wrote.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+import pytest
 import torch
 
 from io_actors.config import StateKVConfig
 from io_actors.embed import CacheAPI
+from io_actors.storage.record_file import RecordFile
 from statekv.config import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
@@ -106,3 +110,29 @@ def wait_quiet(cache: CacheAPI, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"transfers still in flight: {stats}")
         time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def append_stuck_in_the_disk(monkeypatch: pytest.MonkeyPatch, file_name: str,
+                             start: Callable[[], object]) -> Iterator[None]:
+    """`start` runs on a thread of its own, and its first append to the record file
+    `file_name` blocks in the disk until the block exits: inside, that append is under way
+    (its journal's lock held, as across a slow write or fdatasync)."""
+    real_append = RecordFile.append
+    in_append, go_on = threading.Event(), threading.Event()
+
+    def stuck(self: RecordFile, data: bytes, *, sync: bool) -> None:
+        if self.path.name == file_name and not go_on.is_set():
+            in_append.set()
+            assert go_on.wait(10)
+        real_append(self, data, sync=sync)
+
+    monkeypatch.setattr(RecordFile, "append", stuck)
+    thread = threading.Thread(target=start)
+    thread.start()
+    try:
+        assert in_append.wait(10)
+        yield
+    finally:
+        go_on.set()
+        thread.join(10)

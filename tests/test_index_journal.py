@@ -38,7 +38,7 @@ from io_actors.storage.record_file import RecordFile
 from io_actors.storage.slot_format import pack_slot
 from statekv.errors import ConfigError, TransferFailed
 from statekv.ids import SlotId
-from tests.io_helpers import small_config
+from tests.io_helpers import append_stuck_in_the_disk, small_config
 from tests.test_persistence import MAC_KEY, block, config, key, meta
 
 
@@ -530,21 +530,8 @@ def test_the_serving_threads_calls_never_wait_for_a_writers_append(
     store = reopen(tmp_path)
     store.write(SlotId(0), key(0), block(0), meta(0))
     store.write(SlotId(1), key(1), block(1), meta(1))
-    real_append = RecordFile.append
-    in_append, go_on = threading.Event(), threading.Event()
-
-    def stuck(self: RecordFile, data: bytes, *, sync: bool) -> None:
-        if self.path.name == INDEX_FILE and not go_on.is_set():
-            in_append.set()
-            assert go_on.wait(10)
-        real_append(self, data, sync=sync)
-
-    monkeypatch.setattr(RecordFile, "append", stuck)
-    writer = threading.Thread(
-        target=store.write, args=(SlotId(2), key(2), block(2), meta(2)))
-    writer.start()
-    try:
-        assert in_append.wait(10)
+    with append_stuck_in_the_disk(monkeypatch, INDEX_FILE,
+                                  lambda: store.write(SlotId(2), key(2), block(2), meta(2))):
         def serving_thread_calls() -> None:
             store.discard(SlotId(0))
             store.statistics()
@@ -553,9 +540,6 @@ def test_the_serving_threads_calls_never_wait_for_a_writers_append(
         calls.start()
         calls.join(5)
         assert not calls.is_alive(), "discard() or statistics() waited for the append"
-    finally:
-        go_on.set()
-        writer.join(10)
     store.write(SlotId(1), key(3), block(3), meta(3))
     assert kinds(tmp_path)[-3:] == [(FREE, 0), (FREE, 1), (SLOT, 1)]
     store.close()

@@ -32,7 +32,14 @@ from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError
 from statekv.ids import BlockHash, SlotId
 from statekv.lifecycle import BlockState
-from tests.io_helpers import compute, serve, small_config, wait_quiet, wait_ready
+from tests.io_helpers import (
+    append_stuck_in_the_disk,
+    compute,
+    serve,
+    small_config,
+    wait_quiet,
+    wait_ready,
+)
 
 TTL_A = 600.0
 TTL_B = 7200.0
@@ -305,25 +312,11 @@ def test_statistics_never_wait_for_a_retention_append(
     retention task's append (its write and fdatasync hold the journal's lock)."""
     import threading
 
-    from io_actors.storage.record_file import RecordFile
-
     store = PosixSlotStore(tmp_path, core())
     spill(store, 0, 1)
-    real_append = RecordFile.append
-    in_append, go_on = threading.Event(), threading.Event()
-
-    def stuck(self: RecordFile, data: bytes, *, sync: bool) -> None:
-        if self.path.name == JOURNAL_FILE and not go_on.is_set():
-            in_append.set()
-            assert go_on.wait(10)
-        real_append(self, data, sync=sync)
-
-    monkeypatch.setattr(RecordFile, "append", stuck)
-    appender = threading.Thread(target=store.persist_retention,
-                                args=([record(0, 1, HEADER_DEADLINE + 50)],))
-    appender.start()
-    try:
-        assert in_append.wait(10)
+    with append_stuck_in_the_disk(
+            monkeypatch, JOURNAL_FILE,
+            lambda: store.persist_retention([record(0, 1, HEADER_DEADLINE + 50)])):
         seen: list[int] = []
         reader = threading.Thread(target=lambda: seen.append(
             store.statistics().retention_records))
@@ -331,8 +324,5 @@ def test_statistics_never_wait_for_a_retention_append(
         reader.join(5)
         assert not reader.is_alive(), "statistics() waited for the append"
         assert seen == [0]
-    finally:
-        go_on.set()
-        appender.join(10)
     assert store.statistics().retention_records == 1
     store.close()
