@@ -11,8 +11,9 @@ Ordering contract for whoever executes commands (the actors, or a test harness):
 2. ``CopyGpuToHost`` and ``CopyHostToGpu`` are stream ordered: they run in command order on
    one copy stream, before any later forward pass that touches either page.  They cannot
    fail and report no completion.
-3. A ``WriteSlot`` reads its host page only after every earlier copy has completed on the
-   device (the page may have just been filled by a ``CopyGpuToHost``).
+3. A ``WriteSlot`` reads its host page only after every earlier copy into that page has
+   completed on the device (the page may have just been filled by a ``CopyGpuToHost``);
+   copies into other pages are no concern of its.
 4. A ``ReadSlot`` writes its GPU page only after every earlier command has completed on the
    device (the page may have just been emptied by a ``CopyGpuToHost``), and reports
    ``SlotRead`` only once its bytes are complete on the device.

@@ -1,5 +1,6 @@
 """compute_waits="pages": a forward pass waits for the copies of its own pages, and only
-for those.
+for those.  And a spill write waits for the last copy into each of its host pages, and only
+for those (TorchCopyEngine.fence_for_host_pages), whatever the mode.
 
 The bookkeeping (io_actors.memory.page_copies) is checked against a model of the two CUDA
 streams on any machine: the copy stream runs copies in enqueue order, so waiting on the
@@ -19,8 +20,9 @@ from hypothesis import strategies as st
 
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
-from io_actors.memory.page_copies import PendingPageCopies
+from io_actors.memory.page_copies import HostPageFills, PendingPageCopies
 from io_actors.memory.pools import KVPools, TorchCopyEngine
+from io_actors.storage.slot_format import payload_checksum
 from models.config import preset
 from models.model import PagedDecoder
 from models.serving_loop import ServeRequest, ServingLoop
@@ -71,6 +73,86 @@ def test_pages_a_later_pass_names_again_need_no_second_wait() -> None:
     assert pending.take([1]) is None
     assert pending.take([2, 5]) == "c"
     assert pending.pending() == 0
+
+
+@given(ops=_ops)
+def test_a_spill_write_waits_for_the_last_copy_into_its_pages_and_for_nothing_later(
+    ops: list[tuple[str, frozenset[int]]],
+) -> None:
+    """("copy", pages) fills those host pages; ("pass", pages) is here a write reading them.
+    Unlike a pass, a write's wait covers nothing for later writes: each asks again."""
+    fills: HostPageFills[int] = HostPageFills()
+    copies: list[frozenset[int]] = []
+    for op, pages in ops:
+        if op == "copy":
+            copies.append(pages)
+            fills.filled(sorted(pages), len(copies))
+            continue
+        into = [k for k, filled in enumerate(copies, 1) if filled & pages]
+        assert fills.newest(sorted(pages)) == (max(into) if into else None)
+
+
+def test_a_page_filled_again_is_waited_for_at_its_last_fill() -> None:
+    fills: HostPageFills[str] = HostPageFills()
+    assert fills.newest([0, 1]) is None     # never filled by a copy: nothing to wait for
+    fills.filled([1, 2], "a")
+    fills.filled([3], "b")
+    assert fills.newest([1]) == "a"         # "b" came later, into another page
+    assert fills.newest([1]) == "a"         # a host thread's wait covers no one else
+    fills.filled([1], "c")
+    assert fills.newest([2, 1]) == "c"
+    assert fills.newest([2]) == "a"
+
+
+def test_each_spill_write_is_fenced_on_exactly_its_own_host_pages(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scheduler hands every WriteSlots batch the fence of its own host pages, never the
+    fence of every copy (on the CPU both are done fences: this checks the wiring; the CUDA
+    tests below check what the fence waits for)."""
+    asked: list[list[int]] = []
+    full: list[int] = []
+    original = TorchCopyEngine.fence_for_host_pages
+    original_full = TorchCopyEngine.fence
+
+    def recorded(engine: TorchCopyEngine, pages: Any) -> Any:
+        asked.append(list(pages))
+        return original(engine, asked[-1])
+
+    def recorded_full(engine: TorchCopyEngine) -> Any:
+        full.append(1)
+        return original_full(engine)
+
+    monkeypatch.setattr(TorchCopyEngine, "fence_for_host_pages", recorded)
+    monkeypatch.setattr(TorchCopyEngine, "fence", recorded_full)
+    written: list[list[int]] = []
+    from io_actors.actors import writer_pool
+
+    execute = writer_pool.SlotWriter.execute
+
+    def seen(self: Any, job: Any) -> Any:
+        written.append([write.host_page for write in job.command.writes])
+        return execute(self, job)
+
+    monkeypatch.setattr(writer_pool.SlotWriter, "execute", seen)
+    config = StateKVConfig(layout=_layout(), block_size=4, gpu=9, host=4, reserved_host=4,
+                           disk=16, disk_dir=tmp_path, device="cpu", max_batch_blocks=2,
+                           spill_mode="retained_only", retention_write_through=False,
+                           persist=False)
+    with BlockingCache(config) as cache:
+        for i, (rid, blocks, ttl) in enumerate([("r1", 4, 3600.0), ("r2", 8, None),
+                                               ("r3", 4, None)]):
+            tokens = [1_000 * (i + 1) + t for t in range(blocks * 4 + 1)]
+            cache.add_request(rid, tokens, ttl_seconds=ttl)
+            cache.allocate_nowait(rid, len(tokens))
+            cache.commit(rid, len(tokens))
+            cache.release(rid)
+        deadline = time.monotonic() + 30
+        while cache.statistics().cache.spills_completed < 4:
+            assert time.monotonic() < deadline, cache.statistics().cache
+            time.sleep(0.01)
+    assert sorted(map(sorted, written)) == sorted(map(sorted, asked)) and len(written) == 2
+    assert not full  # no read in this run: nothing took the whole-stream fence
 
 
 def _layout() -> KVLayout:
@@ -231,6 +313,59 @@ def test_cuda_a_pass_over_other_pages_does_not_wait_for_a_copy() -> None:
     spill_done.synchronize()
 
 
+
+
+def _warm(engine: TorchCopyEngine, pools: KVPools) -> None:
+    """A first spill compiles the host checksum kernel (0.7 s on an H200): long enough for any
+    copy queued after it to be over before a test looks.  A cache does this when it opens."""
+    engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
+    engine.fence().wait()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compute_waits", ["all", "pages"])
+def test_cuda_a_spill_write_does_not_wait_for_copies_into_other_pages(
+    compute_waits: str,
+) -> None:
+    """Another request's eviction to host, queued after the copy that filled the spilled
+    page: the write's fence is past once its own page's copy is, with the eviction running."""
+    pools = _cuda_pools(gpu_blocks=256)   # 255 x 2 MiB: a copy of about 10 ms
+    engine = TorchCopyEngine(pools, compute_waits=compute_waits)
+    _warm(engine, pools)
+    pools.gpu_page(PageId(0)).fill_(9)
+    engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
+    engine.copy_pages([(PageId(i), PageId(i)) for i in range(1, 256)], to_gpu=False)
+    eviction_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    eviction_done.record(engine._stream)  # a test may look inside
+    engine.fence_for_host_pages([PageId(0)]).wait()
+    assert not eviction_done.query(), (  # type: ignore[no-untyped-call]
+        "the write waited for the copies into pages it does not read")
+    host = pools.host_page(PageId(0))
+    assert bool((host == 9).all())
+    checksums = pools.host_checksums
+    if checksums is not None:   # written by the kernel in the same batch as the copy
+        assert checksums.of(PageId(0)) == payload_checksum(host)
+    eviction_done.synchronize()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_spill_write_waits_for_the_last_copy_into_its_page() -> None:
+    """A page filled, then other pages, then the same page again (freed and reused): the
+    write's fence is the second fill's, behind the long copy in between."""
+    pools = _cuda_pools(gpu_blocks=256)
+    engine = TorchCopyEngine(pools)
+    _warm(engine, pools)
+    pools.gpu_page(PageId(0)).fill_(3)
+    engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
+    engine.copy_pages([(PageId(i), PageId(i)) for i in range(1, 255)], to_gpu=False)
+    pools.gpu_page(PageId(255)).fill_(7)   # on the compute stream: the copy waits for it
+    engine.copy_pages([(PageId(255), PageId(0))], to_gpu=False)
+    engine.fence_for_host_pages([PageId(3), PageId(0)]).wait()
+    host = pools.host_page(PageId(0))
+    assert bool((host == 7).all())
+    checksums = pools.host_checksums
+    if checksums is not None:
+        assert checksums.of(PageId(0)) == payload_checksum(host)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

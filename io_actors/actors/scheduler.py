@@ -582,9 +582,16 @@ class Scheduler:
                         )
                     self._slots_in_flight.add(item.slot)
                     self._slot_of_transfer[item.transfer] = item.slot
-                if fence is None:
-                    fence = copies.fence()
-                job = WriteJob(cmd, fence) if isinstance(cmd, WriteSlots) else ReadJob(cmd, fence)
+                if isinstance(cmd, WriteSlots):
+                    # A write reads its host pages only: it waits for the copies into them,
+                    # not for the rest of the round's (an eviction's batch to host, queued
+                    # ahead of it, would hold the first write back by its whole length).
+                    job: WriteJob | ReadJob = WriteJob(cmd, copies.fence_for_host_pages(
+                        [write.host_page for write in cmd.writes]))
+                else:
+                    if fence is None:
+                        fence = copies.fence()
+                    job = ReadJob(cmd, fence)
                 if self._inline is not None:
                     inline.append(job)
                 else:

@@ -3,9 +3,10 @@
 * One bounded queue of capacity ``write_queue_depth`` feeds every worker; a full queue blocks
   only the scheduler's spill feeder task (backpressure on spills), never the serving loop's
   step.
-* A job is one ``WriteSlots`` batch: one wait on the copy-stream fence taken when it was
-  dispatched (so every host page is read only after the GPU -> host copy that filled it has
-  completed), one ``write_many`` call (vector I/O), one ``BatchFinished`` report.
+* A job is one ``WriteSlots`` batch: one wait on the copy-stream fence taken for its host
+  pages when it was dispatched (so every host page is read only after the GPU -> host copy
+  that filled it has completed, and no later copy is waited for), one ``write_many`` call
+  (vector I/O), one ``BatchFinished`` report.
 * A failed write (I/O error, short write, no space) is reported as that block's
   SlotWriteFailed with its cause, logged with the slot; the core keeps that block on host.
   The batch's other blocks landed or failed on their own.

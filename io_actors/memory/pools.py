@@ -24,7 +24,7 @@ import torch
 
 from io_actors.memory import page_gather
 from io_actors.memory.host_checksums import HostChecksums
-from io_actors.memory.page_copies import COMPUTE_WAITS, PendingPageCopies
+from io_actors.memory.page_copies import COMPUTE_WAITS, HostPageFills, PendingPageCopies
 from io_actors.storage.buffers import page_aligned_buffer, pinned_page_aligned_buffer
 from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
 from io_actors.storage.interfaces import Fence
@@ -330,8 +330,11 @@ class TorchCopyEngine:
       touches a GPU page must then be announced that way.
     - *Host threads after copies.*  :meth:`fence` records an event after every copy enqueued
       so far, and after the compute work the copy stream has been made to wait for; a
-      worker thread blocks on ``Fence.wait()`` before it reads a host page just filled by a
-      copy, or before it writes a GPU page from outside the streams (kvikio, GDS).
+      worker thread blocks on ``Fence.wait()`` before it writes a page (a disk read into a
+      host page or staging buffer, or a GPU page from outside the streams: kvikio, GDS).
+      A spill write only reads its host pages: :meth:`fence_for_host_pages` covers the last
+      copy into each of them and no later copy, so a write never queues behind another
+      request's eviction enqueued ahead of it.
 
     On a CPU device every copy completes before its call returns and fences are no-ops.
     Methods may be called from several threads: a lock keeps enqueue order equal to call
@@ -391,6 +394,9 @@ class TorchCopyEngine:
         # call returns, and there is nothing to wait for.
         self._page_copies: PendingPageCopies[torch.cuda.Event] | None = (
             PendingPageCopies() if compute_waits == "pages" and self._async else None)
+        # The last copy into each host page, for the spill writes' fences (a CPU device's
+        # copies are done when their call returns: nothing to record there).
+        self._host_fills: HostPageFills[torch.cuda.Event] = HostPageFills()
         self._page_waits = 0
 
     def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
@@ -401,7 +407,7 @@ class TorchCopyEngine:
         src = self._pools.gpu_page(gpu_page)
         dst = self._pools.host_page(host_page)
         with self._lock:
-            self._enqueue(dst, src, gpu_page)
+            self._enqueue(dst, src, gpu_page, filled_host_page=host_page)
             self._copies_to_host += 1
 
     def copy_host_to_gpu(self, host_page: PageId, gpu_page: PageId) -> None:
@@ -491,8 +497,8 @@ class TorchCopyEngine:
                                        checksums.table, hosts)
                         checksums.computed(hosts)
                 self._pending_for_compute = True
-                if self._page_copies is not None:
-                    self._copied([d if to_gpu else s for s, d in pairs])
+                self._copied([d if to_gpu else s for s, d in pairs],
+                             () if to_gpu else [d for _s, d in pairs])
             if to_gpu:
                 self._copies_to_gpu += len(pairs)
             else:
@@ -503,7 +509,8 @@ class TorchCopyEngine:
             return self._gather
         return runs >= 2 and pages * self._pools.block_nbytes < runs * GATHER_RUN_BYTES
 
-    def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, gpu_page: PageId) -> None:
+    def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, gpu_page: PageId, *,
+                 filled_host_page: PageId | None = None) -> None:
         if self._stream is None or self._compute is None:
             dst.copy_(src)
             return
@@ -511,15 +518,22 @@ class TorchCopyEngine:
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=self._non_blocking)
         self._pending_for_compute = True
-        if self._page_copies is not None:
-            self._copied((gpu_page,))
+        self._copied((gpu_page,), () if filled_host_page is None else (filled_host_page,))
 
-    def _copied(self, gpu_pages: Iterable[int]) -> None:
-        """Under the lock, right after the copies of `gpu_pages` were enqueued."""
-        assert self._page_copies is not None and self._stream is not None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    def _copied(self, gpu_pages: Iterable[int], filled_host_pages: Sequence[int]) -> None:
+        """Under the lock, right after the copies of `gpu_pages` were enqueued, which filled
+        `filled_host_pages` (GPU -> host copies, the host pages' checksums with them): one
+        event after them stands for both (copy_stream order)."""
+        assert self._stream is not None
+        if self._page_copies is None and not filled_host_pages:
+            return
+        # Blocking sync: a worker thread waiting on it for a host page sleeps, not spins.
+        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         event.record(self._stream)
-        self._page_copies.copied(gpu_pages, event)
+        if self._page_copies is not None:
+            self._page_copies.copied(gpu_pages, event)
+        if filled_host_pages:
+            self._host_fills.filled(filled_host_pages, event)
 
     def fence(self) -> Fence:
         with self._lock:
@@ -532,6 +546,18 @@ class TorchCopyEngine:
             event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             event.record(self._stream)
             return _EventFence(event)
+
+    def fence_for_host_pages(self, host_pages: Iterable[int]) -> Fence:
+        """A fence after every copy enqueued so far into one of `host_pages`, and after no
+        later one: what a spill write that reads those pages waits for.  Copies into other
+        pages queued before it (another request's eviction, often a whole batch of them)
+        do not hold the write back.  A page no copy ever filled needs no wait."""
+        with self._lock:
+            self._fences += 1
+            if self._stream is None:
+                return _DoneFence()
+            event = self._host_fills.newest(host_pages)
+            return _DoneFence() if event is None else _EventFence(event)
 
     def order_before_compute(self) -> None:
         """After the scheduler enqueued copies: with ``compute_waits="all"``, later work on

@@ -66,7 +66,12 @@ class CopyEngine(Protocol):
         """Many copies of one direction, in order: (source, destination) page pairs."""
 
     def fence(self) -> Fence:
-        """A fence after every copy enqueued so far (writers and readers wait on it)."""
+        """A fence after every copy enqueued so far (readers wait on it)."""
+        ...
+
+    def fence_for_host_pages(self, host_pages: Iterable[int]) -> Fence:
+        """A fence after the last copy enqueued so far into each of `host_pages` (a spill
+        write, which reads only those pages, waits on it)."""
         ...
 
     def order_before_compute(self) -> None:
