@@ -22,6 +22,7 @@ from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
 from io_actors.memory.page_copies import HostPageFills, PendingPageCopies
 from io_actors.memory.pools import KVPools, TorchCopyEngine
+from io_actors.storage.buffers import host_view
 from io_actors.storage.slot_format import payload_checksum
 from models.config import preset
 from models.model import PagedDecoder
@@ -75,33 +76,52 @@ def test_pages_a_later_pass_names_again_need_no_second_wait() -> None:
     assert pending.pending() == 0
 
 
-@given(ops=_ops)
+# ("copy", pages) fills those host pages; ("write", pages) is a spill write reading them;
+# ("done", k) is the copy stream reaching its k-th fill (in order: k only moves forward).
+_fill_ops = st.lists(st.one_of(
+    st.tuples(st.sampled_from(["copy", "write"]), _pages),
+    st.tuples(st.just("done"), st.integers(0, 40))), max_size=50)
+
+
+@given(ops=_fill_ops)
 def test_a_spill_write_waits_for_the_last_copy_into_its_pages_and_for_nothing_later(
-    ops: list[tuple[str, frozenset[int]]],
+    ops: list[tuple[str, Any]],
 ) -> None:
-    """("copy", pages) fills those host pages; ("pass", pages) is here a write reading them.
-    Unlike a pass, a write's wait covers nothing for later writes: each asks again."""
-    fills: HostPageFills[int] = HostPageFills()
+    """Unlike a pass's, a write's wait covers nothing for later writes: each asks again.
+    A fill known complete needs no wait, and its event is no longer held."""
+    completed = 0
+    fills: HostPageFills[int] = HostPageFills(done=lambda k: k <= completed)
     copies: list[frozenset[int]] = []
-    for op, pages in ops:
-        if op == "copy":
-            copies.append(pages)
-            fills.filled(sorted(pages), len(copies))
+    for op, arg in ops:
+        if op == "done":
+            completed = max(completed, min(arg, len(copies)))
             continue
-        into = [k for k, filled in enumerate(copies, 1) if filled & pages]
-        assert fills.newest(sorted(pages)) == (max(into) if into else None)
+        if op == "copy":
+            copies.append(arg)
+            fills.filled(sorted(arg), len(copies))
+            continue
+        into = [k for k, filled in enumerate(copies, 1) if filled & arg]
+        needed = max(into) if into and max(into) > completed else None
+        assert fills.newest(sorted(arg)) == needed
+        assert fills.in_flight() == len(copies) - completed   # nothing completed is held
 
 
 def test_a_page_filled_again_is_waited_for_at_its_last_fill() -> None:
-    fills: HostPageFills[str] = HostPageFills()
+    completed = 0
+    fills: HostPageFills[int] = HostPageFills(done=lambda k: k <= completed)
     assert fills.newest([0, 1]) is None     # never filled by a copy: nothing to wait for
-    fills.filled([1, 2], "a")
-    fills.filled([3], "b")
-    assert fills.newest([1]) == "a"         # "b" came later, into another page
-    assert fills.newest([1]) == "a"         # a host thread's wait covers no one else
-    fills.filled([1], "c")
-    assert fills.newest([2, 1]) == "c"
-    assert fills.newest([2]) == "a"
+    fills.filled([1, 2], 1)
+    fills.filled([3], 2)
+    assert fills.newest([1]) == 1           # 2 came later, into another page
+    assert fills.newest([1]) == 1           # a host thread's wait covers no one else
+    fills.filled([1], 3)
+    assert fills.newest([2, 1]) == 3
+    assert fills.newest([2]) == 1
+    completed = 1
+    assert fills.newest([2]) is None        # its fill is done: no wait, no event kept
+    assert fills.in_flight() == 2
+    completed = 3
+    assert fills.newest([1, 2, 3]) is None and fills.in_flight() == 0
 
 
 def test_each_spill_write_is_fenced_on_exactly_its_own_host_pages(
@@ -344,7 +364,7 @@ def test_cuda_a_spill_write_does_not_wait_for_copies_into_other_pages(
     assert bool((host == 9).all())
     checksums = pools.host_checksums
     if checksums is not None:   # written by the kernel in the same batch as the copy
-        assert checksums.of(PageId(0)) == payload_checksum(host)
+        assert checksums.of(PageId(0)) == payload_checksum(host_view(host))
     eviction_done.synchronize()
 
 
@@ -365,7 +385,7 @@ def test_cuda_a_spill_write_waits_for_the_last_copy_into_its_page() -> None:
     assert bool((host == 7).all())
     checksums = pools.host_checksums
     if checksums is not None:
-        assert checksums.of(PageId(0)) == payload_checksum(host)
+        assert checksums.of(PageId(0)) == payload_checksum(host_view(host))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

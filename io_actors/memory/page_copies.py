@@ -10,8 +10,7 @@ piece of work on it, so an event waited for once is never waited for again: a wa
 the newest event waited for makes every page's older entry void.
 
 A host thread's wait is different: it blocks only that thread, so nothing is covered for
-anyone else afterwards, and a host page keeps the event of the last copy into it for as long
-as the engine lives (one entry per host page at most).
+anyone else afterwards; a host page's last fill is forgotten only once it is known complete.
 
 No CUDA here: the event is opaque (a ``torch.cuda.Event`` in the engine, anything in
 tests), which is what lets the bookkeeping be tested against a model of the two streams
@@ -20,7 +19,7 @@ on a machine without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final, Generic, TypeVar
 
 EventT = TypeVar("EventT")
@@ -79,35 +78,59 @@ class PendingPageCopies(Generic[EventT]):
 
 
 class HostPageFills(Generic[EventT]):
-    """The copy-stream event after the last copy into each host page.
+    """The copy-stream event after the last copy into each host page, while it may still be
+    pending.
 
     A worker thread that reads host pages (a spill write) waits on the newest of its pages'
     events and on nothing else: a copy into another page, queued before it, is not its
-    concern.  A page with no entry was never filled by the copy stream (a disk read fills
-    it from a host thread, done before the read reports), so it needs no wait.
+    concern.  A page no copy ever filled (a disk read fills one from a host thread, done
+    before the read reports), or whose last fill is known complete, needs no wait.
+
+    Only events not yet known complete are kept (`done` says whether one is; the copy
+    stream completes them in order, so the oldest is asked first): a page remembers the
+    number of its last fill, not an event, and a host pool of any size holds only the
+    events of the copies still in flight.
     """
 
-    def __init__(self) -> None:
-        self._latest: dict[int, tuple[int, EventT]] = {}
+    def __init__(self, done: Callable[[EventT], bool]) -> None:
+        self._done = done
+        self._filled_at: dict[int, int] = {}
+        """Each host page's last fill, by its number in copy-stream order."""
+        self._in_flight: dict[int, EventT] = {}
+        """Fill number -> its event, oldest first, for the fills not known complete."""
         self._recorded = 0
+        self._complete = 0
+        """Every fill up to this number has completed."""
 
     def filled(self, pages: Iterable[int], event: EventT) -> None:
         """`event` was recorded on the copy stream after copies into `pages` (and after every
         copy enqueued before them)."""
+        self._forget_completed()
         self._recorded += 1
-        entry = (self._recorded, event)
-        latest = self._latest
+        number = self._recorded
+        filled_at = self._filled_at
         for page in pages:
-            latest[page] = entry
+            filled_at[page] = number
+        self._in_flight[number] = event
 
     def newest(self, pages: Iterable[int]) -> EventT | None:
         """The one event after which every copy into any of `pages` has completed, or None
-        when no copy ever filled one of them."""
-        latest = self._latest
-        newest = 0
-        chosen: EventT | None = None
-        for page in pages:
-            entry = latest.get(page)
-            if entry is not None and entry[0] > newest:
-                newest, chosen = entry
-        return chosen
+        when there is nothing to wait for."""
+        self._forget_completed()
+        filled_at = self._filled_at
+        number = max((filled_at.get(page, 0) for page in pages), default=0)
+        return None if number <= self._complete else self._in_flight[number]
+
+    def in_flight(self) -> int:
+        """Fills whose completion is not known yet (the events held)."""
+        return len(self._in_flight)
+
+    def _forget_completed(self) -> None:
+        in_flight = self._in_flight
+        done = self._done
+        while in_flight:
+            number = next(iter(in_flight))
+            if not done(in_flight[number]):
+                return
+            del in_flight[number]
+            self._complete = number

@@ -396,7 +396,8 @@ class TorchCopyEngine:
             PendingPageCopies() if compute_waits == "pages" and self._async else None)
         # The last copy into each host page, for the spill writes' fences (a CPU device's
         # copies are done when their call returns: nothing to record there).
-        self._host_fills: HostPageFills[torch.cuda.Event] = HostPageFills()
+        self._host_fills: HostPageFills[torch.cuda.Event] = HostPageFills(
+            done=lambda event: bool(event.query()))  # type: ignore[no-untyped-call]
         self._page_waits = 0
 
     def copy_gpu_to_host(self, gpu_page: PageId, host_page: PageId) -> None:
