@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io io-graphs io-fg io-pages gil io-small profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab fg-ab pages-ab
+#   bench/on_gpu.sh tests io io-graphs io-fg io-pages gil io-small spill-parts profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab fg-ab pages-ab
 # tests: the GPU test files (TESTS_FILES replaces the list).
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
@@ -120,6 +120,12 @@ for step in "$@"; do
     gil) run gil ${GIL_S:-200} python3 -m bench.gil_contention --machine "$MACHINE" --device cuda \
         --model 8b-class --model-layers 4 --decodes 16 --context 512 --cuda-graphs --write \
         ${GIL_ARGS:-} ;;
+    # A spill taken apart (bench/spill_parts.py), 2 MiB then 256 KiB: when the first write
+    # starts after req3's call, the writes' own rate against the store alone's.
+    spill-parts) for mib in 2 0.25; do
+        run "spill-parts-$mib" ${PARTS_S:-90} python3 -m bench.spill_parts --block-mib "$mib" \
+        --blocks $([ "$mib" = 2 ] && echo 512 || echo 2048) --device cuda --runs 3 \
+        --dir "$DISK"; done ;;
     io-small) run io-small ${IO_S:-160} python3 -m bench.io --machine "$MACHINE" --block-mib 0.25 \
         --threads 4 --blocks 2048 --dir "$DISK" --skip-latency --write --tag 256k ${IO_ARGS:-} ;;
     # The 256 KiB transfer phases under py-spy (its wheel in .whl/): every thread's stacks,
