@@ -11,11 +11,33 @@ import pytest
 from bench.io import main
 
 
+def _small(tmp_path: Path, *flags: str) -> list[str]:
+    """bench.io's flags for a run small enough for this machine's CPU, plus `flags`."""
+    return ["--block-mib", "0.0625", "--blocks", "32", "--threads", "2", "--batch-blocks", "4",
+            "--dir", str(tmp_path), "--device", "cpu", *flags]
+
+
+def _small_latency(tmp_path: Path, *flags: str) -> list[str]:
+    """The step-latency phase alone, small, with `flags`."""
+    return _small(tmp_path, "--latency-only", *flags, "--decoders", "2", "--decode-steps", "8",
+                  "--loop-gpu-blocks", "64", "--tenant-blocks", "2", "--tenant-in-flight", "2")
+
+
+def _one_line_usage_error(argv: list[str], tmp_path: Path,
+                          capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line of a refused command line (exit status 2, nothing left behind)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert list(tmp_path.iterdir()) == []
+    return err[0]
+
+
 def test_every_transfer_phase_reports_a_rate_against_its_limit(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--block-mib", "0.0625", "--blocks", "32", "--threads", "2",
-                 "--batch-blocks", "4", "--dir", str(tmp_path), "--device", "cpu",
-                 "--skip-latency"]) == 0
+    assert main(_small(tmp_path, "--skip-latency")) == 0
     out = capsys.readouterr().out
     for phase in ("spill host->disk", "write-through", "store alone, consec.",
                   "store alone, scatt.", "spill, fresh slots", "store alone, fresh",
@@ -35,11 +57,7 @@ def test_every_transfer_phase_reports_a_rate_against_its_limit(
 
 def test_the_step_latency_phase_alone_times_the_parts_of_a_step(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--block-mib", "0.0625", "--blocks", "32", "--threads", "2",
-                 "--batch-blocks", "4", "--dir", str(tmp_path), "--device", "cpu",
-                 "--latency-only", "--decoders", "2", "--decode-steps", "8",
-                 "--loop-gpu-blocks", "64", "--tenant-blocks", "2",
-                 "--tenant-in-flight", "2"]) == 0
+    assert main(_small_latency(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "spill host->disk" not in out    # no transfer phase ran
     step = next(x for x in out.splitlines() if x.startswith("step p50 idle"))
@@ -57,21 +75,15 @@ def test_the_step_latency_phase_alone_times_the_parts_of_a_step(
 
 def test_cuda_graphs_without_a_cuda_device_is_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(["--device", "cpu", "--latency-only", "--cuda-graphs", "--dir", str(tmp_path)])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--cuda-graphs" in err[0] and "CUDA device" in err[0]
-    assert list(tmp_path.iterdir()) == []
+    line = _one_line_usage_error(
+        ["--device", "cpu", "--latency-only", "--cuda-graphs", "--dir", str(tmp_path)],
+        tmp_path, capsys)
+    assert "--cuda-graphs" in line and "CUDA device" in line
 
 
 def test_the_timed_lock_reports_waits_and_holds_per_phase(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--block-mib", "0.0625", "--blocks", "32", "--threads", "2",
-                 "--batch-blocks", "4", "--dir", str(tmp_path), "--device", "cpu",
-                 "--latency-only", "--time-lock", "--decoders", "2", "--decode-steps", "8",
-                 "--loop-gpu-blocks", "64", "--tenant-blocks", "2",
-                 "--tenant-in-flight", "2"]) == 0
+    assert main(_small_latency(tmp_path, "--time-lock")) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if "scheduler lock" in x]
     assert [x.split(",")[1].split(":")[0].strip() for x in lines] == ["idle", "saturated"]
     for line in lines:
@@ -87,23 +99,17 @@ def test_the_timed_lock_reports_waits_and_holds_per_phase(
 
 def test_gc_freeze_without_a_latency_phase_is_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(["--device", "cpu", "--skip-latency", "--gc-freeze", "--dir", str(tmp_path)])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--gc-freeze" in err[0] and "--skip-latency" in err[0]
-    assert list(tmp_path.iterdir()) == []
+    line = _one_line_usage_error(
+        ["--device", "cpu", "--skip-latency", "--gc-freeze", "--dir", str(tmp_path)],
+        tmp_path, capsys)
+    assert "--gc-freeze" in line and "--skip-latency" in line
 
 
 def test_the_latency_phases_count_the_collectors_pauses(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import gc
 
-    assert main(["--block-mib", "0.0625", "--blocks", "32", "--threads", "2",
-                 "--batch-blocks", "4", "--dir", str(tmp_path), "--device", "cpu",
-                 "--latency-only", "--gc-freeze", "--decoders", "2", "--decode-steps", "8",
-                 "--loop-gpu-blocks", "64", "--tenant-blocks", "2",
-                 "--tenant-in-flight", "2"]) == 0
+    assert main(_small_latency(tmp_path, "--gc-freeze")) == 0
     assert gc.get_freeze_count() == 0  # each phase gave its frozen objects back
     lines = [x for x in capsys.readouterr().out.splitlines() if "garbage collector" in x]
     assert [x.split(",")[1].split(":")[0].strip() for x in lines] == ["idle", "saturated"]

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from io_actors.actors import writer_pool
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
 from io_actors.memory.page_copies import HostPageFills, PendingPageCopies
@@ -146,8 +147,6 @@ def test_each_spill_write_is_fenced_on_exactly_its_own_host_pages(
     monkeypatch.setattr(TorchCopyEngine, "fence_for_host_pages", recorded)
     monkeypatch.setattr(TorchCopyEngine, "fence", recorded_full)
     written: list[list[int]] = []
-    from io_actors.actors import writer_pool
-
     execute = writer_pool.SlotWriter.execute
 
     def seen(self: Any, job: Any) -> Any:
@@ -304,18 +303,22 @@ def test_cuda_a_pass_over_a_page_sees_the_copy_into_it() -> None:
     assert int(total) == 5 * pools.block_nbytes
 
 
+def _warm(engine: TorchCopyEngine, pools: KVPools) -> None:
+    """A first spill compiles the host checksum kernel (0.7 s on an H200): long enough for any
+    copy queued after it to be over before a test looks.  A cache does this when it opens."""
+    engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
+    engine.fence().wait()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_a_pass_over_other_pages_does_not_wait_for_a_copy() -> None:
     """The point of the mode: a long spill of pages the pass does not use leaves it alone."""
     pools = _cuda_pools(gpu_blocks=256)   # 256 x 2 MiB: a copy of about 10 ms
     engine = TorchCopyEngine(pools, compute_waits="pages")
-    # A spill's first batch compiles the host pages' checksum kernel and makes its pinned
-    # table (0.7 s on the H200): long enough for the spill to be over before the pass is
-    # even queued.  A cache does this when it opens; here one small spill does it.  And the
-    # pass's own kernel is loaded first: CUDA loads a kernel's module at its first launch
-    # (lazy loading), which may synchronize the whole context, copy stream included.
-    engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
-    engine.fence().wait()
+    # The checksum kernel compiled first, and the pass's own kernel loaded: CUDA loads a
+    # kernel's module at its first launch (lazy loading), which may synchronize the whole
+    # context, copy stream included.
+    _warm(engine, pools)
     pools.gpu_page(PageId(255)).add_(1)
     torch.cuda.synchronize()
     engine.copy_pages([(PageId(i), PageId(i)) for i in range(255)], to_gpu=False)
@@ -333,13 +336,6 @@ def test_cuda_a_pass_over_other_pages_does_not_wait_for_a_copy() -> None:
     spill_done.synchronize()
 
 
-
-
-def _warm(engine: TorchCopyEngine, pools: KVPools) -> None:
-    """A first spill compiles the host checksum kernel (0.7 s on an H200): long enough for any
-    copy queued after it to be over before a test looks.  A cache does this when it opens."""
-    engine.copy_pages([(PageId(0), PageId(0))], to_gpu=False)
-    engine.fence().wait()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
