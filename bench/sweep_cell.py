@@ -128,20 +128,28 @@ def _signature(results: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in results.get("signature", {}).items() if k not in IGNORED_SETTINGS}
 
 
+def read_results(path: Path) -> dict[str, Any]:
+    """One bench.sweep results file; ValueError saying why it is not one."""
+    try:
+        results = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not JSON: not UTF-8 text") from None
+    if not isinstance(results, dict) or results.get("bench") != "sweep" or not all(
+            key in results for key in ("signature", "calls", "cases")):
+        raise ValueError(f"{path} is not a bench.sweep results file")
+    return results
+
+
 def load(paths: Sequence[Path]) -> list[tuple[Path, dict[str, Any]]]:
     """The files, checked to be sweep results of one cell; ValueError naming the first that
     is not."""
     loaded: list[tuple[Path, dict[str, Any]]] = []
     for path in paths:
-        try:
-            results = json.loads(path.read_text())
-        except OSError as exc:
-            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
-        if not isinstance(results, dict) or results.get("bench") != "sweep" or not all(
-                key in results for key in ("signature", "calls", "cases")):
-            raise ValueError(f"{path} is not a bench.sweep results file")
+        results = read_results(path)
         if loaded:
             first_path, first = loaded[0]
             want, got = _signature(first), _signature(results)
