@@ -2,6 +2,7 @@
 run, and the spread over runs.
 
     python -m bench.sweep_cell FILE.json [FILE.json ...] [--num d --den c] [--target 1.3]
+                               [--pool-despite SETTING,...]
 
 A cell (a model shape, history length and pressure) is often measured one seed a device
 call, each call a file of its own, on machines whose speed differs by half between calls
@@ -16,11 +17,14 @@ above den's whatever the brackets' resolution (num's goodput at or above den's f
 rate), "below" the mirror of it, else "within the spread".  With --target, the same for the
 ratio against that target: met when every run's lower bound reaches it, missed when no
 run's upper bound does.  One run gives no spread, and says so.  Files of different cells or
-settings are refused: their ratios do not measure the same thing.
+settings are refused: their ratios do not measure the same thing, unless the settings that
+differ are named with --pool-despite (a file written before a setting existed does not
+record it); each file's values of those are then printed above the table.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -124,8 +128,10 @@ def summarize(runs: Sequence[Run], target: float | None) -> CellSummary:
                        spread=(min(ratios), max(ratios)), claim=claim, target_verdict=verdict)
 
 
-def _signature(results: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in results.get("signature", {}).items() if k not in IGNORED_SETTINGS}
+def _signature(results: dict[str, Any], despite: frozenset[str] = frozenset()
+               ) -> dict[str, Any]:
+    return {k: v for k, v in results.get("signature", {}).items()
+            if k not in IGNORED_SETTINGS and k not in despite}
 
 
 def read_results(path: Path) -> dict[str, Any]:
@@ -144,15 +150,16 @@ def read_results(path: Path) -> dict[str, Any]:
     return results
 
 
-def load(paths: Sequence[Path]) -> list[tuple[Path, dict[str, Any]]]:
-    """The files, checked to be sweep results of one cell; ValueError naming the first that
-    is not."""
+def load(paths: Sequence[Path], despite: frozenset[str] = frozenset()
+         ) -> list[tuple[Path, dict[str, Any]]]:
+    """The files, checked to be sweep results of one cell (settings named in `despite` may
+    differ); ValueError naming the first that is not."""
     loaded: list[tuple[Path, dict[str, Any]]] = []
     for path in paths:
         results = read_results(path)
         if loaded:
             first_path, first = loaded[0]
-            want, got = _signature(first), _signature(results)
+            want, got = _signature(first, despite), _signature(results, despite)
             differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
             if differ:
                 raise ValueError(f"{path} is another cell or other settings than "
@@ -190,6 +197,14 @@ def report(case: str, summary: CellSummary, num: str, den: str, target: float | 
     return "\n".join(lines)
 
 
+def _setting_names(text: str) -> frozenset[str]:
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"must be setting names separated by commas, got "
+                                         f"{text!r}")
+    return frozenset(names)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m bench.sweep_cell",
                            description=__doc__.split("\n\n")[0])
@@ -198,13 +213,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--den", default="c", help="the configuration under (default c)")
     parser.add_argument("--target", type=positive_number, default=None,
                         help="a ratio to judge the runs against")
+    parser.add_argument("--pool-despite", type=_setting_names, default=frozenset(),
+                        metavar="SETTING[,SETTING...]",
+                        help="pool files whose recorded settings differ in these (a file "
+                             "written before a setting existed lacks it); each file's "
+                             "values of them are printed")
     args = parser.parse_args(argv)
     if args.num == args.den:
         parser.error(f"--num and --den are both {args.num!r}")
     try:
-        loaded = load(args.files)
+        loaded = load(args.files, args.pool_despite)
     except ValueError as exc:
         parser.error(f"argument files: {exc}")
+    unknown = sorted(name for name in args.pool_despite
+                     if not any(name in results["signature"] for _path, results in loaded))
+    if unknown:
+        parser.error(f"argument --pool-despite: no file records {', '.join(unknown)}")
+    for path, results in loaded:
+        if args.pool_despite:
+            recorded = results["signature"]
+            values = ", ".join(f"{k}={recorded.get(k, '(not recorded)')}"
+                               for k in sorted(args.pool_despite))
+            print(f"{path.name}: {values}")
     cells: dict[str, list[Run]] = {}
     for path, results in loaded:
         for case, runs in runs_of(path, results, args.num, args.den).items():

@@ -124,3 +124,37 @@ def test_the_committed_4k_pressure_3_files_give_their_published_spread(
     assert main([*map(str, files), "--target", "1.3"]) == 0
     out = capsys.readouterr().out
     assert "spread 1.00-1.54x" in out and "target 1.30x: within the spread" in out
+
+
+def test_settings_named_to_pool_despite_may_differ_and_each_files_values_are_printed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = results(0, row(24.0, 26.0), row(20.0, 22.0))
+    new = results(1, row(24.0, 26.0), row(20.0, 22.0))
+    new["signature"]["foreground"] = "auto"  # a setting the older file predates
+    a, b = write(tmp_path, "old.json", old), write(tmp_path, "new.json", new)
+    with pytest.raises(SystemExit):
+        main([str(a), str(b)])
+    assert "foreground differ" in capsys.readouterr().err
+    assert main([str(a), str(b), "--pool-despite", "foreground"]) == 0
+    out = capsys.readouterr().out
+    assert "old.json: foreground=(not recorded)" in out and "new.json: foreground=auto" in out
+    assert "over 2 of 2 runs" in out
+    # Pooling despite a setting still refuses a difference in any other.
+    other = results(2, row(24.0, 26.0), row(20.0, 22.0), pressure=1.5)
+    with pytest.raises(SystemExit):
+        main([str(a), str(write(tmp_path, "p15.json", other)), "--pool-despite", "foreground"])
+    assert "pressure differ" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    (",", "setting names separated by commas"),
+    ("foregound", "no file records foregound"),
+])
+def test_a_pool_despite_naming_nothing_recorded_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, says: str) -> None:
+    a = write(tmp_path, "a.json", results(0, row(24.0, 26.0), row(16.0, 18.0)))
+    with pytest.raises(SystemExit) as exit_:
+        main([str(a), "--pool-despite", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and "--pool-despite" in err[0]
