@@ -8,10 +8,10 @@ first layers compute -- would hide a request's reads behind its own compute.  Be
 building it, this asks how much it could win.  The serving loop splits every measured
 request's time to first token into queue, prefetch, parked, prefill and ready-wait
 (`models.serving_loop.TtftBreakdown`).  *Parked* is the time from admission until the reads
-its prefix still needed landed; the loop runs other requests meanwhile, so it costs this
-request only.  It is the only part such overlap could hide, and each request at most
-min(parked, its prefill): over a point's requests the mean parked time bounds the mean
-saving, and its share of the mean TTFT bounds the relative saving.
+its prefix still needed landed.  The loop runs other requests meanwhile, while the parked
+one holds its GPU pages.  Parked time is the only part such overlap could hide, and each
+request at most min(parked, its prefill).  So over a point's requests the mean parked time
+bounds the mean saving, and its share of the mean TTFT bounds the relative saving.
 
 Per measured point of the configuration (default (d)): its rate, verdict, requests, how
 many were parked, the TTFT mean, parked mean (and share), parked p99 and prefill mean.  Per
