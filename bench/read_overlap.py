@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"argument files: {exc}")
         mine = points_of(path, results, args.config)
         points += mine
-        for p in mine:
-            knees[(p.file, p.case, p.seed)] = knee_multiple(results, p.case, args.config, p.seed)
+        for file, case, seed in dict.fromkeys((p.file, p.case, p.seed) for p in mine):
+            knees[(file, case, seed)] = knee_multiple(results, case, args.config, seed)
     if not points:
         parser.error(f"argument files: no measured point of ({args.config}) with a TTFT "
                      "breakdown in them (files written before 2026-12-03 have none)")

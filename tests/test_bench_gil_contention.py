@@ -10,6 +10,7 @@ import time
 import pytest
 
 from bench.gil_contention import main, python_bursts
+from tests.cli_helpers import refused_line
 
 
 def test_every_cell_is_printed_against_the_pass_alone(capsys: pytest.CaptureFixture[str]
@@ -50,8 +51,4 @@ def test_the_bursting_thread_stops_with_its_block() -> None:
 ])
 def test_bad_flags_are_one_line(argv: list[str], says: str,
                                 capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and says in err[0], err
+    assert says in refused_line(main, argv, capsys)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.io import main
+from tests.cli_helpers import refused_line
 
 
 def _small(tmp_path: Path, *flags: str) -> list[str]:
@@ -26,13 +27,9 @@ def _small_latency(tmp_path: Path, *flags: str) -> list[str]:
 def _one_line_usage_error(argv: list[str], tmp_path: Path,
                           capsys: pytest.CaptureFixture[str]) -> str:
     """The one line of a refused command line (exit status 2, nothing left behind)."""
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1
+    line = refused_line(main, argv, capsys)
     assert list(tmp_path.iterdir()) == []
-    return err[0]
+    return line
 
 
 def test_every_transfer_phase_reports_a_rate_against_its_limit(

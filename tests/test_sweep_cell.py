@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from bench.sweep_cell import main, runs_of, summarize
+from tests.cli_helpers import refused_line
 
 
 def row(good: float | None, high: float | None, status: str | None = "below_next",
@@ -106,11 +107,7 @@ def test_files_of_another_cell_or_not_sweep_results_are_one_line(
                        ([str(tmp_path / "missing.json")], "cannot read"),
                        ([str(a), "--num", "c", "--den", "c"], "both 'c'"),
                        ([str(a), "--num", "x"], "no case has both (x) and (c)")):
-        with pytest.raises(SystemExit) as exit_:
-            main(argv)
-        assert exit_.value.code == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and says in err[0], (argv, err)
+        assert says in refused_line(main, argv, capsys), argv
 
 
 def test_the_committed_4k_pressure_3_files_give_their_published_spread(
@@ -153,8 +150,5 @@ def test_settings_named_to_pool_despite_may_differ_and_each_files_values_are_pri
 def test_a_pool_despite_naming_nothing_recorded_is_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, says: str) -> None:
     a = write(tmp_path, "a.json", results(0, row(24.0, 26.0), row(16.0, 18.0)))
-    with pytest.raises(SystemExit) as exit_:
-        main([str(a), "--pool-despite", value])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and says in err[0] and "--pool-despite" in err[0]
+    line = refused_line(main, [str(a), "--pool-despite", value], capsys)
+    assert says in line and "--pool-despite" in line
