@@ -25,6 +25,7 @@ from typing import Any, Final
 
 import torch
 
+from io_actors.storage.cupy_streams import cupy_stream
 from io_actors.storage.pinned_tables import PinnedTables
 
 _log = logging.getLogger(__name__)
@@ -108,16 +109,13 @@ class PageGather:
     """
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream) -> None:
-        import cupy
-
         kernel = _kernel()
         if kernel is None or device.type != "cuda" or device.index is None:
             raise ValueError("PageGather needs cupy and an indexed CUDA device")
         self._launch = kernel
         self._device_index: int = device.index
         self._stream = stream
-        with cupy.cuda.Device(device.index):
-            self._cupy_stream = cupy.cuda.ExternalStream(stream.cuda_stream)
+        self._cupy_stream = cupy_stream(stream)
         self._max_blocks = _max_blocks(device.index)
         # Each batch's (source, destination) table lives in pinned host memory, which the
         # kernel reads through its mapped address (no copy of its own to enqueue), until the

@@ -26,6 +26,7 @@ from typing import Any, Final
 
 import torch
 
+from io_actors.storage.cupy_streams import cupy_stream
 from io_actors.storage.pinned_tables import PinnedTables
 from io_actors.storage.slot_format import (
     _CRC_CHUNK,
@@ -143,7 +144,7 @@ def _launch(pages: Sequence[torch.Tensor], length: int, out: torch.Tensor,
     entries = _TABLES.table(
         [p.data_ptr() for p in pages] + ([] if index is None else list(index)))
     stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+    with cupy.cuda.Device(device.index), cupy_stream(stream):
         kernel(
             (len(pages),), (_THREADS,),
             (
