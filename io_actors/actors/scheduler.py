@@ -555,25 +555,26 @@ class Scheduler:
         fence = None
         inline: list[WriteJob | ReadJob] = []
         retention: list[RetentionRecord] = []
-        # Consecutive copies of one direction go to the copy engine as one call (the order
-        # of all copies is kept: a direction change flushes the run).
-        run: list[tuple[PageId, PageId]] = []
-        run_to_gpu = False
+        # The copies go to the copy engine as one call, in order: runs of one direction
+        # each (an admission that recalls host blocks into the pages it evicts alternates
+        # directions at every block; one call per run cost the serving thread a stream wait,
+        # an event and a checksum launch per page).  A FreeSlot between copies is no reason
+        # to flush them (it touches no page); any other command is, since its fence must
+        # come after them.
+        runs: list[tuple[bool, list[tuple[PageId, PageId]]]] = []
         for cmd in commands:
             if isinstance(cmd, CopyGpuToHost | CopyHostToGpu):
                 to_gpu = isinstance(cmd, CopyHostToGpu)
-                if run and to_gpu != run_to_gpu:
-                    copies.copy_pages(run, to_gpu=run_to_gpu)
-                    run = []
-                run_to_gpu = to_gpu
-                run.append((cmd.host_page, cmd.gpu_page) if to_gpu
-                           else (cmd.gpu_page, cmd.host_page))
+                if not runs or runs[-1][0] != to_gpu:
+                    runs.append((to_gpu, []))
+                runs[-1][1].append((cmd.host_page, cmd.gpu_page) if to_gpu
+                                   else (cmd.gpu_page, cmd.host_page))
                 copied = True
                 fence = None
                 continue
-            if run:
-                copies.copy_pages(run, to_gpu=run_to_gpu)
-                run = []
+            if runs and not isinstance(cmd, FreeSlot):
+                copies.copy_runs(runs)
+                runs = []
             if isinstance(cmd, WriteSlots | ReadSlots | PrefetchSlots):
                 for item in cmd.writes if isinstance(cmd, WriteSlots) else cmd.reads:
                     if item.slot in self._slots_in_flight:
@@ -613,8 +614,8 @@ class Scheduler:
                     fence = copies.fence()
                 self._fetch_handover.append((cmd, fence))
                 self._fetches_busy += 1
-        if run:
-            copies.copy_pages(run, to_gpu=run_to_gpu)
+        if runs:
+            copies.copy_runs(runs)
         if copied:
             copies.order_before_compute()
         journal = self._journal

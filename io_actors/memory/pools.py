@@ -27,7 +27,7 @@ from io_actors.memory.host_checksums import HostChecksums
 from io_actors.memory.page_copies import COMPUTE_WAITS, HostPageFills, PendingPageCopies
 from io_actors.storage.buffers import page_aligned_buffer, pinned_page_aligned_buffer
 from io_actors.storage.gpu_checksum import checksums_into, have_kernel, warm_up
-from io_actors.storage.interfaces import Fence
+from io_actors.storage.interfaces import CopyRun, Fence
 from statekv.config import CacheConfig
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import PageId
@@ -283,6 +283,53 @@ class _EventFence:
 
 
 @attrs.frozen(kw_only=True)
+class _RunPlan:
+    """One run of a copy_runs call, checked: its pairs, merged into (source, destination,
+    pages) runs of pages consecutive on both sides, and whether it runs as one kernel."""
+
+    to_gpu: bool
+    pairs: list[tuple[PageId, PageId]]
+    runs: list[tuple[int, int, int]]
+    use_kernel: bool
+
+    def pools(self, pools: KVPools) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source pool, destination pool)."""
+        return (pools.host, pools.gpu) if self.to_gpu else (pools.gpu, pools.host)
+
+
+def _checksum_order(
+    planned: Sequence[_RunPlan],
+) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int]]]]:
+    """Where each host page's checksum of one copy_runs call is computed: (GPU page, host
+    page) fills for one kernel ahead of every copy of the call, and per run index those
+    that must follow that run.
+
+    A host page filled more than once in the call gets the checksum of its last fill only
+    (an earlier fill's would describe bytes the page no longer holds).  That fill's GPU page
+    is read ahead of the copies -- as it is at the call's start -- unless an earlier run of
+    the call copies into it: then right after the fill's own run, before any later run can
+    copy into it again.
+    """
+    written: set[int] = set()  # GPU pages an earlier run copies into
+    last: dict[int, tuple[int, int, bool]] = {}  # host page -> (run, GPU page, after a write)
+    for k, plan in enumerate(planned):
+        if plan.to_gpu:
+            written.update(d for _s, d in plan.pairs)
+            continue
+        for gpu_page, host_page in plan.pairs:
+            last.pop(host_page, None)  # re-inserted: the dict keeps fill order
+            last[host_page] = (k, gpu_page, gpu_page in written)
+    early: list[tuple[int, int]] = []
+    late: dict[int, list[tuple[int, int]]] = {}
+    for host, (k, gpu, after_write) in last.items():
+        if after_write:
+            late.setdefault(k, []).append((gpu, host))
+        else:
+            early.append((gpu, host))
+    return early, late
+
+
+@attrs.frozen(kw_only=True)
 class CopyEngineStatistics:
     """Counters of one copy engine."""
 
@@ -440,18 +487,70 @@ class TorchCopyEngine:
         self, pairs: Sequence[tuple[PageId, PageId]], *, to_gpu: bool
     ) -> None:
         """Enqueue many page copies, in order, as one call: (source page, destination page)
-        pairs, host -> GPU when `to_gpu`, else GPU -> host.
-
-        One lock, one wait on the compute stream and one stream switch for the whole list,
-        and either one DMA per run of pages consecutive on both sides or, for a batch of
-        small scattered runs, one gather/scatter kernel for all of it
-        (:mod:`io_actors.memory.page_gather`): the serving thread pays per batch what it
-        paid per block.
+        pairs, host -> GPU when `to_gpu`, else GPU -> host (:meth:`copy_runs` with one run).
         """
-        if not pairs:
-            return
+        self.copy_runs([(to_gpu, pairs)])
+
+    def copy_runs(self, runs: Sequence[CopyRun]) -> None:
+        """Enqueue runs of page copies, each of one direction, all in order, as one call:
+        each run a (to_gpu, pairs) with (source page, destination page) pairs, host -> GPU
+        when `to_gpu`, else GPU -> host.
+
+        One lock, one wait on the compute stream, one stream switch and one event for the
+        whole call, and per run either one DMA per run of pages consecutive on both sides
+        or, for a batch of small scattered runs, one gather/scatter kernel
+        (:mod:`io_actors.memory.page_gather`).  The host pages' checksums (with cupy) are one
+        kernel for the call, ahead of its copies, from the GPU pages as they are at the
+        call's start.  So an admission that recalls host blocks into pages it evicts -- a
+        copy out of each page, then one into it, alternating -- costs the serving thread
+        one call, not one per page with a checksum launch each.
+
+        Every pair is checked before anything is enqueued: a bad one raises UsageError and
+        no copy of the call is made.
+        """
         pools = self._pools
-        src_pool, dst_pool = (pools.host, pools.gpu) if to_gpu else (pools.gpu, pools.host)
+        planned = [self._plan(to_gpu, pairs) for to_gpu, pairs in runs]
+        planned = [plan for plan in planned if plan.pairs]
+        if not planned:
+            return
+        with self._lock:
+            if self._stream is None or self._compute is None:
+                for plan in planned:
+                    src_pool, dst_pool = plan.pools(pools)
+                    for s0, d0, n in plan.runs:
+                        dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n])
+            else:
+                self._stream.wait_stream(self._compute)
+                checksums = pools.host_checksums
+                with torch.cuda.stream(self._stream):
+                    early, late = _checksum_order(planned) if checksums else ([], {})
+                    if early:
+                        assert checksums is not None
+                        self._checksum(early, checksums)
+                    for k, plan in enumerate(planned):
+                        self._enqueue_run(plan)
+                        if k in late:
+                            assert checksums is not None
+                            self._checksum(late[k], checksums)
+                self._pending_for_compute = True
+                gpu_pages: list[int] = []
+                filled: list[int] = []
+                for plan in planned:
+                    if plan.to_gpu:
+                        gpu_pages += [d for _s, d in plan.pairs]
+                    else:
+                        gpu_pages += [s for s, _d in plan.pairs]
+                        filled += [d for _s, d in plan.pairs]
+                self._copied(gpu_pages, filled)
+            for plan in planned:
+                if plan.to_gpu:
+                    self._copies_to_gpu += len(plan.pairs)
+                else:
+                    self._copies_to_host += len(plan.pairs)
+
+    def _plan(self, to_gpu: bool, pairs: Sequence[tuple[PageId, PageId]]) -> _RunPlan:
+        """One run's pairs checked, and merged into runs of pages consecutive on both sides."""
+        pools = self._pools
         src_pages, dst_pages = (pools.host_pages, pools.gpu_pages) if to_gpu else (
             pools.gpu_pages, pools.host_pages)
         runs: list[tuple[int, int, int]] = []
@@ -464,46 +563,34 @@ class TorchCopyEngine:
                     runs[-1] = (s0, d0, n + 1)
                     continue
             runs.append((src, dst, 1))
-        use_kernel = self._use_kernel(len(pairs), len(runs))
-        with self._lock:
-            if self._stream is None or self._compute is None:
-                for s0, d0, n in runs:
-                    dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n])
-            else:
-                self._stream.wait_stream(self._compute)
-                checksums = None if to_gpu else pools.host_checksums
-                # Where a batch fills a page twice (the page freed again within the same
-                # decision and handed to the next copy: 61 such batches in one 16k-history
-                # run on the H200) only its last copy counts: the DMAs in stream order leave
-                # it there, while the kernels' thread blocks run in no defined order.
-                last = (dict((dst, src) for src, dst in pairs)
-                        if use_kernel or checksums is not None else {})
-                with torch.cuda.stream(self._stream):
-                    if use_kernel:
-                        assert self._gatherer is not None
-                        self._gatherer.copy(src_pool, dst_pool,
-                                            [(s, d) for d, s in last.items()],
-                                            pools.block_nbytes)
-                        self._kernel_batches += 1
-                    else:
-                        for s0, d0, n in runs:
-                            dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
-                                                        non_blocking=self._non_blocking)
-                    if checksums is not None:
-                        # The host pages' checksums, from the GPU pages they were copied
-                        # from, behind the copies on the same stream (fences cover it),
-                        # one entry per host page, of the last copy into it.
-                        hosts = list(last)
-                        checksums_into([pools.gpu_page(src) for src in last.values()],
-                                       checksums.table, hosts)
-                        checksums.computed(hosts)
-                self._pending_for_compute = True
-                self._copied([d if to_gpu else s for s, d in pairs],
-                             () if to_gpu else [d for _s, d in pairs])
-            if to_gpu:
-                self._copies_to_gpu += len(pairs)
-            else:
-                self._copies_to_host += len(pairs)
+        return _RunPlan(to_gpu=to_gpu, pairs=list(pairs), runs=runs,
+                        use_kernel=bool(runs) and self._use_kernel(len(pairs), len(runs)))
+
+    def _enqueue_run(self, plan: _RunPlan) -> None:
+        """On the copy stream (current): one run's copies."""
+        src_pool, dst_pool = plan.pools(self._pools)
+        if plan.use_kernel:
+            assert self._gatherer is not None
+            # Where a run fills a page twice (the page freed again within the same decision
+            # and handed to the next copy: 61 such batches in one 16k-history run on the
+            # H200) only its last copy counts: the DMAs in stream order leave it there,
+            # while the kernel's thread blocks run in no defined order.
+            last = dict((dst, src) for src, dst in plan.pairs)
+            self._gatherer.copy(src_pool, dst_pool, [(s, d) for d, s in last.items()],
+                                self._pools.block_nbytes)
+            self._kernel_batches += 1
+        else:
+            for s0, d0, n in plan.runs:
+                dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
+                                            non_blocking=self._non_blocking)
+
+    def _checksum(self, fills: Sequence[tuple[int, int]], checksums: HostChecksums) -> None:
+        """On the copy stream (current): the checksums of (GPU page, host page) fills, each
+        host page's entry from its GPU page (one entry per host page)."""
+        pools = self._pools
+        hosts = [PageId(h) for _g, h in fills]
+        checksums_into([pools.gpu_page(PageId(g)) for g, _h in fills], checksums.table, hosts)
+        checksums.computed(hosts)
 
     def _use_kernel(self, pages: int, runs: int) -> bool:
         if self._gather is not None:

@@ -55,6 +55,11 @@ class Fence(Protocol):
         """Block the calling (worker) thread until all of that completed on the device."""
 
 
+CopyRun = tuple[bool, Sequence[tuple[PageId, PageId]]]
+"""(to_gpu, pairs): copies of one direction, host -> GPU when to_gpu, else GPU -> host, as
+(source page, destination page) pairs."""
+
+
 class CopyEngine(Protocol):
     """Executes the core's GPU <-> host copies in command order on one copy stream."""
 
@@ -64,6 +69,9 @@ class CopyEngine(Protocol):
 
     def copy_pages(self, pairs: Sequence[tuple[PageId, PageId]], *, to_gpu: bool) -> None:
         """Many copies of one direction, in order: (source, destination) page pairs."""
+
+    def copy_runs(self, runs: Sequence[CopyRun]) -> None:
+        """Runs of copies, each of one direction, all in order, as one call."""
 
     def fence(self) -> Fence:
         """A fence after every copy enqueued so far (readers wait on it)."""

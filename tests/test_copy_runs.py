@@ -1,0 +1,167 @@
+"""A dispatch's copies as one engine call (TorchCopyEngine.copy_runs), in order.
+
+An admission that recalls host blocks into the GPU pages it evicts alternates directions at
+every block: a copy out of a page, then one into it.  The scheduler hands all of a
+dispatch's copies to the engine at once; the engine must leave every page as the copies one
+by one would, in command order -- a host page freed by a recall and refilled by the next
+eviction, a page filled twice -- and, with cupy, give each host page the checksum of the
+bytes its last copy brought.  These are checked against copies applied one at a time, on
+the CPU machine and (STATEKV_TEST_DEVICE=cuda) with the CUDA engine, its gather kernel and
+its checksum kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from io_actors.config import StateKVConfig
+from io_actors.embed import BlockingCache
+from io_actors.memory import pools as pools_module
+from io_actors.memory.pools import KVPools, TorchCopyEngine, _checksum_order, _RunPlan
+from io_actors.storage.buffers import host_view
+from io_actors.storage.slot_format import payload_checksum
+from statekv.config import CacheConfig, KVLayout
+from statekv.errors import UsageError
+from statekv.ids import PageId
+from tests.io_helpers import check_pages, compute, wait_ready
+
+DEVICE = os.environ.get("STATEKV_TEST_DEVICE", "cpu")
+GPU_PAGES = 6
+HOST_PAGES = 5
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+
+_run = st.tuples(
+    st.booleans(),
+    st.lists(st.tuples(st.integers(0, GPU_PAGES - 1), st.integers(0, HOST_PAGES - 1)),
+             min_size=1, max_size=5),
+)
+# A run as (to_gpu, [(gpu page, host page), ...]); turned into (source, destination) pairs.
+_programs = st.lists(st.lists(_run, min_size=1, max_size=6), min_size=1, max_size=3)
+
+
+def _pairs(to_gpu: bool, pages: list[tuple[int, int]]) -> list[tuple[PageId, PageId]]:
+    return [(PageId(h), PageId(g)) if to_gpu else (PageId(g), PageId(h)) for g, h in pages]
+
+
+def _pools() -> KVPools:
+    return KVPools(CacheConfig(block_size=4, gpu_blocks=GPU_PAGES, host_blocks=HOST_PAGES,
+                               layout=LAYOUT), DEVICE)
+
+
+def _fill_distinct(pools: KVPools) -> None:
+    for page in range(GPU_PAGES):
+        pools.gpu_page(PageId(page)).fill_(page + 1)
+    for page in range(HOST_PAGES):
+        pools.host_page(PageId(page)).fill_(100 + page)
+
+
+def _engines(pools: KVPools) -> list[TorchCopyEngine]:
+    engines = [TorchCopyEngine(pools)]
+    if engines[0].gather_kernel_available:
+        engines += [TorchCopyEngine(pools, gather_kernel=True),
+                    TorchCopyEngine(pools, gather_kernel=False)]
+    return engines
+
+
+@settings(max_examples=60, deadline=None)
+@given(program=_programs)
+def test_copy_runs_leave_every_page_as_one_copy_at_a_time_would(
+    program: list[list[tuple[bool, list[tuple[int, int]]]]],
+) -> None:
+    pools = _pools()
+    for engine in _engines(pools):
+        _fill_distinct(pools)
+        gpu = pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu().clone()
+        host = pools.host.reshape(HOST_PAGES, -1).view(torch.uint8).clone()
+        filled: dict[int, int] = {}  # host page -> the GPU page its last copy came from
+        for call in program:
+            for to_gpu, pages in call:
+                for g, h in pages:  # the reference: one copy at a time, in order
+                    if to_gpu:
+                        gpu[g] = host[h]
+                    else:
+                        host[h] = gpu[g]
+                        filled[h] = g
+            engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in call])
+        engine.fence().wait()
+        assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
+        assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
+        checksums = pools.host_checksums
+        if checksums is not None:
+            # Each host page a GPU page filled: the checksum of the bytes it holds now.
+            for h in filled:
+                assert checksums.of(PageId(h)) == payload_checksum(
+                    host_view(pools.host_page(PageId(h))))
+
+
+def test_a_bad_pair_in_a_later_run_refuses_the_whole_call_before_any_copy() -> None:
+    pools = _pools()
+    _fill_distinct(pools)
+    before = pools.gpu.cpu().clone(), pools.host.clone()
+    engine = TorchCopyEngine(pools)
+    with pytest.raises(UsageError, match="pairs"):
+        engine.copy_runs([(False, [(PageId(0), PageId(0))]),
+                          (True, [(PageId(1), PageId(GPU_PAGES))])])
+    engine.fence().wait()
+    assert torch.equal(pools.gpu.cpu(), before[0]) and torch.equal(pools.host, before[1])
+    stats = engine.statistics()
+    assert stats.copies_to_host == 0 and stats.copies_to_gpu == 0
+
+
+def _plan(to_gpu: bool, pages: list[tuple[int, int]]) -> _RunPlan:
+    return _RunPlan(to_gpu=to_gpu, pairs=_pairs(to_gpu, pages), runs=[], use_kernel=False)
+
+
+def test_each_host_page_is_checksummed_once_from_its_last_fill_and_after_a_write_into_it() -> None:
+    early, late = _checksum_order([
+        _plan(False, [(0, 0), (1, 1)]),  # GPU 0 -> host 0, GPU 1 -> host 1
+        _plan(True, [(2, 1)]),           # host 1 -> GPU 2 (a recall into an evicted page)
+        _plan(False, [(2, 3), (3, 0)]),  # GPU 2 -> host 3: after that write; host 0 again
+    ])
+    # Host 0's first fill is not checksummed at all (its bytes do not last); GPU 2 is read
+    # right after the run that copies it out, not ahead of the call.
+    assert sorted(early) == [(1, 1), (3, 0)]
+    assert late == {2: [(2, 3)]}
+
+
+def test_an_admission_that_recalls_into_the_pages_it_evicts_makes_one_engine_call(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[list[bool]] = []
+    real = TorchCopyEngine.copy_runs
+    serving_thread = threading.get_ident()
+
+    def counted(self: TorchCopyEngine, runs: Any) -> None:
+        if threading.get_ident() == serving_thread:
+            calls.append([to_gpu for to_gpu, _pairs in runs])
+        real(self, runs)
+
+    monkeypatch.setattr(pools_module.TorchCopyEngine, "copy_runs", counted)
+    bs = 4
+    config = StateKVConfig(layout=LAYOUT, block_size=bs, gpu=6, host=6,
+                           device=DEVICE, model_fingerprint="copy-runs")
+    doc = [(7 * i + 1) % 50 for i in range(4 * bs + 1)]  # 4 full blocks and a token
+    other = [(3 * i + 2) % 50 + 50 for i in range(6 * bs)]
+    with BlockingCache(config) as cache:
+        cache.add_request("doc", doc)
+        compute(cache, "doc", doc)
+        cache.release("doc")
+        cache.add_request("other", other)  # evicts doc's 4 blocks to host
+        compute(cache, "other", other)
+        cache.release("other")             # the GPU is full of other's cached blocks
+        calls.clear()
+        match = cache.add_request("again", doc)
+        wait_ready(cache, "again")
+        assert match.host_tokens == 4 * bs
+        # Four recalls into pages of four evicted blocks: out, in, out, in ... -- one call.
+        assert len(calls) == 1 and calls[0].count(True) >= 2 and calls[0].count(False) >= 2
+        check_pages(cache, "again", doc, 4)
+        cache.release("again")
+        cache.check_invariants()
