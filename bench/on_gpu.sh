@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io io-graphs io-fg io-pages gil io-small spill-parts profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab fg-ab pages-ab
+#   bench/on_gpu.sh tests io io-graphs io-fg io-pages gil io-small spill-parts profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab fg-ab pages-ab tree-ab
 # tests: the GPU test files (TESTS_FILES replaces the list).
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
@@ -192,6 +192,19 @@ for step in "$@"; do
     # (--compute-waits pages): what the copies of other requests' pages cost a
     # configuration's throughput at one rate.
     pages-ab) AB_EXTRA="--foreground on" sweep_ab waits --compute-waits all pages ;;
+    # The same, with the tree checked out in AB_OLD (another commit: git archive COMMIT |
+    # tar -x -C DIR) and then this one, AB_REPEAT times in that order: what a change did to
+    # one point.  The old tree runs from its own directory (python -m imports the working
+    # directory first) and writes its results file under this tree's bench/results (--out).
+    tree-ab) for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
+        for rep in $(seq "${AB_REPEAT:-1}"); do for tree in old new; do
+        dir=$PWD; [ "$tree" = old ] && dir=$(cd "${AB_OLD:?AB_OLD: the other tree}" && pwd)
+        name="tree-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$tree-$rep"
+        (cd "$dir" && PYTHONPATH=$dir:$SITE run "$name" ${AB_S:-140} python3 -m bench.sweep \
+        --machine "$MACHINE" --dir "$DISK/sweep" "${cell_flags[@]}" --tag "$name" \
+        --out "$OLDPWD/bench/results" \
+        --configs "$cfg" --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" \
+        --points 1 ${SWEEP_ARGS:-}); done; done; done ;;
     tp) run tp ${TP_S:-240} torchrun --nproc_per_node 2 -m bench.tp_check ;;
     # The whole gpu profile runs past one call's 10 minutes on the H200 (its system machine
     # alone did not finish 300 examples in 7.5 minutes): FUZZ_MACHINES=system in one call,
