@@ -131,6 +131,35 @@ def test_each_host_page_is_checksummed_once_from_its_last_fill_and_after_a_write
     assert late == {2: [(2, 3)]}
 
 
+@given(call=st.lists(_run, min_size=1, max_size=8))
+def test_every_checksum_reads_the_bytes_its_host_page_ends_with(
+    call: list[tuple[bool, list[tuple[int, int]]]],
+) -> None:
+    """Where _checksum_order puts each checksum, the GPU page it reads holds what the host
+    page holds once the call's copies are done (contents as labels, copies applied in
+    order): early ones read the pages as they are at the call's start, late ones right
+    after their run."""
+    planned = [_plan(to_gpu, pages) for to_gpu, pages in call]
+    early, late = _checksum_order(planned)
+    gpu: list[object] = [("gpu", g) for g in range(GPU_PAGES)]
+    host: list[object] = [("host", h) for h in range(HOST_PAGES)]
+    at_start = list(gpu)
+    read: dict[int, object] = {h: at_start[g] for g, h in early}
+    filled: set[int] = set()
+    for k, (to_gpu, pages) in enumerate(call):
+        for g, h in pages:
+            if to_gpu:
+                gpu[g] = host[h]
+            else:
+                host[h] = gpu[g]
+                filled.add(h)
+        for g, h in late.get(k, []):
+            assert h not in read  # one checksum per host page
+            read[h] = gpu[g]
+    assert set(read) == filled
+    assert all(read[h] == host[h] for h in filled)
+
+
 def test_an_admission_that_recalls_into_the_pages_it_evicts_makes_one_engine_call(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
