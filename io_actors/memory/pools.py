@@ -523,7 +523,8 @@ class TorchCopyEngine:
                 self._stream.wait_stream(self._compute)
                 checksums = pools.host_checksums
                 with torch.cuda.stream(self._stream):
-                    early, late = _checksum_order(planned) if checksums else ([], {})
+                    early, late = (_checksum_order(planned) if checksums is not None
+                                   else ([], {}))
                     if early:
                         assert checksums is not None
                         self._checksum(early, checksums)
