@@ -90,6 +90,28 @@ def test_a_cupy_without_it_gets_the_handle_and_the_device_id(
     assert calls == [("ExternalStream", 0xCAFE, 2, 2)]
 
 
+def test_a_cupy_whose_from_external_refuses_falls_back_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, no_real_cupy: None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    module, calls = _stand_in_cupy(with_from_external=False)
+
+    def refusing(obj: Any) -> None:
+        raise TypeError("__cuda_stream__ must return a 2-tuple")
+
+    module.cuda.Stream.from_external = staticmethod(refusing)
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    monkeypatch.setattr("io_actors.storage.cupy_streams._fallback_said", set())
+    stream = _TorchStreamStandIn(0xF00D, 1)
+    with caplog.at_level("WARNING", logger="io_actors.storage.cupy_streams"):
+        assert cupy_stream(cast(torch.cuda.Stream, stream)) == ("stream", 0xF00D, 1)
+        cupy_stream(cast(torch.cuda.Stream, stream))
+    assert calls == [("ExternalStream", 0xF00D, 1, 1)] * 2
+    # Said once, naming what was refused: not at every launch.
+    assert [r.getMessage() for r in caplog.records] == [
+        "cupy.cuda.Stream.from_external refused a torch stream (TypeError: __cuda_stream__ "
+        "must return a 2-tuple); using cupy.cuda.ExternalStream"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_real_cupy_queues_on_the_torch_stream_without_a_deprecation_warning() -> None:
     cupy = pytest.importorskip("cupy")

@@ -10,9 +10,14 @@ cupy offers is decided here, once, for every caller.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+
+_log = logging.getLogger(__name__)
+_fallback_said: set[str] = set()
+"""Why from_external was refused, once said (a warning at each launch would flood the log)."""
 
 
 class _StreamHandle:
@@ -42,6 +47,15 @@ def cupy_stream(stream: torch.cuda.Stream) -> Any:
     with cupy.cuda.Device(index):
         # from_external takes the device that is current: the one entered above.
         from_external = getattr(cupy.cuda.Stream, "from_external", None)
-        if from_external is None:
-            return cupy.cuda.ExternalStream(stream.cuda_stream, index)
-        return from_external(_StreamHandle(stream))
+        if from_external is not None:
+            try:
+                return from_external(_StreamHandle(stream))
+            except (AttributeError, TypeError, ValueError) as exc:
+                # A cupy whose protocol differs from the one above: the deprecated class
+                # still queues the kernels in the right order, so they keep working.
+                why = f"{type(exc).__name__}: {exc}"
+                if why not in _fallback_said:
+                    _fallback_said.add(why)
+                    _log.warning("cupy.cuda.Stream.from_external refused a torch stream "
+                                 "(%s); using cupy.cuda.ExternalStream", why)
+        return cupy.cuda.ExternalStream(stream.cuda_stream, index)
