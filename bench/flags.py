@@ -7,9 +7,11 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from models.config import PRESETS
+
+T = TypeVar("T")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -45,6 +47,23 @@ def results_tag(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"must be 1 to 64 letters, digits, '.', '_' or '-', got {text!r}")
     return text
+
+
+def comma_list(item: Callable[[str], T], *, what: str = "a comma-separated list",
+               distinct: bool = True) -> Callable[[str], list[T]]:
+    """A flag type: comma-separated values, each parsed by `item`, in the order given;
+    empty parts are refused ("must be `what`"), and with `distinct` a value given twice."""
+
+    def parse(text: str) -> list[T]:
+        parts = [t.strip() for t in text.split(",")]
+        if not text.strip() or any(not t for t in parts):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        values = [item(t) for t in parts]
+        if distinct and len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"a value is given twice in {text!r}")
+        return values
+
+    return parse
 
 
 def positive_number(text: str) -> float:

@@ -86,6 +86,7 @@ from tqdm import tqdm
 
 from bench.flags import (
     OneLineParser,
+    comma_list,
     int_at_least,
     positive_number,
     results_tag,
@@ -187,13 +188,7 @@ class Routing:
 
 
 def _rates(text: str) -> list[float]:
-    parts = [t.strip() for t in text.split(",")]
-    if not text.strip() or any(not t for t in parts):
-        raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {text!r}")
-    values = [positive_number(t) for t in parts]
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"a value is given twice in {text!r}")
-    return sorted(values)
+    return sorted(comma_list(positive_number)(text))
 
 
 def _probability(text: str) -> float:

@@ -118,6 +118,7 @@ from tqdm import tqdm
 
 from bench.flags import (
     OneLineParser,
+    comma_list,
     int_at_least,
     positive_number,
     results_tag,
@@ -552,19 +553,6 @@ def figures(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------------- flags
 
 
-def _csv(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    def parse(text: str) -> list[Any]:
-        parts = [t.strip() for t in text.split(",")]
-        if not text.strip() or any(not t for t in parts):
-            raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {text!r}")
-        values = [item(t) for t in parts]
-        if len(set(values)) != len(values):
-            raise argparse.ArgumentTypeError(f"a value is given twice in {text!r}")
-        return values
-
-    return parse
-
-
 DEFAULT_RATES: Final = (0.5, 1.0, 2.0, 4.0)
 """Multiples of the recompute capacity, factor 2 apart (the bisection refines the knee):
 half of (a)'s ceiling to past full reuse."""
@@ -587,14 +575,14 @@ SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False, "foreground": "
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     n1 = int_at_least(1)
-    p.add_argument("--models", type=_csv(shape_preset), default=["70b-class", "8b-class"],
+    p.add_argument("--models", type=comma_list(shape_preset), default=["70b-class", "8b-class"],
                    help="layer shapes (models/config.py presets), comma-separated")
-    p.add_argument("--histories", type=_csv(int_at_least(0)), default=[4096, 16384],
+    p.add_argument("--histories", type=comma_list(int_at_least(0)), default=[4096, 16384],
                    help="per-user history lengths in tokens, comma-separated")
-    p.add_argument("--rates", type=_csv(positive_number), default=list(DEFAULT_RATES),
+    p.add_argument("--rates", type=comma_list(positive_number), default=list(DEFAULT_RATES),
                    help="the search's grid: offered rates as multiples of the calibrated "
                         "recompute capacity")
-    p.add_argument("--rates-rps", type=_csv(positive_number), default=None,
+    p.add_argument("--rates-rps", type=comma_list(positive_number), default=None,
                    help="the grid in requests/s instead (the same for every case)")
     p.add_argument("--start", type=positive_number, default=1.0,
                    help="the grid rate (a capacity multiple) each search starts at: up the "

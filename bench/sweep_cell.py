@@ -24,7 +24,6 @@ record it); each file's values of those are then printed above the table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -35,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from bench.flags import OneLineParser, positive_number
+from bench.flags import OneLineParser, comma_list, positive_number
 
 IGNORED_SETTINGS = frozenset({"seed", "seeds", "machine"})
 """Signature fields that may differ between the files of one cell: which seeds a file ran,
@@ -198,11 +197,8 @@ def report(case: str, summary: CellSummary, num: str, den: str, target: float | 
 
 
 def _setting_names(text: str) -> frozenset[str]:
-    names = [name.strip() for name in text.split(",")]
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"must be setting names separated by commas, got "
-                                         f"{text!r}")
-    return frozenset(names)
+    return frozenset(comma_list(str, what="setting names separated by commas",
+                                distinct=False)(text))
 
 
 def main(argv: list[str] | None = None) -> int:
