@@ -12,6 +12,7 @@ its checksum kernel.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from typing import Any
@@ -62,11 +63,36 @@ def _fill_distinct(pools: KVPools) -> None:
         pools.host_page(PageId(page)).fill_(100 + page)
 
 
+class _MemmoveGather:
+    """The gather kernel's addressed copies as memmoves, run in reverse order (a kernel's
+    thread blocks keep none), checking the batch's contract first: no destination repeats
+    and no copy reads bytes another one writes."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def copy_addressed(self, pairs: list[tuple[int, int]], page_nbytes: int) -> None:
+        destinations = [dst for _src, dst in pairs]
+        assert len(set(destinations)) == len(destinations)
+        for src, _dst in pairs:
+            assert all(not (dst < src + page_nbytes and src < dst + page_nbytes)
+                       for dst in destinations), "a copy reads a page the batch writes"
+        for src, dst in reversed(pairs):
+            ctypes.memmove(dst, src, page_nbytes)
+        self.batches += 1
+
+
 def _engines(pools: KVPools) -> list[TorchCopyEngine]:
     engines = [TorchCopyEngine(pools)]
     if engines[0].gather_kernel_available:
         engines += [TorchCopyEngine(pools, gather_kernel=True),
                     TorchCopyEngine(pools, gather_kernel=False)]
+    else:
+        # The kernel's path on the CPU machine: a call's passes by address, the GPU
+        # engine's scratch and address arithmetic included, through a memmove stand-in.
+        addressed = TorchCopyEngine(pools)
+        addressed._gatherer = _MemmoveGather()  # type: ignore[assignment]
+        engines.append(addressed)
     return engines
 
 
@@ -194,3 +220,28 @@ def test_an_admission_that_recalls_into_the_pages_it_evicts_makes_one_engine_cal
         check_pages(cache, "again", doc, 4)
         cache.release("again")
         cache.check_invariants()
+
+
+def test_an_alternating_chain_runs_as_a_stash_and_a_move_batch_on_the_kernel_path() -> None:
+    # Evict GPU k to host k, then recall host k+1 into GPU k (the page just evicted), for
+    # four pages: eight one-page runs, each a DMA before, two batches by address here.
+    pools = _pools()
+    _fill_distinct(pools)
+    engine = TorchCopyEngine(pools)
+    gather = _MemmoveGather()
+    engine._gatherer = gather  # type: ignore[assignment]
+    gpu = pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu().clone()
+    host = pools.host.reshape(HOST_PAGES, -1).view(torch.uint8).clone()
+    runs: list[tuple[bool, list[tuple[int, int]]]] = []
+    for k in range(4):
+        runs += [(False, [(k, k)]), (True, [(k, k + 1)])]
+    for to_gpu, pages in runs:
+        for g, h in pages:
+            if to_gpu:
+                gpu[g] = host[h]
+            else:
+                host[h] = gpu[g]
+    engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
+    assert gather.batches == 2
+    assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
+    assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)

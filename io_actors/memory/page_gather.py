@@ -50,7 +50,8 @@ _SOURCE: Final = r"""
 extern "C" __global__ void copy_pages(
     unsigned long long src_base,   // address of source page 0 (device, or pinned host)
     unsigned long long dst_base,   // address of destination page 0
-    const long long* pairs,        // [n][2]: source page, destination page
+    const long long* pairs,        // [n][2]: source page, destination page (ADDRESSED:
+                                   // their byte addresses)
     long long n,                   // pairs
     long long words)               // 16-byte words per page
 {
@@ -59,8 +60,14 @@ extern "C" __global__ void copy_pages(
         const long long k = j / chunks;
         const long long first = (j - k * chunks) * CHUNK;
         const long long end = first + CHUNK < words ? first + CHUNK : words;
+#ifdef ADDRESSED
+        // pairs holds each copy's byte addresses (src_base and dst_base are 0).
+        const uint4* src = (const uint4*)pairs[2 * k];
+        uint4* dst = (uint4*)pairs[2 * k + 1];
+#else
         const uint4* src = (const uint4*)src_base + pairs[2 * k] * words;
         uint4* dst = (uint4*)dst_base + pairs[2 * k + 1] * words;
+#endif
         for (long long w = first + threadIdx.x; w < end; w += (long long)blockDim.x * UNROLL) {
             uint4 v[UNROLL];
 #pragma unroll
@@ -80,15 +87,19 @@ extern "C" __global__ void copy_pages(
 
 
 @functools.cache
-def _kernel() -> Any | None:
-    """The compiled kernel, or None where cupy is not installed (logged once)."""
+def _kernel(addressed: bool = False) -> Any | None:
+    """The compiled kernel (`addressed`: the one taking each copy's byte addresses), or None
+    where cupy is not installed (logged once)."""
     try:
         import cupy
     except ImportError as exc:
-        _log.info("cupy is not installed (%s): scattered page copies are one DMA each", exc)
+        if not addressed:
+            _log.info("cupy is not installed (%s): scattered page copies are one DMA each",
+                      exc)
         return None
+    options = (f"-DUNROLL={_UNROLL}", f"-DCHUNK={_CHUNK_WORDS}")
     return cupy.RawKernel(_SOURCE, "copy_pages",
-                          options=(f"-DUNROLL={_UNROLL}", f"-DCHUNK={_CHUNK_WORDS}"))
+                          options=options + (("-DADDRESSED",) if addressed else ()))
 
 
 @functools.cache
@@ -144,6 +155,33 @@ class PageGather:
                 (
                     np.uint64(src_pool.data_ptr()), np.uint64(dst_pool.data_ptr()),
                     np.uint64(table.data_ptr()), np.int64(len(pairs)), np.int64(words),
+                ),
+            )
+        self._tables.launched(table, self._stream)
+
+    def copy_addressed(self, pairs: Sequence[tuple[int, int]], page_nbytes: int) -> None:
+        """Enqueue one kernel copying `page_nbytes` bytes from each (source address,
+        destination address) in `pairs` -- device or pinned host memory, any pool -- on the
+        stream; no synchronization.
+
+        The copies run in no defined order: the caller guarantees that no destination
+        repeats and that no copy reads bytes another of the batch writes
+        (:mod:`io_actors.memory.copy_passes` plans such batches).  Every address is
+        aligned to :data:`WORD`."""
+        import cupy
+        import numpy as np
+
+        kernel = _kernel(addressed=True)
+        assert kernel is not None and page_nbytes % WORD == 0 and pairs
+        table = self._tables.table([address for pair in pairs for address in pair])
+        words = page_nbytes // WORD
+        blocks = min(len(pairs) * -(-words // _CHUNK_WORDS), self._max_blocks)
+        with cupy.cuda.Device(self._device_index), self._cupy_stream:
+            kernel(
+                (blocks,), (_THREADS,),
+                (
+                    np.uint64(0), np.uint64(0), np.uint64(table.data_ptr()),
+                    np.int64(len(pairs)), np.int64(words),
                 ),
             )
         self._tables.launched(table, self._stream)

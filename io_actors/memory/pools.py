@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from io_actors.memory import page_gather
+from io_actors.memory.copy_passes import GPU, HOST, SCRATCH, Page, plan_passes
 from io_actors.memory.host_checksums import HostChecksums
 from io_actors.memory.page_copies import COMPUTE_WAITS, HostPageFills, PendingPageCopies
 from io_actors.storage.buffers import page_aligned_buffer, pinned_page_aligned_buffer
@@ -50,6 +51,11 @@ GATHER_RUN_BYTES: Final = 1 << 20
 """Mean bytes per run below which a batch of copies goes as one kernel, not one DMA a run
 (when the engine chooses): a DMA of 1 MiB takes about 20 us at pinned H2D speed, several
 times the cost of enqueueing it, while a 256 KiB one takes about as long as its enqueue."""
+
+SCRATCH_BYTES: Final = 16 << 20
+"""Device memory a copy engine keeps, once a call needs it, for the pages a call's copies
+both read and overwrite (:mod:`io_actors.memory.copy_passes`): a call whose stash is larger
+runs as several segments of two kernels each."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -297,6 +303,15 @@ class _RunPlan:
         return (pools.host, pools.gpu) if self.to_gpu else (pools.gpu, pools.host)
 
 
+def _copies(planned: Sequence[_RunPlan]) -> list[tuple[Page, Page]]:
+    """A call's checked runs as one list of (source, destination) pages, in order."""
+    copies: list[tuple[Page, Page]] = []
+    for plan in planned:
+        src_pool, dst_pool = (HOST, GPU) if plan.to_gpu else (GPU, HOST)
+        copies += [((src_pool, src), (dst_pool, dst)) for src, dst in plan.pairs]
+    return copies
+
+
 def _checksum_order(
     planned: Sequence[_RunPlan],
 ) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int]]]]:
@@ -436,6 +451,10 @@ class TorchCopyEngine:
         self._gatherer = (page_gather.PageGather(pools.device, self._stream)
                           if can_gather and self._stream is not None else None)
         self._kernel_batches = 0
+        self._scratch: torch.Tensor | None = None
+        """Pages of a call's stash (copy_passes); allocated by the first call that needs it."""
+        self._scratch_views: tuple[torch.Tensor, ...] = ()
+        self._scratch_pages = max(1, SCRATCH_BYTES // pools.block_nbytes)
         self.compute_waits: Final = compute_waits
         # Only where copies are asynchronous: on a CPU device every copy is done when its
         # call returns, and there is nothing to wait for.
@@ -497,13 +516,18 @@ class TorchCopyEngine:
         when `to_gpu`, else GPU -> host.
 
         One lock, one wait on the compute stream, one stream switch and one event for the
-        whole call, and per run either one DMA per run of pages consecutive on both sides
-        or, for a batch of small scattered runs, one gather/scatter kernel
-        (:mod:`io_actors.memory.page_gather`).  The host pages' checksums (with cupy) are one
-        kernel for the call, ahead of its copies, from the GPU pages as they are at the
-        call's start.  So an admission that recalls host blocks into pages it evicts -- a
-        copy out of each page, then one into it, alternating -- costs the serving thread
-        one call, not one per page with a checksum launch each.
+        whole call.  Where the call's runs are small (the gather kernel's case, below
+        GATHER_RUN_BYTES a run on average, or always with ``gather_kernel=True``), the
+        whole call runs as two kernels whatever its directions
+        (:mod:`io_actors.memory.copy_passes`: the pages it both reads and overwrites
+        stashed in scratch, then every destination's final bytes moved in), with the host
+        pages' checksums (with cupy) between them.  So an admission that recalls host
+        blocks into pages it evicts -- a copy out of each page, then one into it,
+        alternating -- costs the serving thread three launches, not a DMA a page.
+        Otherwise each run is one DMA per run of pages consecutive on both sides, and the
+        checksums one kernel ahead of the copies, from the GPU pages as they are at the
+        call's start (except those an earlier run of the call copies into).  A CPU device
+        runs the passes too, as synchronous page copies.
 
         Every pair is checked before anything is enqueued: a bad one raises UsageError and
         no copy of the call is made.
@@ -515,20 +539,22 @@ class TorchCopyEngine:
             return
         with self._lock:
             if self._stream is None or self._compute is None:
-                for plan in planned:
-                    src_pool, dst_pool = plan.pools(pools)
-                    for s0, d0, n in plan.runs:
-                        dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n])
+                self._run_passes(_copies(planned), None)
             else:
                 self._stream.wait_stream(self._compute)
                 checksums = pools.host_checksums
                 with torch.cuda.stream(self._stream):
-                    early, late = (_checksum_order(planned) if checksums is not None
+                    if self._passes_suit(planned):
+                        self._run_passes(_copies(planned), checksums)
+                        planned_runs: Sequence[_RunPlan] = ()
+                    else:
+                        planned_runs = planned
+                    early, late = (_checksum_order(planned_runs) if checksums is not None
                                    else ([], {}))
                     if early:
                         assert checksums is not None
                         self._checksum(early, checksums)
-                    for k, plan in enumerate(planned):
+                    for k, plan in enumerate(planned_runs):
                         self._enqueue_run(plan)
                         if k in late:
                             assert checksums is not None
@@ -566,6 +592,68 @@ class TorchCopyEngine:
             runs.append((src, dst, 1))
         return _RunPlan(to_gpu=to_gpu, pairs=list(pairs), runs=runs,
                         use_kernel=bool(runs) and self._use_kernel(len(pairs), len(runs)))
+
+    def _passes_suit(self, planned: Sequence[_RunPlan]) -> bool:
+        """Whether a call on the GPU runs as passes (two kernels) rather than run by run."""
+        if self._gatherer is None or self._gather is False:
+            return False
+        if self._gather:
+            return True
+        runs = sum(len(plan.runs) for plan in planned)
+        pages = sum(len(plan.pairs) for plan in planned)
+        return self._use_kernel(pages, runs)
+
+    def _run_passes(self, copies: list[tuple[Page, Page]],
+                    checksums: HostChecksums | None) -> None:
+        """Under the lock (on the copy stream, on a GPU): `copies` as stash and moves passes,
+        each one kernel on a GPU, with the filled host pages' checksums between them."""
+        for segment in plan_passes(copies, self._scratch_pages):
+            if segment.stash:
+                self._copy_batch([(page, (SCRATCH, slot)) for page, slot in segment.stash])
+            if checksums is not None and segment.checksums:
+                hosts = [PageId(host) for _holder, host in segment.checksums]
+                checksums_into([self._page(holder) for holder, _host in segment.checksums],
+                               checksums.table, hosts)
+                checksums.computed(hosts)
+            if segment.moves:
+                self._copy_batch(segment.moves)
+
+    def _copy_batch(self, pairs: Sequence[tuple[Page, Page]]) -> None:
+        """One pass's copies: one kernel on a GPU (in no defined order: a pass neither
+        repeats a destination nor reads one), synchronous copies on a CPU device."""
+        nbytes = self._pools.block_nbytes
+        if self._gatherer is None:
+            for src, dst in pairs:
+                self._page(dst).copy_(self._page(src))
+            return
+        self._gatherer.copy_addressed(
+            [(self._address(src), self._address(dst)) for src, dst in pairs], nbytes)
+        self._kernel_batches += 1
+
+    def _pool(self, pool: int) -> torch.Tensor:
+        if pool == GPU:
+            return self._pools.gpu
+        if pool == HOST:
+            return self._pools.host
+        if self._scratch is None:
+            self._scratch = torch.empty((self._scratch_pages, self._pools.block_nbytes),
+                                        dtype=torch.uint8, device=self._pools.device)
+            self._scratch_views = self._scratch.unbind(0)
+        return self._scratch
+
+    def _page(self, page: Page) -> torch.Tensor:
+        """A page of the GPU, host or scratch pool as a 1-D uint8 view."""
+        pool, number = page
+        if pool == GPU:
+            return self._pools.gpu_page(PageId(number))
+        if pool == HOST:
+            return self._pools.host_page(PageId(number))
+        self._pool(SCRATCH)
+        return self._scratch_views[number]
+
+    def _address(self, page: Page) -> int:
+        pool, number = page
+        return self._pool(pool).data_ptr() + number * self._pools.block_nbytes
 
     def _enqueue_run(self, plan: _RunPlan) -> None:
         """On the copy stream (current): one run's copies."""
