@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How the GPU figures in BENCHMARKS.md were produced: run on the GPU machine from the repo
 # root, with the wheels of DEVICE.md in .whl/ (trio, kvikio...).  Each step logs to $OUT.
-#   bench/on_gpu.sh tests io io-graphs io-fg io-pages gil io-small spill-parts profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab fg-ab pages-ab tree-ab
+#   bench/on_gpu.sh tests io io-graphs io-fg io-pages gil io-small copy-calls spill-parts profile profile-latency profile-sweep demo e2e fuzz tp rebuild sweep graphs-ab fg-ab pages-ab kernel-ab tree-ab
 # tests: the GPU test files (TESTS_FILES replaces the list).
 # sweep: the open-loop offered-load sweep of bench/sweep.py, one (pressure, history) cell per
 # call: SWEEP_PRESSURE (default 3) and SWEEP_HISTORIES (default 4096), configurations
@@ -120,6 +120,13 @@ for step in "$@"; do
     gil) run gil ${GIL_S:-200} python3 -m bench.gil_contention --machine "$MACHINE" --device cuda \
         --model 8b-class --model-layers 4 --decodes 16 --context 512 --cuda-graphs --write \
         ${GIL_ARGS:-} ;;
+    # An admission's copies (evict, recall into the page, alternating) through the copy
+    # engine, one call a run / one call as DMAs / one call as stash and moves kernels, at
+    # the sweep's 1 MiB pages and at 128 KiB (bench/copy_calls.py).
+    copy-calls) for kib in 1024 128; do
+        run "copy-calls-$kib" ${COPY_S:-60} python3 -m bench.copy_calls --block-kib "$kib" \
+        --pages $([ "$kib" = 1024 ] && echo 512 || echo 2048) --machine "$MACHINE" --write \
+        --tag "${kib}k"; done ;;
     # A spill taken apart (bench/spill_parts.py), 2 MiB then 256 KiB: when the first write
     # starts after req3's call, the writes' own rate against the store alone's.
     spill-parts) for mib in 2 0.25; do
@@ -192,6 +199,9 @@ for step in "$@"; do
     # (--compute-waits pages): what the copies of other requests' pages cost a
     # configuration's throughput at one rate.
     pages-ab) AB_EXTRA="--foreground on" sweep_ab waits --compute-waits all pages ;;
+    # The same, the cache's page copies as one DMA a run (--copy-kernel off: at the sweep's
+    # 1 MiB pages, what auto does) and then as kernels, in both directions at once (on).
+    kernel-ab) sweep_ab kernel --copy-kernel off on ;;
     # The same, with the tree checked out in AB_OLD (another commit: git archive COMMIT |
     # tar -x -C DIR) and then this one, AB_REPEAT times in that order: what a change did to
     # one point.  The old tree runs from its own directory (python -m imports the working

@@ -21,6 +21,7 @@ import torch
 
 from bench.flags import int_at_least, positive_number
 from io_actors.memory.page_copies import COMPUTE_WAITS
+from io_actors.memory.pools import COPY_KERNEL
 from models.chat_run import Budgets, RunResult, percentile, run_workload, ttft_summary
 from models.config import ModelConfig
 from models.model import Chunk, PagedDecoder
@@ -95,6 +96,10 @@ def add_run_flags(p: argparse.ArgumentParser, *, layers: int) -> None:
                    help="what a step waits for on the cache's copy stream: every copy (all) "
                         "or only its own pages' (pages); StateKVConfig.compute_waits, for "
                         "an A/B")
+    p.add_argument("--copy-kernel", choices=COPY_KERNEL, default="auto",
+                   help="whether the cache's page copies run as kernels (on), as DMAs (off) "
+                        "or as it chooses by page size (auto); StateKVConfig.copy_kernel, "
+                        "for an A/B")
     p.add_argument("--dir", type=Path, default=None, help="disk tier directory")
     p.add_argument("--machine", default=None,
                    help="machine name in the results file (default: h100 or h200 from the "
@@ -208,7 +213,7 @@ def run_config(model: PagedDecoder, key: str,
         reclaim_prefetched_first=args.reclaim_prefetched == "first",
         progress=progress, total=chat.total_requests, stop_at=stop_at,
         hold_foreground=FOREGROUND[args.foreground],
-        compute_waits=args.compute_waits,
+        compute_waits=args.compute_waits, copy_kernel=args.copy_kernel,
     )
 
 

@@ -564,11 +564,13 @@ SIGNATURE: Final = (
     "question_tokens", "answer_tokens", "block_size", "gpu_gib", "host_gib", "disk_gib",
     "readers", "writers", "configs", "prefetch_ahead", "reclaim_prefetched",
     "no_cost_aware", "machine", "cuda_graphs", "foreground", "compute_waits", "gc_freeze",
+    "copy_kernel",
 )
 """The flags a resumed sweep must share with the file it resumes: what a point measures."""
 
 SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False, "foreground": "off",
-                                           "compute_waits": "all", "gc_freeze": False}
+                                           "compute_waits": "all", "gc_freeze": False,
+                                           "copy_kernel": "auto"}
 """What a flag added to the signature later was in files measured before it existed."""
 
 

@@ -17,6 +17,7 @@ from typing import Any, Final
 import attrs
 
 from io_actors.memory.page_copies import COMPUTE_WAITS
+from io_actors.memory.pools import COPY_KERNEL
 from io_actors.storage.cluster_url import MAX_TIMEOUT_S, parse_cluster_url
 from statekv.config import CacheConfig, KVLayout, SpillMode, is_utf8_encodable
 from statekv.errors import ConfigError
@@ -155,6 +156,12 @@ class StateKVConfig:
     requests' pages.  "pages" asks every forward pass, and any other GPU work that touches
     the KV pool, to announce its pages first with ``BlockingCache.order_forward_after_copies``
     (the serving loop does); work that does not could read a page before its copy landed."""
+    copy_kernel: str = attrs.field(default="auto")
+    """How GPU <-> host page copies run (CUDA with cupy): "auto" (the default) -- a call of
+    small pages (under 1 MiB a run on average) as kernels, in both directions at once, and
+    larger ones as one DMA per run of consecutive pages; "on" -- always kernels; "off" --
+    always DMAs.  "on" where the kernels cannot run (no CUDA, no cupy, no pinned host pool)
+    is a ConfigError."""
     writers: int = attrs.field(default=2, validator=_positive_int(1, 256))
     readers: int = attrs.field(default=2, validator=_positive_int(1, 256))
     write_queue_depth: int = attrs.field(default=64, validator=_positive_int(1, 1 << 20))
@@ -274,6 +281,11 @@ class StateKVConfig:
         if value not in COMPUTE_WAITS:
             raise ConfigError("compute_waits", f"must be one of {COMPUTE_WAITS}, got "
                               f"{value!r}")
+
+    @copy_kernel.validator
+    def _check_copy_kernel(self, _attribute: attrs.Attribute[str], value: object) -> None:
+        if value not in COPY_KERNEL:
+            raise ConfigError("copy_kernel", f"must be one of {COPY_KERNEL}, got {value!r}")
 
     @disk_mac_key.validator
     def _check_mac_key(self, _attribute: attrs.Attribute[bytes | None], value: object) -> None:

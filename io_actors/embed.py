@@ -343,7 +343,14 @@ async def open_cache(
         pools = KVPools(core_config, device)
     except ConfigError as exc:
         raise public_size_error(exc) from None
-    copies = TorchCopyEngine(pools, compute_waits=config.compute_waits)
+    try:
+        copies = TorchCopyEngine(
+            pools, compute_waits=config.compute_waits,
+            gather_kernel={"auto": None, "on": True, "off": False}[config.copy_kernel])
+    except ConfigError as exc:
+        if exc.field != "gather_kernel":
+            raise
+        raise ConfigError("copy_kernel", f'"on" {exc.message}') from None
     clock = clock or WallClock()
     owns_store = store is None
     # All or nothing: the shared tier is connected first, because opening the slot store

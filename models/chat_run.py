@@ -81,6 +81,7 @@ def run_workload(
     after_step: Callable[[BlockingCache], None] | None = None,
     hold_foreground: bool | None = None,
     compute_waits: str = "all",
+    copy_kernel: str = "auto",
 ) -> RunResult:
     """Serve every request of `workload`; closed-loop workloads get their answers back.
 
@@ -97,7 +98,8 @@ def run_workload(
     `after_step` is called with the cache after every serving step: a test that checks
     what the tiers hold (not how the loop races them) lets transfers land there first.
     `hold_foreground` is the serving loop's (None: on a GPU); `compute_waits` is
-    StateKVConfig's (what a step waits for on the copy stream).
+    StateKVConfig's (what a step waits for on the copy stream), and so is `copy_kernel`
+    (whether page copies run as kernels or DMAs).
     """
     if disk_dir is not None:
         disk_dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +120,7 @@ def run_workload(
             model_fingerprint=model.config.fingerprint(),
             cost_aware_onboarding=cost_aware_onboarding,
             reclaim_prefetched_first=reclaim_prefetched_first,
-            compute_waits=compute_waits,
+            compute_waits=compute_waits, copy_kernel=copy_kernel,
         )
         done: list[RequestResult] = []
         unfinished: list[RequestResult] = []

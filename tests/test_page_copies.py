@@ -11,8 +11,10 @@ later compute work.  The CUDA tests run the engine itself on a GPU machine.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, cast
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -194,6 +196,25 @@ def test_compute_waits_takes_all_or_pages_and_names_the_field() -> None:
         with pytest.raises(ConfigError) as info:
             StateKVConfig(layout=_layout(), gpu=4, compute_waits=bad)  # type: ignore[arg-type]
         assert info.value.field == "compute_waits"
+
+
+def test_copy_kernel_takes_auto_on_or_off_and_names_the_field(tmp_path: Path) -> None:
+    for bad in ("yes", "", None, True):
+        with pytest.raises(ConfigError) as info:
+            StateKVConfig(layout=_layout(), gpu=4, copy_kernel=bad)  # type: ignore[arg-type]
+        assert info.value.field == "copy_kernel"
+    # "on" where the kernels cannot run is refused at open, naming the field the user set,
+    # before the disk tier's directory gets a file.
+    config = StateKVConfig(layout=_layout(), block_size=4, gpu=4, host=4, reserved_host=2,
+                           disk=8, disk_dir=tmp_path / "tier", device="cpu",
+                           copy_kernel="on", model_fingerprint="copy-kernel")
+    with pytest.raises(ConfigError) as info:
+        BlockingCache(config)
+    assert info.value.field == "copy_kernel" and '"on" needs a CUDA device' in str(info.value)
+    assert not (tmp_path / "tier").exists() or not any((tmp_path / "tier").iterdir())
+    for mode in ("auto", "off"):
+        with BlockingCache(attrs.evolve(config, copy_kernel=mode)) as cache:
+            cache.add_request("r", list(range(9)))
 
 
 class _Announced:

@@ -654,6 +654,21 @@ def test_a_file_measured_before_page_waits_resumes_only_with_every_copy_waited_f
         read_resumed(path, build_parser().parse_args([*TINY, "--compute-waits", "pages"]))
 
 
+def test_a_file_measured_before_copy_kernel_resumes_only_with_the_engines_choice(
+    tmp_path: Path,
+) -> None:
+    # Points measured before --copy-kernel existed let the copy engine choose (auto).
+    from bench.sweep import SweepError, build_parser, read_resumed, signature
+
+    old = signature(build_parser().parse_args(TINY))
+    del old["copy_kernel"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"bench": "sweep", "cases": [], "signature": old}))
+    assert read_resumed(path, build_parser().parse_args(TINY))
+    with pytest.raises(SweepError, match="measured with --copy-kernel auto, not off"):
+        read_resumed(path, build_parser().parse_args([*TINY, "--copy-kernel", "off"]))
+
+
 def test_a_file_measured_before_the_foreground_resumes_only_with_it_off(
     tmp_path: Path,
 ) -> None:

@@ -52,6 +52,10 @@ GATHER_RUN_BYTES: Final = 1 << 20
 (when the engine chooses): a DMA of 1 MiB takes about 20 us at pinned H2D speed, several
 times the cost of enqueueing it, while a 256 KiB one takes about as long as its enqueue."""
 
+COPY_KERNEL: Final = ("auto", "on", "off")
+"""StateKVConfig.copy_kernel: whether page copies run as kernels (TorchCopyEngine's
+gather_kernel None, True, False)."""
+
 SCRATCH_BYTES: Final = 16 << 20
 """Device memory a copy engine keeps, once a call needs it, for the pages a call's copies
 both read and overwrite (:mod:`io_actors.memory.copy_passes`): a call whose stash is larger
