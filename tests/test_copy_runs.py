@@ -93,6 +93,11 @@ def _engines(pools: KVPools) -> list[TorchCopyEngine]:
         addressed = TorchCopyEngine(pools)
         addressed._gatherer = _MemmoveGather()  # type: ignore[assignment]
         engines.append(addressed)
+        # And with a scratch of two pages: a call's stash larger than that runs in segments.
+        segmented = TorchCopyEngine(pools)
+        segmented._gatherer = _MemmoveGather()  # type: ignore[assignment]
+        segmented._scratch_pages = 2
+        engines.append(segmented)
     return engines
 
 
@@ -243,5 +248,14 @@ def test_an_alternating_chain_runs_as_a_stash_and_a_move_batch_on_the_kernel_pat
                 host[h] = gpu[g]
     engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
     assert gather.batches == 2
+    assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
+    assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
+    # With room for two stashed pages only, the same call runs in order as segments.
+    _fill_distinct(pools)
+    small = TorchCopyEngine(pools)
+    small._gatherer = gather = _MemmoveGather()  # type: ignore[assignment]
+    small._scratch_pages = 2
+    small.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
+    assert gather.batches > 2
     assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
     assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)

@@ -32,6 +32,7 @@ from typing import Final
 
 import attrs
 
+# Pool numbers (a copy engine indexes its pools by them).
 GPU: Final = 0
 HOST: Final = 1
 SCRATCH: Final = 2

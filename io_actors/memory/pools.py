@@ -61,6 +61,10 @@ SCRATCH_BYTES: Final = 16 << 20
 both read and overwrite (:mod:`io_actors.memory.copy_passes`): a call whose stash is larger
 runs as several segments of two kernels each."""
 
+SCRATCH_PAGES: Final = 1024
+"""At most this many scratch pages (small pages: the scratch's bytes stay below
+SCRATCH_BYTES, and its views few)."""
+
 
 def torch_dtype(name: str) -> torch.dtype:
     """raises: ConfigError("dtype") for a name KVLayout does not know."""
@@ -458,7 +462,7 @@ class TorchCopyEngine:
         self._scratch: torch.Tensor | None = None
         """Pages of a call's stash (copy_passes); allocated by the first call that needs it."""
         self._scratch_views: tuple[torch.Tensor, ...] = ()
-        self._scratch_pages = max(1, SCRATCH_BYTES // pools.block_nbytes)
+        self._scratch_pages = max(1, min(SCRATCH_PAGES, SCRATCH_BYTES // pools.block_nbytes))
         self.compute_waits: Final = compute_waits
         # Only where copies are asynchronous: on a CPU device every copy is done when its
         # call returns, and there is nothing to wait for.
@@ -613,16 +617,17 @@ class TorchCopyEngine:
         each one kernel on a GPU, with the filled host pages' checksums between them."""
         for segment in plan_passes(copies, self._scratch_pages):
             if segment.stash:
-                self._copy_batch([(page, (SCRATCH, slot)) for page, slot in segment.stash])
+                self._copy_batch([(page, (SCRATCH, slot)) for page, slot in segment.stash],
+                                 scratch=True)
             if checksums is not None and segment.checksums:
                 hosts = [PageId(host) for _holder, host in segment.checksums]
                 checksums_into([self._page(holder) for holder, _host in segment.checksums],
                                checksums.table, hosts)
                 checksums.computed(hosts)
             if segment.moves:
-                self._copy_batch(segment.moves)
+                self._copy_batch(segment.moves, scratch=bool(segment.stash))
 
-    def _copy_batch(self, pairs: Sequence[tuple[Page, Page]]) -> None:
+    def _copy_batch(self, pairs: Sequence[tuple[Page, Page]], *, scratch: bool) -> None:
         """One pass's copies: one kernel on a GPU (in no defined order: a pass neither
         repeats a destination nor reads one), synchronous copies on a CPU device."""
         nbytes = self._pools.block_nbytes
@@ -630,8 +635,13 @@ class TorchCopyEngine:
             for src, dst in pairs:
                 self._page(dst).copy_(self._page(src))
             return
+        # Indexed by pool number (copy_passes: GPU 0, HOST 1, SCRATCH 2); the scratch pool
+        # is only made by a call whose copies stash.
+        base = [self._pools.gpu.data_ptr(), self._pools.host.data_ptr(),
+                self._pool(SCRATCH).data_ptr() if scratch else 0]
         self._gatherer.copy_addressed(
-            [(self._address(src), self._address(dst)) for src, dst in pairs], nbytes)
+            [(base[src[0]] + src[1] * nbytes, base[dst[0]] + dst[1] * nbytes)
+             for src, dst in pairs], nbytes)
         self._kernel_batches += 1
 
     def _pool(self, pool: int) -> torch.Tensor:
@@ -654,10 +664,6 @@ class TorchCopyEngine:
             return self._pools.host_page(PageId(number))
         self._pool(SCRATCH)
         return self._scratch_views[number]
-
-    def _address(self, page: Page) -> int:
-        pool, number = page
-        return self._pool(pool).data_ptr() + number * self._pools.block_nbytes
 
     def _enqueue_run(self, plan: _RunPlan) -> None:
         """On the copy stream (current): one run's copies."""
