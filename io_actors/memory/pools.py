@@ -638,17 +638,13 @@ class TorchCopyEngine:
         # Indexed by pool number (copy_passes: GPU 0, HOST 1, SCRATCH 2); the scratch pool
         # is only made by a call whose copies stash.
         base = [self._pools.gpu.data_ptr(), self._pools.host.data_ptr(),
-                self._pool(SCRATCH).data_ptr() if scratch else 0]
+                self._scratch_pool().data_ptr() if scratch else 0]
         self._gatherer.copy_addressed(
             [(base[src[0]] + src[1] * nbytes, base[dst[0]] + dst[1] * nbytes)
              for src, dst in pairs], nbytes)
         self._kernel_batches += 1
 
-    def _pool(self, pool: int) -> torch.Tensor:
-        if pool == GPU:
-            return self._pools.gpu
-        if pool == HOST:
-            return self._pools.host
+    def _scratch_pool(self) -> torch.Tensor:
         if self._scratch is None:
             self._scratch = torch.empty((self._scratch_pages, self._pools.block_nbytes),
                                         dtype=torch.uint8, device=self._pools.device)
@@ -662,7 +658,7 @@ class TorchCopyEngine:
             return self._pools.gpu_page(PageId(number))
         if pool == HOST:
             return self._pools.host_page(PageId(number))
-        self._pool(SCRATCH)
+        self._scratch_pool()
         return self._scratch_views[number]
 
     def _enqueue_run(self, plan: _RunPlan) -> None:
