@@ -88,6 +88,8 @@ def _engines(pools: KVPools) -> list[TorchCopyEngine]:
         engines += [TorchCopyEngine(pools, gather_kernel=True),
                     TorchCopyEngine(pools, gather_kernel=False)]
     else:
+        # Run by run, as a GPU does with DMAs (the passes are the CPU's default).
+        engines.append(TorchCopyEngine(pools, gather_kernel=False))
         # The kernel's path on the CPU machine: a call's passes by address, the GPU
         # engine's scratch and address arithmetic included, through a memmove stand-in.
         addressed = TorchCopyEngine(pools)

@@ -12,6 +12,7 @@ copies, so tests exercise the byte movement everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -453,9 +454,11 @@ class TorchCopyEngine:
                 f"bytes a multiple of {page_gather.WORD} (got {pools.block_nbytes})")
         self.gather_kernel_available: Final = can_gather
         """Whether batches of page copies can run as one gather/scatter kernel here."""
-        self._gather: bool | None = gather_kernel if can_gather else False
+        self._gather: bool | None = (gather_kernel if can_gather or not self._async
+                                     else False)
         """True: every batch of page copies is one kernel; False: one DMA per run; None:
-        the kernel when the batch's runs average under GATHER_RUN_BYTES."""
+        the kernel when the batch's runs average under GATHER_RUN_BYTES.  On a CPU device
+        (no kernel) None runs a call as passes and False run by run (_passes_suit)."""
         self._gatherer = (page_gather.PageGather(pools.device, self._stream)
                           if can_gather and self._stream is not None else None)
         self._kernel_batches = 0
@@ -546,27 +549,18 @@ class TorchCopyEngine:
         if not planned:
             return
         with self._lock:
-            if self._stream is None or self._compute is None:
-                self._run_passes(_copies(planned), None)
-            else:
-                self._stream.wait_stream(self._compute)
-                checksums = pools.host_checksums
-                with torch.cuda.stream(self._stream):
-                    if self._passes_suit(planned):
-                        self._run_passes(_copies(planned), checksums)
-                        planned_runs: Sequence[_RunPlan] = ()
-                    else:
-                        planned_runs = planned
-                    early, late = (_checksum_order(planned_runs) if checksums is not None
-                                   else ([], {}))
-                    if early:
-                        assert checksums is not None
-                        self._checksum(early, checksums)
-                    for k, plan in enumerate(planned_runs):
-                        self._enqueue_run(plan)
-                        if k in late:
-                            assert checksums is not None
-                            self._checksum(late[k], checksums)
+            stream, compute = self._stream, self._compute
+            on_gpu = stream is not None and compute is not None
+            checksums = pools.host_checksums if on_gpu else None
+            if stream is not None and compute is not None:
+                stream.wait_stream(compute)
+            with (torch.cuda.stream(stream) if stream is not None
+                  else contextlib.nullcontext()):
+                if self._passes_suit(planned):
+                    self._run_passes(_copies(planned), checksums)
+                else:
+                    self._run_by_run(planned, checksums)
+            if on_gpu:
                 self._pending_for_compute = True
                 gpu_pages: list[int] = []
                 filled: list[int] = []
@@ -582,6 +576,21 @@ class TorchCopyEngine:
                     self._copies_to_gpu += len(plan.pairs)
                 else:
                     self._copies_to_host += len(plan.pairs)
+
+    def _run_by_run(self, planned: Sequence[_RunPlan], checksums: HostChecksums | None
+                    ) -> None:
+        """Under the lock (on the copy stream, on a GPU): each run in order, its DMAs or its
+        gather kernel, with the filled host pages' checksums where _checksum_order puts
+        them."""
+        early, late = _checksum_order(planned) if checksums is not None else ([], {})
+        if early:
+            assert checksums is not None
+            self._checksum(early, checksums)
+        for k, plan in enumerate(planned):
+            self._enqueue_run(plan)
+            if k in late:
+                assert checksums is not None
+                self._checksum(late[k], checksums)
 
     def _plan(self, to_gpu: bool, pairs: Sequence[tuple[PageId, PageId]]) -> _RunPlan:
         """One run's pairs checked, and merged into runs of pages consecutive on both sides."""
@@ -599,11 +608,18 @@ class TorchCopyEngine:
                     continue
             runs.append((src, dst, 1))
         return _RunPlan(to_gpu=to_gpu, pairs=list(pairs), runs=runs,
-                        use_kernel=bool(runs) and self._use_kernel(len(pairs), len(runs)))
+                        use_kernel=(bool(runs) and self._gatherer is not None
+                                    and self._use_kernel(len(pairs), len(runs))))
 
     def _passes_suit(self, planned: Sequence[_RunPlan]) -> bool:
-        """Whether a call on the GPU runs as passes (two kernels) rather than run by run."""
-        if self._gatherer is None or self._gather is False:
+        """Whether a call runs as passes (two kernels on a GPU) rather than run by run.  A
+        CPU device runs passes unless ``gather_kernel=False``: its copies are synchronous
+        either way, and every test of the cache then runs the passes' plans."""
+        if self._gather is False:
+            return False
+        if not self._async:
+            return True
+        if self._gatherer is None:
             return False
         if self._gather:
             return True
@@ -675,9 +691,17 @@ class TorchCopyEngine:
                                 self._pools.block_nbytes)
             self._kernel_batches += 1
         else:
+            src_page, dst_page = ((self._pools.host_page, self._pools.gpu_page) if plan.to_gpu
+                                  else (self._pools.gpu_page, self._pools.host_page))
             for s0, d0, n in plan.runs:
-                dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
-                                            non_blocking=self._non_blocking)
+                if n == 1:
+                    # The pools' cached page views: one torch call, where slicing both
+                    # pools took three (each a release of the interpreter lock).
+                    dst_page(PageId(d0)).copy_(src_page(PageId(s0)),
+                                               non_blocking=self._non_blocking)
+                else:
+                    dst_pool[d0 : d0 + n].copy_(src_pool[s0 : s0 + n],
+                                                non_blocking=self._non_blocking)
 
     def _checksum(self, fills: Sequence[tuple[int, int]], checksums: HostChecksums) -> None:
         """On the copy stream (current): the checksums of (GPU page, host page) fills, each
