@@ -76,6 +76,16 @@ def positive_number(text: str) -> float:
     return value
 
 
+def non_negative_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     value = positive_number(text)

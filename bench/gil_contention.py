@@ -34,7 +34,10 @@ from typing import TYPE_CHECKING
 
 from bench.flags import (
     OneLineParser,
+    comma_list,
     int_at_least,
+    non_negative_number,
+    positive_number,
     results_tag,
     shape_preset,
 )
@@ -45,22 +48,6 @@ if TYPE_CHECKING:
     import torch
 
 BLOCK_SIZE = 16
-
-
-def _csv_floats(*, zero: bool) -> Callable[[str], list[float]]:
-    """Comma-separated numbers >= 0 (with `zero`) or > 0 (without)."""
-    def parse(text: str) -> list[float]:
-        try:
-            values = [float(part) for part in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be comma-separated numbers, got {text!r}") from None
-        if any(not (v >= 0 if zero else v > 0) for v in values):
-            raise argparse.ArgumentTypeError(
-                f"must be numbers {'>=' if zero else '>'} 0, got {text!r}")
-        return values
-
-    return parse
 
 
 @contextmanager
@@ -121,10 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decodes", type=int_at_least(1), default=16)
     parser.add_argument("--context", type=int_at_least(1), default=128,
                         help="tokens of each decode's context")
-    parser.add_argument("--bursts-us", type=_csv_floats(zero=True),
+    parser.add_argument("--bursts-us",
+                        type=comma_list(non_negative_number, what="comma-separated numbers"),
                         default=[0.0, 20.0, 50.0, 200.0, 1000.0],
                         help="the other thread's Python bursts, in microseconds (0: alone)")
-    parser.add_argument("--switch-interval-ms", type=_csv_floats(zero=False), default=[5.0, 0.5],
+    parser.add_argument("--switch-interval-ms",
+                        type=comma_list(positive_number, what="comma-separated numbers"),
+                        default=[5.0, 0.5],
                         help="sys.setswitchinterval values, in milliseconds (Python's: 5)")
     parser.add_argument("--repeat", type=int_at_least(3), default=30)
     parser.add_argument("--cuda-graphs", action="store_true",

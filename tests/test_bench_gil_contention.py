@@ -44,9 +44,10 @@ def test_the_bursting_thread_stops_with_its_block() -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--bursts-us", "20,50"], "--bursts-us: must include 0"),
-    (["--bursts-us", "0,x"], "comma-separated numbers"),
-    (["--bursts-us", "0,-1"], "numbers >= 0"),
-    (["--switch-interval-ms", "0"], "numbers > 0"),
+    (["--bursts-us", "0,x"], "--bursts-us: must be a number, got 'x'"),
+    (["--bursts-us", "0,,1"], "--bursts-us: must be comma-separated numbers"),
+    (["--bursts-us", "0,-1"], "--bursts-us: must be a finite number >= 0, got '-1'"),
+    (["--switch-interval-ms", "0"], "--switch-interval-ms: must be a finite number > 0"),
     (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs: CUDA graphs need a CUDA device"),
 ])
 def test_bad_flags_are_one_line(argv: list[str], says: str,
