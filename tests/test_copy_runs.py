@@ -263,6 +263,7 @@ def test_an_alternating_chain_runs_as_a_stash_and_a_move_batch_on_the_kernel_pat
             else:
                 host[h] = gpu[g]
     engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
+    engine.fence().wait()
     assert gather.batches == 2
     assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
     assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
@@ -272,6 +273,7 @@ def test_an_alternating_chain_runs_as_a_stash_and_a_move_batch_on_the_kernel_pat
     gather = _checked_gather(small)
     small._scratch_pages = 2
     small.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
+    small.fence().wait()
     assert gather.batches > 2
     assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
     assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
