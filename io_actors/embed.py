@@ -425,6 +425,7 @@ async def open_cache(
     finally:
         # Every thread that touched a page has stopped (the nursery is done, or never ran).
         pools.release()
+        copies.release()
         if remote is not None:
             remote.fetcher.close()
         if shared is not None:

@@ -13,11 +13,14 @@ from typing import Any
 import pytest
 import torch
 
+from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
+from io_actors.memory.pools import TorchCopyEngine
 from io_actors.storage import buffers
+from statekv.config import KVLayout
 from statekv.errors import UsageError
 from statekv.ids import PageId
-from tests.io_helpers import serve, small_config, wait_quiet, wait_ready
+from tests.io_helpers import compute, serve, small_config, wait_quiet, wait_ready
 
 
 @pytest.fixture
@@ -93,3 +96,30 @@ def test_close_gives_the_pools_memory_back_while_the_cache_object_lives(
         _ = cache.kv_pool
     with pytest.raises(UsageError, match="given back when the cache closed"):
         cache._pools.host_page(PageId(0))  # what a worker would call
+
+
+@pytest.mark.usefixtures("no_collector")
+def test_close_gives_the_copy_engines_scratch_back(tmp_path: Path) -> None:
+    # An admission that recalls host blocks into the GPU pages it evicts makes the copy
+    # engine stash those pages in its scratch (up to 16 MiB of device memory on a GPU).
+    device = small_config(tmp_path).device
+    bs = 4
+    config = StateKVConfig(layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=16,
+                                           dtype="float32"),
+                           block_size=bs, gpu=6, host=6, device=device,
+                           model_fingerprint="scratch-at-close")
+    doc = [(7 * i + 1) % 50 for i in range(4 * bs + 1)]
+    other = [(3 * i + 2) % 50 + 50 for i in range(6 * bs)]
+    cache = BlockingCache(config)
+    for rid, tokens in (("doc", doc), ("other", other)):  # other evicts doc's blocks to host
+        cache.add_request(rid, tokens)
+        compute(cache, rid, tokens)
+        cache.release(rid)
+    assert cache.add_request("again", doc).host_tokens == 4 * bs
+    wait_ready(cache, "again")
+    cache.release("again")
+    engine = cache._scheduler._copies
+    assert isinstance(engine, TorchCopyEngine) and engine._scratch is not None
+    scratch = weakref.ref(engine._scratch)
+    cache.close()
+    assert scratch() is None, "the copy engine's scratch outlived close()"

@@ -660,6 +660,14 @@ class TorchCopyEngine:
              for src, dst in pairs], nbytes)
         self._kernel_batches += 1
 
+    def release(self) -> None:
+        """Give the scratch back now (the cache's close, after pools.release()): up to
+        SCRATCH_BYTES of device memory that a reference cycle through the engine would
+        otherwise keep until a full collection."""
+        with self._lock:
+            self._scratch = None
+            self._scratch_views = ()
+
     def _scratch_pool(self) -> torch.Tensor:
         if self._scratch is None:
             self._scratch = torch.empty((self._scratch_pages, self._pools.block_nbytes),
