@@ -662,8 +662,8 @@ class TorchCopyEngine:
 
     def release(self) -> None:
         """Give the scratch back now (the cache's close, after pools.release()): up to
-        SCRATCH_BYTES of device memory that a reference cycle through the engine would
-        otherwise keep until a full collection."""
+        SCRATCH_BYTES of device memory that the engine, held by the closed cache object,
+        would otherwise keep for as long as that object lives."""
         with self._lock:
             self._scratch = None
             self._scratch_views = ()
