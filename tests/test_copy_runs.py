@@ -102,6 +102,10 @@ def _engines(pools: KVPools) -> list[TorchCopyEngine]:
     if engines[0].gather_kernel_available:
         engines += [TorchCopyEngine(pools, gather_kernel=True),
                     TorchCopyEngine(pools, gather_kernel=False)]
+        # The real kernel with a scratch of two pages: larger stashes run in segments.
+        segmented = TorchCopyEngine(pools, gather_kernel=True)
+        segmented._scratch_pages = 2
+        engines.append(segmented)
     else:
         # Run by run, as a GPU does with DMAs (the passes are the CPU's default).
         engines.append(TorchCopyEngine(pools, gather_kernel=False))
