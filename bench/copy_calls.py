@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.flags import OneLineParser, int_at_least, results_tag
+from bench.flags import OneLineParser, device_name, int_at_least, results_tag
 from bench.io import host_to_device_limit
 from bench.results_files import machine_name, source_commit, write_new_results
 from io_actors.embed import resolve_device
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=n1, default=512, help="recalls in all")
     parser.add_argument("--batch-pages", type=n1, default=64, help="recalls a dispatch")
     parser.add_argument("--repeat", type=n1, default=5)
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", type=device_name, default="auto")
     parser.add_argument("--machine", default=None,
                         help="the results file's machine name (default: from the device)")
     parser.add_argument("--write", action="store_true")

@@ -41,6 +41,21 @@ def shape_preset(text: str) -> str:
     return text
 
 
+def device_name(text: str) -> str:
+    """A device the cache can run on, present on this machine: "auto", "cpu", "cuda" or
+    "cuda:N" (StateKVConfig.device's names)."""
+    from io_actors.config import check_device_name
+    from io_actors.embed import resolve_device
+    from statekv.errors import ConfigError
+
+    try:
+        check_device_name(text)
+        resolve_device(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return text
+
+
 def results_tag(text: str) -> str:
     """A tag that is safe inside a results file's name."""
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):

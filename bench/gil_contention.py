@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from bench.flags import (
     OneLineParser,
     comma_list,
+    device_name,
     int_at_least,
     non_negative_number,
     positive_number,
@@ -102,7 +103,7 @@ def measure(step: Callable[[], None], *, repeat: int, bursts_us: list[float],
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m bench.gil_contention",
                            description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", type=device_name, default="auto")
     parser.add_argument("--model", type=shape_preset, default="tiny")
     parser.add_argument("--model-layers", type=int_at_least(1), default=2)
     parser.add_argument("--decodes", type=int_at_least(1), default=16)

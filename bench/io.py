@@ -55,6 +55,7 @@ from bench.disk_limits import (
 )
 from bench.flags import (
     OneLineParser,
+    device_name,
     existing_directory,
     int_at_least,
     positive_number,
@@ -750,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=n1, default=256)
     parser.add_argument("--dir", type=existing_directory, default=None,
                         help="where the scratch directory goes (it must exist)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", type=device_name, default="auto")
     parser.add_argument("--model", type=shape_preset, default="tiny")
     parser.add_argument("--model-layers", type=n0, default=0)
     parser.add_argument("--decoders", type=n1, default=8)

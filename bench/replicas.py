@@ -87,6 +87,7 @@ from tqdm import tqdm
 from bench.flags import (
     OneLineParser,
     comma_list,
+    device_name,
     int_at_least,
     positive_number,
     results_tag,
@@ -221,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=n1, default=1)
     p.add_argument("--vocab", type=int_at_least(2), default=1024)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", type=device_name, default="auto")
     p.add_argument("--threads", type=n1, default=1, help="torch threads per replica")
     # The workload (models/workloads.py's chat).
     p.add_argument("--users", type=n1, default=12)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.flags import int_at_least, positive_number
+from bench.flags import device_name, int_at_least, positive_number
 from io_actors.memory.page_copies import COMPUTE_WAITS
 from io_actors.memory.pools import COPY_KERNEL
 from models.chat_run import Budgets, RunResult, percentile, run_workload, ttft_summary
@@ -63,7 +63,7 @@ def add_run_flags(p: argparse.ArgumentParser, *, layers: int) -> None:
     """The workload, pool and I/O flags of the serving benchmarks."""
     n0, n1, pos = int_at_least(0), int_at_least(1), positive_number
     p.add_argument("--layers", type=n1, default=layers, help="decoder layers of the shape")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", type=device_name, default="auto")
     p.add_argument("--users", type=n1, default=64)
     p.add_argument("--rounds", type=n1, default=4)
     p.add_argument("--system-tokens", type=n0, default=1024)

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import io as bench_io
-from bench.flags import OneLineParser, existing_directory, int_at_least, positive_number
+from bench.flags import (
+    OneLineParser,
+    device_name,
+    existing_directory,
+    int_at_least,
+    positive_number,
+)
 from io_actors.actors import writer_pool
 from io_actors.embed import BlockingCache
 from io_actors.storage import posix
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int_at_least(1), default=2048)
     parser.add_argument("--threads", type=int_at_least(1), default=4)
     parser.add_argument("--batch-blocks", type=int_at_least(1), default=16)
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", type=device_name, default="auto")
     parser.add_argument("--runs", type=int_at_least(1), default=3)
     parser.add_argument("--dir", type=existing_directory, default=None,
                         help="where the data files go (a temporary directory in it)")

@@ -121,6 +121,15 @@ def _positive_int(low: int, high: int) -> Any:
     return check
 
 
+def check_device_name(value: object) -> None:
+    """raises: ConfigError("device") unless `value` names a device the cache can run on
+    ("auto", "cpu", "cuda" or "cuda:N"); whether this machine has it is checked at open."""
+    if value not in DEVICES and not (
+        isinstance(value, str) and re.fullmatch(r"cuda:[0-9]{1,3}", value)
+    ):
+        raise ConfigError("device", f"unknown device {value!r} (known: {DEVICES}, or cuda:N)")
+
+
 @attrs.frozen(kw_only=True)
 class StateKVConfig:
     """Everything needed to open a cache on one rank."""
@@ -301,12 +310,7 @@ class StateKVConfig:
 
     @device.validator
     def _check_device(self, _attribute: attrs.Attribute[str], value: object) -> None:
-        if value not in DEVICES and not (
-            isinstance(value, str) and re.fullmatch(r"cuda:[0-9]{1,3}", value)
-        ):
-            raise ConfigError(
-                "device", f"unknown device {value!r} (known: {DEVICES}, or cuda:N)"
-            )
+        check_device_name(value)
 
     @namespace.validator
     def _check_namespace(self, _attribute: attrs.Attribute[str], value: object) -> None:

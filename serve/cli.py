@@ -169,10 +169,14 @@ def _output_file(text: str) -> Path:
 
 
 def _device(text: str) -> str:
-    import re
+    """StateKVConfig.device's names (whether this machine has it is checked at open)."""
+    from io_actors.config import check_device_name
+    from statekv.errors import ConfigError
 
-    if text not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]{1,3}", text):
-        raise argparse.ArgumentTypeError(f"unknown device {text!r} (use {DEVICES})")
+    try:
+        check_device_name(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
     return text
 
 
