@@ -43,16 +43,23 @@ def shape_preset(text: str) -> str:
 
 def device_name(text: str) -> str:
     """A device the cache can run on, present on this machine: "auto", "cpu", "cuda" or
-    "cuda:N" (StateKVConfig.device's names)."""
+    "cuda:N" (StateKVConfig.device's names).  No CUDA context is made here: a parent
+    process that only starts replicas never holds one."""
+    import torch
+
     from io_actors.config import check_device_name
-    from io_actors.embed import resolve_device
     from statekv.errors import ConfigError
 
     try:
         check_device_name(text)
-        resolve_device(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(exc.message) from None
+    if text.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("CUDA was asked for but torch sees no GPU")
+        count = torch.cuda.device_count()
+        if ":" in text and int(text.split(":")[1]) >= count:
+            raise argparse.ArgumentTypeError(f"no GPU {text}: torch sees {count}")
     return text
 
 
