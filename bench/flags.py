@@ -48,18 +48,17 @@ def device_name(text: str) -> str:
     import torch
 
     from io_actors.config import check_device_name
+    from io_actors.embed import check_device_present
     from statekv.errors import ConfigError
 
     try:
         check_device_name(text)
+        check_device_present(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(exc.message) from None
-    if text.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError("CUDA was asked for but torch sees no GPU")
-        count = torch.cuda.device_count()
-        if ":" in text and int(text.split(":")[1]) >= count:
-            raise argparse.ArgumentTypeError(f"no GPU {text}: torch sees {count}")
+    if text.startswith("cuda:") and int(text[len("cuda:"):]) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"no GPU {text}: torch sees {torch.cuda.device_count()}")
     return text
 
 
@@ -88,24 +87,24 @@ def comma_list(item: Callable[[str], T], *, what: str = "a comma-separated list"
     return parse
 
 
-def positive_number(text: str) -> float:
+def _finite_number(text: str, *, zero: bool) -> float:
+    """A finite number > 0, or >= 0 with `zero`."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number {'>=' if zero else '>'} 0, got {text!r}")
     return value
+
+
+def positive_number(text: str) -> float:
+    return _finite_number(text, zero=False)
 
 
 def non_negative_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
+    return _finite_number(text, zero=True)
 
 
 def fraction(text: str) -> float:

@@ -75,17 +75,21 @@ from statekv.trace import TraceSink
 log = logging.getLogger(__name__)
 
 
+def check_device_present(name: str) -> None:
+    """raises: ConfigError("device") where `name` asks for CUDA ("cuda" or "cuda:N") and
+    torch sees no GPU.  Makes no CUDA context."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device", "CUDA was asked for but torch sees no GPU")
+
+
 def resolve_device(name: str) -> torch.device:
     """'auto' means CUDA when present, else the CPU (same code path, real copies)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device_present(name)
     if name.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ConfigError("device", "CUDA was asked for but torch sees no GPU")
         return torch.device(name)
     if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device", "CUDA was asked for but torch sees no GPU")
         # Bound to the current device's index: reader threads call torch.cuda.set_device
         # with it, which refuses an index-less device, and a tensor-parallel rank's current
         # device is its own GPU (its local rank), not device 0.

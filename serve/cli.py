@@ -433,11 +433,13 @@ def _version() -> str:
 
 
 def _check_device(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
+    from io_actors.embed import check_device_present
+    from statekv.errors import ConfigError
 
-        if not torch.cuda.is_available():
-            raise UserMistake("argument --device: CUDA was asked for but torch sees no GPU")
+    try:
+        check_device_present(device)
+    except ConfigError as exc:
+        raise UserMistake(f"argument --device: {exc.message}") from None
 
 
 def _check_model(name: str) -> None:

@@ -91,6 +91,20 @@ def serve(cache: CacheAPI, rid: str, tokens: Sequence[int], **kwargs: object) ->
     cache.release(rid)
 
 
+def doc_evicted_to_host(cache: CacheAPI, bs: int) -> list[int]:
+    """Serve a document of four full blocks and a token, then another request whose six
+    blocks fill a six-page GPU and evict the document's to host; returns the document's
+    tokens.  Asking for them again recalls each block into the page of a block it evicts:
+    a copy out of each page, then one into it."""
+    doc = [(7 * i + 1) % 50 for i in range(4 * bs + 1)]
+    other = [(3 * i + 2) % 50 + 50 for i in range(6 * bs)]
+    for rid, tokens in (("doc", doc), ("other", other)):
+        cache.add_request(rid, tokens)
+        compute(cache, rid, tokens)
+        cache.release(rid)
+    return doc
+
+
 def wait_ready(cache: CacheAPI, rid: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cache.is_ready(rid):

@@ -20,7 +20,13 @@ from io_actors.storage import buffers
 from statekv.config import KVLayout
 from statekv.errors import UsageError
 from statekv.ids import PageId
-from tests.io_helpers import compute, serve, small_config, wait_quiet, wait_ready
+from tests.io_helpers import (
+    doc_evicted_to_host,
+    serve,
+    small_config,
+    wait_quiet,
+    wait_ready,
+)
 
 
 @pytest.fixture
@@ -108,13 +114,8 @@ def test_close_gives_the_copy_engines_scratch_back(tmp_path: Path) -> None:
                                            dtype="float32"),
                            block_size=bs, gpu=6, host=6, device=device,
                            model_fingerprint="scratch-at-close")
-    doc = [(7 * i + 1) % 50 for i in range(4 * bs + 1)]
-    other = [(3 * i + 2) % 50 + 50 for i in range(6 * bs)]
     cache = BlockingCache(config)
-    for rid, tokens in (("doc", doc), ("other", other)):  # other evicts doc's blocks to host
-        cache.add_request(rid, tokens)
-        compute(cache, rid, tokens)
-        cache.release(rid)
+    doc = doc_evicted_to_host(cache, bs)
     assert cache.add_request("again", doc).host_tokens == 4 * bs
     wait_ready(cache, "again")
     cache.release("again")

@@ -31,7 +31,7 @@ from io_actors.storage.slot_format import payload_checksum
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import UsageError
 from statekv.ids import PageId
-from tests.io_helpers import check_pages, compute, wait_ready
+from tests.io_helpers import check_pages, doc_evicted_to_host, wait_ready
 
 DEVICE = os.environ.get("STATEKV_TEST_DEVICE", "cpu")
 GPU_PAGES = 6
@@ -228,15 +228,8 @@ def test_an_admission_that_recalls_into_the_pages_it_evicts_makes_one_engine_cal
     bs = 4
     config = StateKVConfig(layout=LAYOUT, block_size=bs, gpu=6, host=6,
                            device=DEVICE, model_fingerprint="copy-runs")
-    doc = [(7 * i + 1) % 50 for i in range(4 * bs + 1)]  # 4 full blocks and a token
-    other = [(3 * i + 2) % 50 + 50 for i in range(6 * bs)]
     with BlockingCache(config) as cache:
-        cache.add_request("doc", doc)
-        compute(cache, "doc", doc)
-        cache.release("doc")
-        cache.add_request("other", other)  # evicts doc's 4 blocks to host
-        compute(cache, "other", other)
-        cache.release("other")             # the GPU is full of other's cached blocks
+        doc = doc_evicted_to_host(cache, bs)  # the GPU is full of other's cached blocks
         calls.clear()
         match = cache.add_request("again", doc)
         wait_ready(cache, "again")
