@@ -274,3 +274,31 @@ def test_an_alternating_chain_runs_as_a_stash_and_a_move_batch_on_the_kernel_pat
     assert gather.batches > 2
     assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
     assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the engine chooses only where copies are DMAs")
+@pytest.mark.parametrize(("block_size", "kernels"), [(512, 2), (1024, 0)])
+def test_auto_takes_the_kernels_for_a_chain_of_pages_under_the_measured_crossover(
+    block_size: int, kernels: int,
+) -> None:
+    # 512 bytes of KV a token: 256 KiB pages (the passes measured faster than DMAs on an
+    # H100) and 512 KiB ones (slower: each page of the chain is moved twice, via scratch).
+    pools = KVPools(CacheConfig(block_size=block_size, gpu_blocks=GPU_PAGES,
+                                host_blocks=HOST_PAGES, layout=LAYOUT), DEVICE)
+    assert pools.block_nbytes == block_size * 512
+    _fill_distinct(pools)
+    engine = TorchCopyEngine(pools)
+    if not engine.gather_kernel_available:
+        pytest.skip("the kernel path needs cupy on CUDA")
+    gpu = pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu().clone()
+    host = pools.host.reshape(HOST_PAGES, -1).view(torch.uint8).clone()
+    runs: list[tuple[bool, list[tuple[int, int]]]] = []
+    for k in range(4):
+        runs += [(False, [(k, k)]), (True, [(k, k + 1)])]
+        host[k] = gpu[k]
+        gpu[k] = host[k + 1]
+    engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
+    engine.fence().wait()
+    assert engine.statistics().kernel_batches == kernels
+    assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
+    assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)

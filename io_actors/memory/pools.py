@@ -53,6 +53,14 @@ GATHER_RUN_BYTES: Final = 1 << 20
 (when the engine chooses): a DMA of 1 MiB takes about 20 us at pinned H2D speed, several
 times the cost of enqueueing it, while a 256 KiB one takes about as long as its enqueue."""
 
+PASSES_RUN_BYTES: Final = 512 << 10
+"""Mean bytes per run below which a call of copies in both directions goes as the stash and
+moves kernels (:mod:`io_actors.memory.copy_passes`), not run by run (when the engine
+chooses).  Lower than GATHER_RUN_BYTES: an admission's chain stashes every page it moves,
+so the kernels carry its bytes twice.  Measured on an H100 (bench.copy_calls, 2026-12-07):
+the passes against run by run 0.50x / 0.37x of pinned H2D at 256 KiB pages, 0.44x / 0.54x
+at 512 KiB."""
+
 COPY_KERNEL: Final = ("auto", "on", "off")
 """StateKVConfig.copy_kernel: whether page copies run as kernels (TorchCopyEngine's
 gather_kernel None, True, False)."""
@@ -457,7 +465,8 @@ class TorchCopyEngine:
         self._gather: bool | None = (gather_kernel if can_gather or not self._async
                                      else False)
         """True: every batch of page copies is one kernel; False: one DMA per run; None:
-        the kernel when the batch's runs average under GATHER_RUN_BYTES.  On a CPU device
+        the kernel when a batch's runs average under GATHER_RUN_BYTES (a call of both
+        directions: PASSES_RUN_BYTES).  On a CPU device
         (no kernel) None runs a call as passes and False run by run (_passes_suit)."""
         self._gatherer = (page_gather.PageGather(pools.device, self._stream)
                           if can_gather and self._stream is not None else None)
@@ -527,8 +536,8 @@ class TorchCopyEngine:
         when `to_gpu`, else GPU -> host.
 
         One lock, one wait on the compute stream, one stream switch and one event for the
-        whole call.  Where the call's runs are small (the gather kernel's case, below
-        GATHER_RUN_BYTES a run on average, or always with ``gather_kernel=True``), the
+        whole call.  Where the call's runs are small (below PASSES_RUN_BYTES a run on
+        average, or always with ``gather_kernel=True``), the
         whole call runs as two kernels whatever its directions
         (:mod:`io_actors.memory.copy_passes`: the pages it both reads and overwrites
         stashed in scratch, then every destination's final bytes moved in), with the host
@@ -625,7 +634,7 @@ class TorchCopyEngine:
             return True
         runs = sum(len(plan.runs) for plan in planned)
         pages = sum(len(plan.pairs) for plan in planned)
-        return self._use_kernel(pages, runs)
+        return runs >= 2 and pages * self._pools.block_nbytes < runs * PASSES_RUN_BYTES
 
     def _run_passes(self, copies: list[tuple[Page, Page]],
                     checksums: HostChecksums | None) -> None:
