@@ -210,7 +210,7 @@ for step in "$@"; do
         for rep in $(seq "${AB_REPEAT:-1}"); do for tree in old new; do
         dir=$PWD; commit=${STATEKV_COMMIT:-}
         if [ "$tree" = old ]; then dir=$(cd "${AB_OLD:?AB_OLD: the other tree}" && pwd)
-            commit=${AB_OLD_COMMIT:?AB_OLD_COMMIT: the other tree's commit, for its results}; fi
+            commit=${AB_OLD_COMMIT:?AB_OLD_COMMIT: the commit of AB_OLD, for its results}; fi
         name="tree-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$tree-$rep"
         (cd "$dir" && export STATEKV_COMMIT=$commit && PYTHONPATH=$dir:$SITE run "$name" ${AB_S:-140} python3 -m bench.sweep \
         --machine "$MACHINE" --dir "$DISK/sweep" "${cell_flags[@]}" --tag "$name" \

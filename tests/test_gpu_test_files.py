@@ -29,3 +29,10 @@ def test_the_gpu_test_files_collect_without_the_redis_client() -> None:
     done = subprocess.run([sys.executable, "-c", code, *files], cwd=REPO, check=False,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_gpu_script_parses() -> None:
+    # A device call is minutes of a limited budget: a quoting slip must fail here, not there.
+    done = subprocess.run(["bash", "-n", str(REPO / "bench" / "on_gpu.sh")], check=False,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
