@@ -167,7 +167,7 @@ class StateKVConfig:
     (the serving loop does); work that does not could read a page before its copy landed."""
     copy_kernel: str = attrs.field(default="auto")
     """How GPU <-> host page copies run (CUDA with cupy): "auto" (the default) -- a call of
-    small pages as kernels (a call's runs under 512 KiB on average: its copies in both
+    small pages as kernels (a call's runs under 384 KiB on average: its copies in both
     directions as two kernels; a batch of one direction under 1 MiB: one kernel), and
     larger ones as one DMA per run of consecutive pages; "on" -- always kernels; "off" --
     always DMAs.  "on" where the kernels cannot run (no CUDA, no cupy, no pinned host pool)

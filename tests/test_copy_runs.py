@@ -277,12 +277,13 @@ def test_an_alternating_chain_runs_as_a_stash_and_a_move_batch_on_the_kernel_pat
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine chooses only where copies are DMAs")
-@pytest.mark.parametrize(("block_size", "kernels"), [(512, 2), (1024, 0)])
+@pytest.mark.parametrize(("block_size", "kernels"), [(512, 2), (768, 0), (1024, 0)])
 def test_auto_takes_the_kernels_for_a_chain_of_pages_under_the_measured_crossover(
     block_size: int, kernels: int,
 ) -> None:
     # 512 bytes of KV a token: 256 KiB pages (the passes measured faster than DMAs on an
-    # H100) and 512 KiB ones (slower: each page of the chain is moved twice, via scratch).
+    # H100), 384 and 512 KiB ones (slower: each page of the chain is moved twice, via the
+    # scratch).
     pools = KVPools(CacheConfig(block_size=block_size, gpu_blocks=GPU_PAGES,
                                 host_blocks=HOST_PAGES, layout=LAYOUT), DEVICE)
     assert pools.block_nbytes == block_size * 512

@@ -53,13 +53,13 @@ GATHER_RUN_BYTES: Final = 1 << 20
 (when the engine chooses): a DMA of 1 MiB takes about 20 us at pinned H2D speed, several
 times the cost of enqueueing it, while a 256 KiB one takes about as long as its enqueue."""
 
-PASSES_RUN_BYTES: Final = 512 << 10
+PASSES_RUN_BYTES: Final = 384 << 10
 """Mean bytes per run below which a call of copies in both directions goes as the stash and
 moves kernels (:mod:`io_actors.memory.copy_passes`), not run by run (when the engine
 chooses).  Lower than GATHER_RUN_BYTES: an admission's chain stashes every page it moves,
 so the kernels carry its bytes twice.  Measured on an H100 (bench.copy_calls, 2026-12-07):
-the passes against run by run 0.50x / 0.37x of pinned H2D at 256 KiB pages, 0.44x / 0.54x
-at 512 KiB."""
+the passes against run by run 0.49-0.50x / 0.37-0.39x of pinned H2D at 256 KiB pages,
+0.42x / 0.46x at 384 KiB, 0.43-0.44x / 0.51-0.54x at 512 KiB."""
 
 COPY_KERNEL: Final = ("auto", "on", "off")
 """StateKVConfig.copy_kernel: whether page copies run as kernels (TorchCopyEngine's
