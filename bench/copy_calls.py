@@ -13,7 +13,9 @@ merge into one copy.  Ways, on the same pools:
 * calls   one engine call per run of one direction (what the scheduler did before copy_runs);
 * engine  the whole dispatch as one ``copy_runs`` call, the engine's own choice;
 * dma     one call, one DMA per run (``gather_kernel=False``; CUDA with cupy only);
-* passes  one call as its stash and moves kernels (``gather_kernel=True``; likewise).
+* passes  one call as its stash and moves kernels (``gather_kernel=True``; likewise);
+* batched the same passes, each one call of the driver's batched memcpy on the copy engines
+          (``batch_dma=True``; where the driver has it: CUDA 12.8 and later).
 
 Each way: the rate (both directions' bytes over the wall time until the copies are done,
 best of --repeat passes after an untimed one) against one pinned H2D copy of the same bytes,
@@ -39,6 +41,7 @@ from io_actors.embed import resolve_device
 from io_actors.memory.pools import KVPools, TorchCopyEngine
 from io_actors.storage.interfaces import CopyRun
 from statekv.config import CacheConfig, KVLayout
+from statekv.errors import ConfigError
 from statekv.ids import PageId
 
 BLOCK_SIZE = 16
@@ -104,6 +107,11 @@ def measure(block_kib: int, pages: int, batch: int, repeat: int, device: str
     if engines["engine"][0].gather_kernel_available:
         engines["dma"] = (TorchCopyEngine(pools, gather_kernel=False), False)
         engines["passes"] = (TorchCopyEngine(pools, gather_kernel=True), False)
+        try:
+            engines["batched"] = (TorchCopyEngine(pools, gather_kernel=True, batch_dma=True),
+                                  False)
+        except ConfigError as exc:
+            print(f"no batched way: {exc}")
     calls = admission_runs(pages, batch, seed=0)
     copies = 2 * pages
     best: dict[str, tuple[float, float]] = {way: (float("inf"), float("inf"))

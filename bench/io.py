@@ -74,7 +74,7 @@ from io_actors.storage.interfaces import SlotIO, SlotStore
 from io_actors.storage.open_store import open_slot_store
 from io_actors.storage.slot_format import payload_checksum
 from statekv.config import KVLayout
-from statekv.errors import OutOfBlocks
+from statekv.errors import ConfigError, OutOfBlocks
 from statekv.ids import BlockHash, PageId, SlotId
 
 
@@ -353,7 +353,8 @@ def recall_rates(args: argparse.Namespace) -> dict[str, float]:
     to GPU pages in a shuffled order, so that no two pages of a batch merge into one copy --
     the figure does not profit from runs of consecutive pages that real evictions rarely
     make.  "engine": the engine's own choice per batch; where it can run its gather kernel,
-    also "dma" (one DMA per page) and "kernel" (one gather kernel per batch), on the same
+    also "dma" (one DMA per page), "kernel" (one gather kernel per batch) and, where the
+    driver has it, "batched_dma" (one call of its batched memcpy per batch), on the same
     pools."""
     from statekv.config import CacheConfig
 
@@ -365,6 +366,11 @@ def recall_rates(args: argparse.Namespace) -> dict[str, float]:
     if engines["engine"].gather_kernel_available:
         engines["dma"] = TorchCopyEngine(pools, gather_kernel=False)
         engines["kernel"] = TorchCopyEngine(pools, gather_kernel=True)
+        try:
+            engines["batched_dma"] = TorchCopyEngine(pools, gather_kernel=True,
+                                                     batch_dma=True)
+        except ConfigError as exc:
+            print(f"no batched DMA way: {exc}")
     targets = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     pairs = [(PageId(page), PageId(target)) for page, target in enumerate(targets)]
     size = args.batch_blocks

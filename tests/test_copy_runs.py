@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
+from io_actors.memory import batched_dma
 from io_actors.memory import pools as pools_module
 from io_actors.memory.pools import KVPools, TorchCopyEngine, _checksum_order, _RunPlan
 from io_actors.storage.buffers import host_view
 from io_actors.storage.slot_format import payload_checksum
 from statekv.config import CacheConfig, KVLayout
-from statekv.errors import UsageError
+from statekv.errors import ConfigError, UsageError
 from statekv.ids import PageId
 from tests.io_helpers import check_pages, doc_evicted_to_host, wait_ready
 
@@ -97,6 +98,11 @@ def _checked_gather(engine: TorchCopyEngine) -> _MemmoveGather:
     return gather
 
 
+def _have_batched_memcpy() -> bool:
+    version = batched_dma.driver_version()
+    return version is not None and version >= 12080
+
+
 def _engines(pools: KVPools) -> list[TorchCopyEngine]:
     engines = [TorchCopyEngine(pools)]
     if engines[0].gather_kernel_available:
@@ -106,6 +112,12 @@ def _engines(pools: KVPools) -> list[TorchCopyEngine]:
         segmented = TorchCopyEngine(pools, gather_kernel=True)
         segmented._scratch_pages = 2
         engines.append(segmented)
+        if _have_batched_memcpy():
+            # The same batches as the driver's batched memcpy, segmented too.
+            engines.append(TorchCopyEngine(pools, gather_kernel=True, batch_dma=True))
+            segmented = TorchCopyEngine(pools, gather_kernel=True, batch_dma=True)
+            segmented._scratch_pages = 2
+            engines.append(segmented)
     else:
         # Run by run, as a GPU does with DMAs (the passes are the CPU's default).
         engines.append(TorchCopyEngine(pools, gather_kernel=False))
@@ -301,5 +313,42 @@ def test_auto_takes_the_kernels_for_a_chain_of_pages_under_the_measured_crossove
     engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
     engine.fence().wait()
     assert engine.statistics().kernel_batches == kernels
+    assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
+    assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
+
+
+def test_batched_dma_where_it_cannot_run_is_a_config_error_naming_it() -> None:
+    pools = _pools()
+    if DEVICE == "cuda" and _have_batched_memcpy():
+        engine = TorchCopyEngine(pools, gather_kernel=True, batch_dma=True)
+        assert isinstance(engine._gatherer, batched_dma.BatchedDMA)
+        engine.release()
+        assert engine._gatherer is None
+    else:
+        with pytest.raises(ConfigError) as info:
+            TorchCopyEngine(pools, batch_dma=True)
+        assert info.value.field == "batch_dma"
+    with pytest.raises(ConfigError) as info:
+        TorchCopyEngine(pools, batch_dma="yes")  # type: ignore[arg-type]
+    assert info.value.field == "batch_dma"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the driver's batched memcpy runs on CUDA only")
+def test_a_chain_through_the_drivers_batched_memcpy_leaves_every_page_as_one_at_a_time() -> None:
+    if not _have_batched_memcpy():
+        pytest.skip("the driver predates cuMemcpyBatchAsync (CUDA 12.8)")
+    pools = _pools()
+    _fill_distinct(pools)
+    engine = TorchCopyEngine(pools, gather_kernel=True, batch_dma=True)
+    gpu = pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu().clone()
+    host = pools.host.reshape(HOST_PAGES, -1).view(torch.uint8).clone()
+    runs: list[tuple[bool, list[tuple[int, int]]]] = []
+    for k in range(4):
+        runs += [(False, [(k, k)]), (True, [(k, k + 1)])]
+        host[k] = gpu[k]
+        gpu[k] = host[k + 1]
+    engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
+    engine.fence().wait()
+    assert engine.statistics().kernel_batches == 2
     assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
     assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)

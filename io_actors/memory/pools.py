@@ -23,7 +23,7 @@ from typing import Final
 import attrs
 import torch
 
-from io_actors.memory import page_gather
+from io_actors.memory import batched_dma, page_gather
 from io_actors.memory.copy_passes import GPU, HOST, SCRATCH, Page, plan_passes
 from io_actors.memory.host_checksums import HostChecksums
 from io_actors.memory.page_copies import COMPUTE_WAITS, HostPageFills, PendingPageCopies
@@ -423,6 +423,7 @@ class TorchCopyEngine:
     def __init__(
         self, pools: KVPools, *, compute_stream: torch.cuda.Stream | None = None,
         gather_kernel: bool | None = None, compute_waits: str = "all",
+        batch_dma: bool = False,
     ) -> None:
         if not isinstance(pools, KVPools):
             raise ConfigError("pools", f"must be KVPools, got {pools!r}")
@@ -432,6 +433,8 @@ class TorchCopyEngine:
         if gather_kernel is not None and not isinstance(gather_kernel, bool):
             raise ConfigError("gather_kernel", f"must be True, False or None, got "
                               f"{gather_kernel!r}")
+        if not isinstance(batch_dma, bool):
+            raise ConfigError("batch_dma", f"must be True or False, got {batch_dma!r}")
         self._pools = pools
         self._lock = threading.Lock()
         self._copies_to_host = 0
@@ -468,8 +471,20 @@ class TorchCopyEngine:
         the kernel when a batch's runs average under GATHER_RUN_BYTES (a call of both
         directions: PASSES_RUN_BYTES).  On a CPU device
         (no kernel) None runs a call as passes and False run by run (_passes_suit)."""
-        self._gatherer = (page_gather.PageGather(pools.device, self._stream)
-                          if can_gather and self._stream is not None else None)
+        self._gatherer: page_gather.PageGather | batched_dma.BatchedDMA | None = (
+            page_gather.PageGather(pools.device, self._stream)
+            if can_gather and self._stream is not None else None)
+        if batch_dma:
+            # A batch of copies as one call of the driver's batched memcpy (copy engines)
+            # instead of the gather kernel (SMs): the same batches, the same contract.
+            if self._gatherer is None or self._stream is None:
+                raise ConfigError("batch_dma", "needs what gather_kernel needs: a CUDA "
+                                  "device, a pinned host pool and cupy")
+            try:
+                self._gatherer = batched_dma.BatchedDMA(pools.device, self._stream)
+            except batched_dma.BatchedDMAUnavailable as exc:
+                raise ConfigError("batch_dma", f"the driver's batched memcpy cannot run "
+                                  f"here: {exc}") from None
         self._kernel_batches = 0
         self._scratch: torch.Tensor | None = None
         """Pages of a call's stash (copy_passes); allocated by the first call that needs it."""
@@ -676,6 +691,9 @@ class TorchCopyEngine:
         with self._lock:
             self._scratch = None
             self._scratch_views = ()
+            if isinstance(self._gatherer, batched_dma.BatchedDMA):
+                self._gatherer.release()
+                self._gatherer = None
 
     def _scratch_pool(self) -> torch.Tensor:
         if self._scratch is None:
