@@ -203,8 +203,8 @@ for step in "$@"; do
     # 1 MiB pages, what auto does) and then as kernels, in both directions at once (on).
     kernel-ab) sweep_ab kernel --copy-kernel off on ;;
     # The same, with the tree checked out in AB_OLD (another commit, named in AB_OLD_COMMIT
-    # for its results files: git archive COMMIT | tar -x -C DIR) and then this one, AB_REPEAT times in that order: what a change did to
-    # one point.  The old tree runs from its own directory (python -m imports the working
+    # for its results files: git archive COMMIT | tar -x -C DIR) and then this one,
+    # AB_REPEAT times in that order: what a change did to one point.  The old tree runs from its own directory (python -m imports the working
     # directory first) and writes its results file under this tree's bench/results (--out).
     tree-ab) for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
         for rep in $(seq "${AB_REPEAT:-1}"); do for tree in old new; do
@@ -212,7 +212,8 @@ for step in "$@"; do
         if [ "$tree" = old ]; then dir=$(cd "${AB_OLD:?AB_OLD: the other tree}" && pwd)
             commit=${AB_OLD_COMMIT:?AB_OLD_COMMIT: the commit of AB_OLD, for its results}; fi
         name="tree-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$tree-$rep"
-        (cd "$dir" && export STATEKV_COMMIT=$commit && PYTHONPATH=$dir:$SITE run "$name" ${AB_S:-140} python3 -m bench.sweep \
+        (cd "$dir" && export STATEKV_COMMIT=$commit && PYTHONPATH=$dir:$SITE \
+        run "$name" ${AB_S:-140} python3 -m bench.sweep \
         --machine "$MACHINE" --dir "$DISK/sweep" "${cell_flags[@]}" --tag "$name" \
         --out "$OLDPWD/bench/results" \
         --configs "$cfg" --seeds 1 --rates "${AB_RATE:-1}" --start "${AB_RATE:-1}" \

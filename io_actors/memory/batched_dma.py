@@ -14,7 +14,11 @@ bytes another one writes (:mod:`io_actors.memory.copy_passes` plans such batches
 
 The entry point is resolved through ``cuGetProcAddress`` at the 12.8 ABI (CUDA 13 changed
 the function's parameters under the same name), and checked at construction by a small
-copy that must land; where any of that fails the engine keeps the kernel.
+copy that must land; where any of that fails, ``TorchCopyEngine(batch_dma=True)`` is a
+ConfigError naming ``batch_dma``.  It is not the default: on an H100 it beat the kernel
+in one direction (recall at 256 KiB, 0.62x of pinned H2D against 0.56x) but cost the caller
+about twice the kernel's time a copy, and lost to it in an admission's chain of both
+directions at every page size (BENCHMARKS.md, Transfer paths).
 """
 
 from __future__ import annotations

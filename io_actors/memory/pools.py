@@ -376,8 +376,9 @@ class CopyEngineStatistics:
     asynchronous: bool
     """Whether copies run on a CUDA copy stream (False: synchronous CPU copies)."""
     kernel_batches: int
-    """Batches of page copies that ran as one gather/scatter kernel (the rest: a DMA per
-    run of consecutive pages)."""
+    """Batches of page copies that ran as one gather/scatter kernel, or as one call of the
+    driver's batched memcpy with ``batch_dma=True`` (the rest: a DMA per run of consecutive
+    pages)."""
     compute_waits: str
     """"all" or "pages": what a forward pass waits for (TorchCopyEngine)."""
     page_waits: int
