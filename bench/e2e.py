@@ -130,7 +130,7 @@ def plot_from_file(p: argparse.ArgumentParser, path: Path) -> int:
 
 
 def main() -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="70b-class")
     p.add_argument("--history-tokens", type=int_at_least(0), default=3072)
     p.add_argument("--load", type=positive_number, default=0.7,

@@ -607,7 +607,8 @@ def _spawned(rank: int, world: int, init_method: str, args: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node 2 -m bench.tp_check",
+                           description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--nproc", type=int, default=2,
                         help="ranks to spawn when not launched by torchrun (default 2)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -28,7 +28,6 @@ recorded run, times the measured cost of one such test, over the run's own time.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import gc
 import platform
@@ -38,6 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.flags import OneLineParser, int_at_least
 from bench.results_files import source_commit, write_new_results
 from io_actors.config import StateKVConfig
 from io_actors.embed import BlockingCache
@@ -244,15 +244,16 @@ def paired(run: Callable[[bool], float], repeat: int) -> tuple[float, float, flo
     return statistics.median(ratios), min(without), min(with_)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--users", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--repeat", type=int, default=15,
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m bench.trace_cost",
+                           description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", type=int_at_least(1), default=24)
+    parser.add_argument("--rounds", type=int_at_least(1), default=6)
+    parser.add_argument("--repeat", type=int_at_least(1), default=15,
                         help="pairs of runs of each path (default 15)")
     parser.add_argument("--write", action="store_true",
                         help="write bench/results/trace-cpu-<date>.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     prompts = _prompts(args.users, args.rounds)
     calls_per_run = 4 * args.users * args.rounds
     capacity = 1 << 20  # larger than a run: nothing is overwritten, every record is counted

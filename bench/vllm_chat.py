@@ -410,7 +410,8 @@ def _version(*packages: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m bench.vllm_chat",
+                           description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--system", type=int, default=64, help="system prompt tokens")

@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import blockpool, checksum, core, disk_limits, rebuild, remote, worker_cpu
+from bench import (
+    blockpool,
+    checksum,
+    core,
+    disk_limits,
+    rebuild,
+    remote,
+    trace_cost,
+    worker_cpu,
+)
 from bench.io import main
 
 
@@ -80,6 +89,9 @@ def test_a_dir_that_does_not_exist_is_one_line_and_is_not_created(
     (worker_cpu.main, ["--blocks", "0"], "--blocks"),
     (worker_cpu.main, ["--dir", "/nonexistent/statekv"], "--dir"),
     (worker_cpu.main, ["--tag", "a/b"], "--tag"),
+    (trace_cost.main, ["--users", "0"], "--users"),
+    (trace_cost.main, ["--rounds", "x"], "--rounds"),
+    (trace_cost.main, ["--repeat", "-1"], "--repeat"),
 ])
 def test_every_benchmark_names_a_bad_flag_in_one_line(
     bench: Callable[[list[str]], object], argv: list[str], flag: str,
