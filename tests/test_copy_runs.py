@@ -28,6 +28,7 @@ from io_actors.memory import batched_dma
 from io_actors.memory import pools as pools_module
 from io_actors.memory.pools import KVPools, TorchCopyEngine, _checksum_order, _RunPlan
 from io_actors.storage.buffers import host_view
+from io_actors.storage.interfaces import CopyRun
 from io_actors.storage.slot_format import payload_checksum
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, UsageError
@@ -253,39 +254,50 @@ def test_an_admission_that_recalls_into_the_pages_it_evicts_makes_one_engine_cal
         cache.check_invariants()
 
 
+class _Chain:
+    """An admission's chain over `pools` (filled distinct): evict GPU k to host k, then
+    recall host k+1 into GPU k (the page just evicted), for four pages -- eight one-page
+    runs -- with the pages the copies one at a time would leave."""
+
+    def __init__(self, pools: KVPools) -> None:
+        _fill_distinct(pools)
+        self.pools = pools
+        self.gpu = self._gpu_bytes().clone()
+        self.host = self._host_bytes().clone()
+        self.runs: list[CopyRun] = []
+        for k in range(4):
+            self.runs += [(False, _pairs(False, [(k, k)])), (True, _pairs(True, [(k, k + 1)]))]
+            self.host[k] = self.gpu[k]
+            self.gpu[k] = self.host[k + 1]
+
+    def _gpu_bytes(self) -> torch.Tensor:
+        return self.pools.gpu.reshape(self.pools.gpu_pages, -1).view(torch.uint8).cpu()
+
+    def _host_bytes(self) -> torch.Tensor:
+        return self.pools.host.reshape(self.pools.host_pages, -1).view(torch.uint8)
+
+    def run_and_check(self, engine: TorchCopyEngine) -> None:
+        engine.copy_runs(self.runs)
+        engine.fence().wait()
+        assert torch.equal(self._gpu_bytes(), self.gpu)
+        assert torch.equal(self._host_bytes(), self.host)
+
+
 def test_an_alternating_chain_runs_as_a_stash_and_a_move_batch_on_the_kernel_path() -> None:
-    # Evict GPU k to host k, then recall host k+1 into GPU k (the page just evicted), for
-    # four pages: eight one-page runs, each a DMA before, two batches by address here.
+    # Each run a DMA before; two batches by address here.
     pools = _pools()
-    _fill_distinct(pools)
+    chain = _Chain(pools)
     engine = TorchCopyEngine(pools)
     gather = _checked_gather(engine)
-    gpu = pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu().clone()
-    host = pools.host.reshape(HOST_PAGES, -1).view(torch.uint8).clone()
-    runs: list[tuple[bool, list[tuple[int, int]]]] = []
-    for k in range(4):
-        runs += [(False, [(k, k)]), (True, [(k, k + 1)])]
-    for to_gpu, pages in runs:
-        for g, h in pages:
-            if to_gpu:
-                gpu[g] = host[h]
-            else:
-                host[h] = gpu[g]
-    engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
-    engine.fence().wait()
+    chain.run_and_check(engine)
     assert gather.batches == 2
-    assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
-    assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
     # With room for two stashed pages only, the same call runs in order as segments.
-    _fill_distinct(pools)
+    chain = _Chain(pools)
     small = TorchCopyEngine(pools)
     gather = _checked_gather(small)
     small._scratch_pages = 2
-    small.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
-    small.fence().wait()
+    chain.run_and_check(small)
     assert gather.batches > 2
-    assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
-    assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine chooses only where copies are DMAs")
@@ -299,22 +311,11 @@ def test_auto_takes_the_kernels_for_a_chain_of_pages_under_the_measured_crossove
     pools = KVPools(CacheConfig(block_size=block_size, gpu_blocks=GPU_PAGES,
                                 host_blocks=HOST_PAGES, layout=LAYOUT), DEVICE)
     assert pools.block_nbytes == block_size * 512
-    _fill_distinct(pools)
     engine = TorchCopyEngine(pools)
     if not engine.gather_kernel_available:
         pytest.skip("the kernel path needs cupy on CUDA")
-    gpu = pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu().clone()
-    host = pools.host.reshape(HOST_PAGES, -1).view(torch.uint8).clone()
-    runs: list[tuple[bool, list[tuple[int, int]]]] = []
-    for k in range(4):
-        runs += [(False, [(k, k)]), (True, [(k, k + 1)])]
-        host[k] = gpu[k]
-        gpu[k] = host[k + 1]
-    engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
-    engine.fence().wait()
+    _Chain(pools).run_and_check(engine)
     assert engine.statistics().kernel_batches == kernels
-    assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
-    assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
 
 
 def test_batched_dma_where_it_cannot_run_is_a_config_error_naming_it() -> None:
@@ -338,17 +339,6 @@ def test_a_chain_through_the_drivers_batched_memcpy_leaves_every_page_as_one_at_
     if not _have_batched_memcpy():
         pytest.skip("the driver predates cuMemcpyBatchAsync (CUDA 12.8)")
     pools = _pools()
-    _fill_distinct(pools)
     engine = TorchCopyEngine(pools, gather_kernel=True, batch_dma=True)
-    gpu = pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu().clone()
-    host = pools.host.reshape(HOST_PAGES, -1).view(torch.uint8).clone()
-    runs: list[tuple[bool, list[tuple[int, int]]]] = []
-    for k in range(4):
-        runs += [(False, [(k, k)]), (True, [(k, k + 1)])]
-        host[k] = gpu[k]
-        gpu[k] = host[k + 1]
-    engine.copy_runs([(to_gpu, _pairs(to_gpu, pages)) for to_gpu, pages in runs])
-    engine.fence().wait()
+    _Chain(pools).run_and_check(engine)
     assert engine.statistics().kernel_batches == 2
-    assert torch.equal(pools.gpu.reshape(GPU_PAGES, -1).view(torch.uint8).cpu(), gpu)
-    assert torch.equal(pools.host.reshape(HOST_PAGES, -1).view(torch.uint8), host)
