@@ -9,11 +9,13 @@ computed that prefix wrote.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -150,3 +152,27 @@ def append_stuck_in_the_disk(monkeypatch: pytest.MonkeyPatch, file_name: str,
     finally:
         go_on.set()
         thread.join(10)
+
+
+class MemmoveGather:
+    """The gather kernel's addressed copies, checking the batch's contract first: no
+    destination repeats and no copy reads bytes another one writes.  Then the engine's own
+    kernel runs them where it has one (`inner`: device addresses cannot be memmoved), or
+    memmoves run them in reverse order (a kernel's thread blocks keep none)."""
+
+    def __init__(self, inner: Any = None) -> None:
+        self.batches = 0
+        self._inner = inner
+
+    def copy_addressed(self, pairs: list[tuple[int, int]], page_nbytes: int) -> None:
+        destinations = [dst for _src, dst in pairs]
+        assert len(set(destinations)) == len(destinations)
+        for src, _dst in pairs:
+            assert all(not (dst < src + page_nbytes and src < dst + page_nbytes)
+                       for dst in destinations), "a copy reads a page the batch writes"
+        if self._inner is not None:
+            self._inner.copy_addressed(pairs, page_nbytes)
+        else:
+            for src, dst in reversed(pairs):
+                ctypes.memmove(dst, src, page_nbytes)
+        self.batches += 1

@@ -12,7 +12,6 @@ its checksum kernel.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from typing import Any
@@ -33,7 +32,7 @@ from io_actors.storage.slot_format import payload_checksum
 from statekv.config import CacheConfig, KVLayout
 from statekv.errors import ConfigError, UsageError
 from statekv.ids import PageId
-from tests.io_helpers import check_pages, doc_evicted_to_host, wait_ready
+from tests.io_helpers import MemmoveGather, check_pages, doc_evicted_to_host, wait_ready
 
 DEVICE = os.environ.get("STATEKV_TEST_DEVICE", "cpu")
 GPU_PAGES = 6
@@ -65,36 +64,12 @@ def _fill_distinct(pools: KVPools) -> None:
         pools.host_page(PageId(page)).fill_(100 + page)
 
 
-class _MemmoveGather:
-    """The gather kernel's addressed copies, checking the batch's contract first: no
-    destination repeats and no copy reads bytes another one writes.  Then the engine's own
-    kernel runs them where it has one (`inner`: device addresses cannot be memmoved), or
-    memmoves run them in reverse order (a kernel's thread blocks keep none)."""
-
-    def __init__(self, inner: Any = None) -> None:
-        self.batches = 0
-        self._inner = inner
-
-    def copy_addressed(self, pairs: list[tuple[int, int]], page_nbytes: int) -> None:
-        destinations = [dst for _src, dst in pairs]
-        assert len(set(destinations)) == len(destinations)
-        for src, _dst in pairs:
-            assert all(not (dst < src + page_nbytes and src < dst + page_nbytes)
-                       for dst in destinations), "a copy reads a page the batch writes"
-        if self._inner is not None:
-            self._inner.copy_addressed(pairs, page_nbytes)
-        else:
-            for src, dst in reversed(pairs):
-                ctypes.memmove(dst, src, page_nbytes)
-        self.batches += 1
-
-
-def _checked_gather(engine: TorchCopyEngine) -> _MemmoveGather:
+def _checked_gather(engine: TorchCopyEngine) -> MemmoveGather:
     """`engine` with its batches checked and counted: through its own kernel on a GPU, by
     memmoves on the CPU (where the engine has none, and its passes then go by address)."""
     if engine._gatherer is None and torch.device(DEVICE).type == "cuda":
         pytest.skip("the kernel path needs cupy on CUDA")
-    gather = _MemmoveGather(engine._gatherer)
+    gather = MemmoveGather(engine._gatherer)
     engine._gatherer = gather  # type: ignore[assignment]
     return gather
 
@@ -120,16 +95,14 @@ def _engines(pools: KVPools) -> list[TorchCopyEngine]:
             segmented._scratch_pages = 2
             engines.append(segmented)
     else:
-        # Run by run, as a GPU does with DMAs (the passes are the CPU's default).
-        engines.append(TorchCopyEngine(pools, gather_kernel=False))
         # The kernel's path on the CPU machine: a call's passes by address, the GPU
         # engine's scratch and address arithmetic included, through a memmove stand-in.
         addressed = TorchCopyEngine(pools)
-        addressed._gatherer = _MemmoveGather()  # type: ignore[assignment]
+        addressed._gatherer = MemmoveGather()  # type: ignore[assignment]
         engines.append(addressed)
         # And with a scratch of two pages: a call's stash larger than that runs in segments.
         segmented = TorchCopyEngine(pools)
-        segmented._gatherer = _MemmoveGather()  # type: ignore[assignment]
+        segmented._gatherer = MemmoveGather()  # type: ignore[assignment]
         segmented._scratch_pages = 2
         engines.append(segmented)
     return engines
