@@ -118,9 +118,9 @@ def test_close_gives_the_copy_engines_scratch_back(tmp_path: Path) -> None:
     cache = BlockingCache(config)
     engine = cache._scheduler._copies
     assert isinstance(engine, TorchCopyEngine)
-    if engine._gatherer is None:
+    if not engine.statistics().asynchronous:
         # A CPU device copies run by run; the passes (and their scratch) run there only
-        # through a stand-in for the kernel.
+        # through a stand-in for the kernel (which memmoves: host addresses only).
         engine._gatherer = MemmoveGather()  # type: ignore[assignment]
     doc = doc_evicted_to_host(cache, bs)
     assert cache.add_request("again", doc).host_tokens == 4 * bs

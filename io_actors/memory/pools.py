@@ -637,22 +637,17 @@ class TorchCopyEngine:
                                     and self._use_kernel(len(pairs), len(runs))))
 
     def _passes_suit(self, planned: Sequence[_RunPlan]) -> bool:
-        """Whether a call runs as passes (two kernels on a GPU) rather than run by run."""
-        if self._gather is False:
+        """Whether a call runs as passes (two kernels on a GPU) rather than run by run.
+        A CPU device has no gatherer: its synchronous copies in command order are already
+        right, and the passes would copy every stashed page twice (on the CPU machine,
+        bench.io at 256 KiB: a spill 0.22-0.23x of the raw write with them, 0.29-0.31x
+        without).  A gatherer there is a test's stand-in, running the passes by address."""
+        if self._gather is False or self._gatherer is None:
             return False
-        if not self._async:
-            # Synchronous copies in command order are already right, and the passes would
-            # copy every stashed page twice (on the CPU machine, bench.io at 256 KiB: a spill
-            # 0.22-0.23x of the raw write with them, 0.29-0.31x without).  A gatherer here is
-            # a test's stand-in, running the passes' plans by address.
-            return self._gatherer is not None
-        if self._gatherer is None:
-            return False
-        if self._gather:
+        if self._gather or not self._async:
             return True
-        runs = sum(len(plan.runs) for plan in planned)
-        pages = sum(len(plan.pairs) for plan in planned)
-        return runs >= 2 and pages * self._pools.block_nbytes < runs * PASSES_RUN_BYTES
+        return self._small_runs(sum(len(plan.pairs) for plan in planned),
+                                sum(len(plan.runs) for plan in planned), PASSES_RUN_BYTES)
 
     def _run_passes(self, copies: list[tuple[Page, Page]],
                     checksums: HostChecksums | None) -> None:
@@ -749,7 +744,12 @@ class TorchCopyEngine:
     def _use_kernel(self, pages: int, runs: int) -> bool:
         if self._gather is not None:
             return self._gather
-        return runs >= 2 and pages * self._pools.block_nbytes < runs * GATHER_RUN_BYTES
+        return self._small_runs(pages, runs, GATHER_RUN_BYTES)
+
+    def _small_runs(self, pages: int, runs: int, run_bytes: int) -> bool:
+        """Whether `pages` pages in `runs` runs (two or more) average under `run_bytes` a
+        run: where one batch beats a DMA a run (GATHER_RUN_BYTES, PASSES_RUN_BYTES)."""
+        return runs >= 2 and pages * self._pools.block_nbytes < runs * run_bytes
 
     def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, gpu_page: PageId, *,
                  filled_host_page: PageId | None = None) -> None:
