@@ -79,6 +79,7 @@ from ._models import model as model_module
 from ._models import sampling, serving_loop
 from .accept_errors import accept_errors_limited
 from .engine import Engine, EngineStopped, GenerateRequest
+from .gc_heap import startup_heap_frozen
 from .shutdown import sigterm_raises
 
 DEFAULT_MAX_TOKENS: Final = 16
@@ -810,7 +811,8 @@ def create_app(options: ServerOptions, server: Server | None = None) -> FastAPI:
                 server = await asyncio.to_thread(Server, options, disk_dir)
             state["server"] = server
             try:
-                yield
+                with startup_heap_frozen():
+                    yield
             finally:
                 await asyncio.to_thread(server.close)
 

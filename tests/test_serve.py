@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import socket
@@ -754,3 +755,27 @@ def test_version_names_the_installed_package(small: Running) -> None:
     reply = httpx.get(f"{small.url}/version")
     assert reply.status_code == 200
     assert reply.json() == {"version": metadata.version("statekv")}
+
+
+# ---------------------------------------------------------------------- the collector
+
+
+def test_the_startup_heap_is_frozen_while_serving_and_given_back_at_shutdown(
+    tmp_path: Path,
+) -> None:
+    """A full collection stops every thread for as long as it walks the heap: while the
+    server serves, what it made at start-up (the model, the cache) is out of the collector's
+    generations; after shutdown it is back, so that it can be freed."""
+    with serving(SMALL, tmp_path) as running:
+        assert gc.get_freeze_count() > 0
+        walked = {id(obj) for obj in gc.get_objects()}
+        assert id(running.server.cache) not in walked
+        assert id(running.server.model) not in walked
+        # Serving goes on as before.
+        completion = running.client().completions.create(model=MODEL, prompt=PROMPT,
+                                                         max_tokens=3)
+        assert completion.usage is not None and completion.usage.completion_tokens == 3
+        server = running.server
+    assert gc.get_freeze_count() == 0
+    walked = {id(obj) for obj in gc.get_objects()}
+    assert id(server.cache) in walked and id(server.model) in walked
