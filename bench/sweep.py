@@ -623,10 +623,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="goodput's SLO: TTFT p99 in seconds")
     p.add_argument("--disk-probe-mib", type=positive_number, default=2048.0,
                    help="bytes moved by the raw disk read-rate measurement")
-    p.add_argument("--gc-freeze", action="store_true",
-                   help="freeze the collector's generations before each point's run, as a "
-                        "server does once started (gc.freeze()): a full collection then "
-                        "walks only the objects made since; for an A/B")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="freeze the collector's generations before each point's run, as "
+                        "`statekv serve` (and vLLM's engine) does once started: a full "
+                        "collection then walks only the objects made since (the default "
+                        "since 2026-12-07; --no-gc-freeze for the method before, and to "
+                        "resume its files)")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bars (auto: when stderr is a terminal)")
     p.add_argument("--tag", type=results_tag, default=None,

@@ -699,3 +699,22 @@ def test_a_new_sweep_never_replaces_an_earlier_ones_file(tmp_path: Path) -> None
         doc = json.loads(f.read_text())
         assert len(doc["calls"]) == 1
         assert sum(len(runs) for runs in doc["cases"][0]["runs"].values()) == 1
+
+
+def test_points_run_with_the_startup_heap_frozen_as_the_server_does_unless_told_not_to(
+    tmp_path: Path,
+) -> None:
+    # `statekv serve` freezes its start-up heap; the sweep measures what it serves, so its
+    # points run frozen too.  A file measured before the flag (no freeze) resumes only
+    # with --no-gc-freeze.
+    from bench.sweep import SweepError, build_parser, read_resumed, signature
+
+    assert build_parser().parse_args(TINY).gc_freeze is True
+    assert build_parser().parse_args([*TINY, "--no-gc-freeze"]).gc_freeze is False
+    old = signature(build_parser().parse_args(TINY))
+    del old["gc_freeze"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"bench": "sweep", "cases": [], "signature": old}))
+    assert read_resumed(path, build_parser().parse_args([*TINY, "--no-gc-freeze"]))
+    with pytest.raises(SweepError, match="measured with --gc-freeze False, not True"):
+        read_resumed(path, build_parser().parse_args(TINY))
