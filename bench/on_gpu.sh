@@ -16,7 +16,8 @@
 # back under bench/results/ and run again with SWEEP_RESUME=<that path> (the same SWEEP_*
 # values), or SWEEP_RESUME=auto for the newest file of the cell there; SWEEP_REMEASURE=d
 # with SWEEP_REMEASURE_WHY="..." searches those configurations of the resumed file again from
-# the start (their old points stay in it, with the reason).  The plots are drawn afterwards
+# the start (their old points stay in it, with the reason).  A file measured before 81c5638
+# (points run without the heap frozen) resumes with SWEEP_ARGS=--no-gc-freeze.  The plots are drawn afterwards
 # where matplotlib is: python -m bench.sweep --plot FILE.
 set -uo pipefail
 OUT=${OUT:-/tmp/statekv-gpu-out}

@@ -573,6 +573,9 @@ SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False, "foreground": "
                                            "copy_kernel": "auto"}
 """What a flag added to the signature later was in files measured before it existed."""
 
+DEFAULT_ON: Final = frozenset({"gc_freeze"})
+"""Signature flags that are on unless their --no- form is given."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
@@ -711,10 +714,14 @@ def read_resumed(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             continue  # more seeds extend the sweep: each case's searches gain seeds
         recorded = theirs.get(field, SIGNATURE_BEFORE.get(field, "<absent>"))
         if recorded != ours[field]:
+            # A flag on by default is turned off by its --no- form, which the user must be
+            # told: "--gc-freeze False" is not a command line.
+            hint = f" (--no-{flag_name(field)[2:]})" if (
+                field in DEFAULT_ON and recorded is False) else ""
             raise SweepError(
                 f"argument --resume: {str(path)!r} was measured with {flag_name(field)} "
                 f"{_flag_text(recorded)}, not "
-                f"{_flag_text(ours[field])}: resume with the same flags")
+                f"{_flag_text(ours[field])}: resume with the same flags{hint}")
     return doc
 
 

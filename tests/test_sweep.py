@@ -716,5 +716,6 @@ def test_points_run_with_the_startup_heap_frozen_as_the_server_does_unless_told_
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"bench": "sweep", "cases": [], "signature": old}))
     assert read_resumed(path, build_parser().parse_args([*TINY, "--no-gc-freeze"]))
-    with pytest.raises(SweepError, match="measured with --gc-freeze False, not True"):
+    with pytest.raises(SweepError, match="measured with --gc-freeze False, not True") as info:
         read_resumed(path, build_parser().parse_args(TINY))
+    assert "(--no-gc-freeze)" in str(info.value)
