@@ -671,6 +671,19 @@ def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise LookupError(f"no subcommand {name!r}")
 
 
+def _chosen_parser(parser: argparse.ArgumentParser,
+                  args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)subcommand `args` chose: `statekv trace view`'s for
+    ``statekv trace view ...``."""
+    while True:
+        subparsers = [action for action in parser._actions
+                      if isinstance(action, argparse._SubParsersAction)]
+        name = getattr(args, subparsers[0].dest, None) if subparsers else None
+        if name is None:
+            return parser
+        parser = subparsers[0].choices[name]
+
+
 def _resolve_serve(parser: argparse.ArgumentParser, argv: Sequence[str],
                    args: argparse.Namespace) -> argparse.Namespace:
     """serve's settings completed from the environment and the config file (read here, the
@@ -688,7 +701,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv_list)
+        args, unknown = parser.parse_known_args(argv_list)
+        if unknown:
+            # argparse would report them as the top-level command's; they were given to
+            # the subcommand, whose --help lists what it takes.
+            _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # --help, --version, or a bad flag (already reported)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     prog = f"statekv {args.command}"

@@ -92,6 +92,25 @@ def test_a_bad_flag_value_is_one_line_naming_the_flag(
     assert captured.out == ""
 
 
+@pytest.mark.parametrize(("argv", "prog", "unknown"), [
+    (["serve", "--max-ttl", "5"], "statekv serve", "--max-ttl 5"),
+    (["demo", "--bogus"], "statekv demo", "--bogus"),
+    (["trace", "view", "t.jsonl", "--bogus"], "statekv trace view", "--bogus"),
+    (["serve", "--port", "8001", "extra"], "statekv serve", "extra"),
+])
+def test_an_unknown_flag_is_named_by_the_subcommand_given_it(
+    argv: list[str], prog: str, unknown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The flag was given to the subcommand, so the error and the help it points to are
+    the subcommand's, not the top-level command's."""
+    assert main(argv) == EXIT_USAGE
+    captured = capsys.readouterr()
+    line = one_line_error(captured.err)
+    assert line.startswith(f"{prog}: error: unrecognized arguments: {unknown} "), line
+    assert line.endswith(f"(see {prog} --help)"), line
+    assert captured.out == ""
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda_is_a_one_line_error(
     capsys: pytest.CaptureFixture[str],
