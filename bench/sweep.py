@@ -573,9 +573,6 @@ SIGNATURE_BEFORE: Final[dict[str, Any]] = {"cuda_graphs": False, "foreground": "
                                            "copy_kernel": "auto"}
 """What a flag added to the signature later was in files measured before it existed."""
 
-DEFAULT_ON: Final = frozenset({"gc_freeze"})
-"""Signature flags that are on unless their --no- form is given."""
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
@@ -705,6 +702,8 @@ def read_resumed(path: Path, args: argparse.Namespace) -> dict[str, Any]:
                          f"bench.sweep that can be resumed")
     theirs: dict[str, Any] = doc["signature"]
     ours = json.loads(json.dumps(signature(args)))
+    negatable = {action.dest for action in build_parser()._actions
+                 if isinstance(action, argparse.BooleanOptionalAction)}
     seeds = theirs.get("seeds")
     if isinstance(seeds, int) and not isinstance(seeds, bool) and args.seeds < seeds:
         raise SweepError(f"argument --seeds: {str(path)!r} was measured with --seeds "
@@ -714,10 +713,10 @@ def read_resumed(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             continue  # more seeds extend the sweep: each case's searches gain seeds
         recorded = theirs.get(field, SIGNATURE_BEFORE.get(field, "<absent>"))
         if recorded != ours[field]:
-            # A flag on by default is turned off by its --no- form, which the user must be
-            # told: "--gc-freeze False" is not a command line.
+            # A flag with a --no- form is turned off by it, which the user must be told:
+            # "--gc-freeze False" is not a command line.
             hint = f" (--no-{flag_name(field)[2:]})" if (
-                field in DEFAULT_ON and recorded is False) else ""
+                field in negatable and recorded is False) else ""
             raise SweepError(
                 f"argument --resume: {str(path)!r} was measured with {flag_name(field)} "
                 f"{_flag_text(recorded)}, not "

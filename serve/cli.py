@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from statekv.errors import InvariantViolation, StateKVError, UsageError
 
@@ -662,26 +662,30 @@ def _field_name(args: argparse.Namespace, field: str) -> str | None:
     return _origin(args).name(dest)
 
 
-def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The parser of one subcommand of `parser` (build_parser's)."""
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction[Any] | None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            found: argparse.ArgumentParser = action.choices[name]
-            return found
-    raise LookupError(f"no subcommand {name!r}")
+            return action
+    return None
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand of `parser` (build_parser's)."""
+    action = _subparsers(parser)
+    if action is None:
+        raise LookupError(f"no subcommand {name!r}")
+    found: argparse.ArgumentParser = action.choices[name]
+    return found
 
 
 def _chosen_parser(parser: argparse.ArgumentParser,
-                  args: argparse.Namespace) -> argparse.ArgumentParser:
+                   args: argparse.Namespace) -> argparse.ArgumentParser:
     """The parser of the (sub)subcommand `args` chose: `statekv trace view`'s for
     ``statekv trace view ...``."""
-    while True:
-        subparsers = [action for action in parser._actions
-                      if isinstance(action, argparse._SubParsersAction)]
-        name = getattr(args, subparsers[0].dest, None) if subparsers else None
-        if name is None:
-            return parser
-        parser = subparsers[0].choices[name]
+    while (action := _subparsers(parser)) is not None \
+            and (name := getattr(args, action.dest, None)) is not None:
+        parser = subcommand(parser, name)
+    return parser
 
 
 def _resolve_serve(parser: argparse.ArgumentParser, argv: Sequence[str],
