@@ -2,9 +2,9 @@
 
 A full (oldest-generation) collection of the cyclic garbage collector walks every tracked
 object of the process while holding the interpreter lock, so every thread stops for it: the
-engine's step, the cache's threads, the HTTP loop.  After importing torch, the model and
-this package a process tracks about 280,000 objects, and a full collection of them took
-122-124 ms on the GPU machine's CPU (BENCHMARKS.md, the collector's pauses).  With the disk
+engine's step, the cache's threads, the HTTP loop.  In a server started in-process on the
+CPU machine (BENCHMARKS.md, the collector's pauses) the start-up left about 394,000 tracked
+objects, and a full collection took 159-194 ms; with them frozen, 0.2-2.0 ms.  With the disk
 tier busy the cache's threads make enough short-lived containers to set one off now and
 then: the sweep's (d) points on an H100 had one full collection of 155-257 ms in four of
 five points, each a stall of every request in flight.
