@@ -168,6 +168,17 @@ def _output_file(text: str) -> Path:
     return path
 
 
+def _model_name(text: str) -> str:
+    """The name clients must send as `model`: an empty or padded one could never be matched
+    by what a client types, and a control character would break the /metrics label."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name the model, got {text!r}")
+    if text != text.strip() or not text.isprintable():
+        raise argparse.ArgumentTypeError("must be printable, without leading or trailing "
+                                         f"spaces, got {text!r}")
+    return text
+
+
 def _device(text: str) -> str:
     """StateKVConfig.device's names (whether this machine has it is checked at open)."""
     from io_actors.config import check_device_name
@@ -363,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=_int_at_least(0, 65535), default=8000,
                        help="port to listen on, 0 for any free one (default: 8000)")
-    serve.add_argument("--served-model-name", default="statekv-tiny",
+    serve.add_argument("--served-model-name", type=_model_name, default="statekv-tiny",
                        help="the model name clients send and see (default: statekv-tiny)")
     serve.add_argument("--max-model-len", type=_int_at_least(2), default=2048,
                        help="context length: prompt plus generated tokens (default: 2048, "

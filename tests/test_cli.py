@@ -79,6 +79,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     (["demo", "--model", "huge"], "--model"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--max-model-len", "1"], "--max-model-len"),
+    (["serve", "--served-model-name", ""], "--served-model-name"),
+    (["serve", "--served-model-name", " statekv"], "--served-model-name"),
+    (["serve", "--served-model-name", "tab\there"], "--served-model-name"),
     (["trace", "summary", "t.jsonl", "--top", "0"], "--top"),
     (["frobnicate"], "COMMAND"),
 ])
