@@ -56,7 +56,7 @@ from fuzz.tracefile import new_sink
 from specs.reference_model import ReferenceCache, block_keys, in_batches, observed
 from statekv import CacheConfig, KVCacheManager, OutOfBlocks, SpillMode, UsageError
 from statekv.ids import BlockHash, SlotId, TransferId
-from statekv.manager import RestoredBlock
+from statekv.manager import PrefetchStarted, RestoredBlock
 from statekv.messages import (
     Completion,
     FetchBlock,
@@ -443,24 +443,38 @@ class CoreVsSpec(RuleBasedStateMachine):
         # One tuple for every call of this queued request, as a serving loop keeps it: a
         # repeat call with the same tuple takes the record of the first (QueuedRecord).
         tokens = tuple(prompt)
-        got = self.both(lambda: self.core.prefetch(rid, tokens, now=self.now),
-                        lambda: self.model.prefetch(rid, tokens, now=self.now))
+        got = self._ask_prefetch(rid, tokens)
         if got is None:
             return None
-        assert (got.started_tokens, got.shared_tokens, got.cached_tokens,
-                got.unfetched_tokens) == self.model.last_prefetch
         self.queued.append((rid, prompt))
         self.queued_tokens[rid] = tokens
         return rid
 
     def _prefetch_again(self, rid: str) -> None:
         """A queued request asks again (each step, in a serving loop) with its tuple."""
-        tokens = self.queued_tokens[rid]
+        self._ask_prefetch(rid, self.queued_tokens[rid])
+
+    def _ask_prefetch(self, rid: str, tokens: tuple[int, ...]) -> PrefetchStarted | None:
+        """One prefetch call on both, its counts compared.  While the core says no prefetch
+        could start (prefetch_could_start), the call must start no read and evict nothing:
+        the serving loop skips a stalled request's ask then."""
+        could = self.core.prefetch_could_start()
+        moved = len(self.reads), len(self.writes)
+        evictions = self._host_evictions()
         got = self.both(lambda: self.core.prefetch(rid, tokens, now=self.now),
                         lambda: self.model.prefetch(rid, tokens, now=self.now))
-        if got is not None:
-            assert (got.started_tokens, got.shared_tokens, got.cached_tokens,
-                    got.unfetched_tokens) == self.model.last_prefetch
+        if got is None:
+            return None
+        assert (got.started_tokens, got.shared_tokens, got.cached_tokens,
+                got.unfetched_tokens) == self.model.last_prefetch
+        if not could:
+            assert got.started_tokens == 0 and moved == (len(self.reads), len(self.writes))
+            assert self._host_evictions() == evictions
+        return got
+
+    def _host_evictions(self) -> tuple[int, ...]:
+        s = self.core.statistics()
+        return s.host_drops, s.spills, s.spills_saved_by_disk_copy, s.prefetches
 
     def _admit(self, rid: str, prompt: list[int]) -> None:
         self.queued.remove((rid, prompt))

@@ -262,6 +262,11 @@ class CacheAPI:
         """Reads of a queued request's prefetch still in flight (0: all landed, or none)."""
         return self._scheduler.prefetch_reads_pending(request_id)
 
+    def prefetch_could_start(self) -> bool:
+        """Whether a prefetch could take a host page now; when not, asking again for a
+        queued request's unfetched blocks would start nothing (KVCacheManager's)."""
+        return self._scheduler.prefetch_could_start()
+
     def disk_reads_in_flight(self) -> int:
         """Disk reads (onboards and prefetches) the cache waits for: the readers' work."""
         return self._scheduler.disk_reads_in_flight()

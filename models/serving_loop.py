@@ -94,6 +94,8 @@ class Cache(Protocol):
 
     def prefetch_reads_pending(self, request_id: str) -> int: ...
 
+    def prefetch_could_start(self) -> bool: ...
+
     def disk_reads_in_flight(self) -> int: ...
 
     def prefetch(self, request_id: str, token_ids: Sequence[int], *,
@@ -518,7 +520,11 @@ class ServingLoop:
                 break
             rid = req.request_id
             prefetch = self._prefetching.get(rid)
-            if (prefetch is None or not prefetch.asked_all) and len(req.prompt) <= capacity:
+            # A prefetch that left blocks unfetched asks again only once a host page could
+            # be had: with none, the ask (a walk of the whole prompt's chain under the
+            # cache's lock, every step, for each such request) would start nothing.
+            if (prefetch is None or (not prefetch.asked_all and cache.prefetch_could_start())
+                    ) and len(req.prompt) <= capacity:
                 tokens = prefetch.tokens if prefetch is not None else tuple(req.prompt)
                 got = cache.prefetch(rid, tokens, cache_salt=req.cache_salt)
                 if prefetch is None:

@@ -585,6 +585,16 @@ class KVCacheManager:
         return sum(1 for block in blocks
                    if block.state is _S.PREFETCHING and request_id in block.prefetchers)
 
+    def prefetch_could_start(self) -> bool:
+        """Whether a prefetch call could take a host page now: an empty one (or a host
+        copy's), or a host victim to evict.  When not, asking again for a queued request's
+        unfetched blocks starts no read and evicts nothing, so a loop whose prefetch left
+        blocks unfetched need not repeat the ask (a walk of the whole prompt's chain) until
+        this turns true: host pages come back as spills land, as prefetched blocks are
+        taken or given up, and as requests release theirs.  O(1)."""
+        host = self._host
+        return host.free_count() > 0 or host.evictable.size > 0
+
     def disk_reads_in_flight(self) -> int:
         """Disk reads (onboards and prefetches) the cache waits for: the reader pool's work,
         dispatched or about to be.  O(1)."""

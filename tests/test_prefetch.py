@@ -191,6 +191,52 @@ def test_a_second_call_starts_what_the_first_could_not() -> None:
     assert ex.stats().host_free_pages == 2
 
 
+def test_a_prefetch_could_start_exactly_while_a_host_page_can_be_had() -> None:
+    """prefetch_could_start() is a serving loop's cue to ask again for a stalled prefetch: it
+    is false only while an ask would start no read and evict nothing, and turns true when a
+    page comes back."""
+    ex, a = on_disk()
+    b = fresh_tokens(5)
+    ex.spill([b])  # a's two blocks and b's two on disk; the two host pages empty
+    cache = ex.cache
+    assert cache.prefetch_could_start()
+    assert ex.prefetch("qa", a).started_tokens == 4  # both host pages, reads in flight
+    assert not cache.prefetch_could_start()
+    start, before = len(ex.log), ex.stats()
+    stalled = ex.prefetch("qb", b)
+    assert (stalled.started_tokens, stalled.unfetched_tokens) == (0, 4)
+    assert len(ex.log) == start  # no read, no eviction, no command of any kind
+    after = ex.stats()
+    assert (after.prefetches, after.host_drops, after.spills) == (
+        before.prefetches, before.host_drops, before.spills)
+    ex.drain()  # landed, the pages are still prefetched for "qa": nothing to evict
+    assert not cache.prefetch_could_start()
+    ex.release("qa")  # "qa" leaves the queue: its pages come back
+    assert cache.prefetch_could_start()
+    assert ex.prefetch("qb", b).started_tokens == 4
+    assert not cache.prefetch_could_start()
+    ex.drain()
+    ex.release("qb")
+    assert cache.prefetch_could_start()
+    assert ex.tiers(a) == ex.tiers(b) == ["ON_DISK", "ON_DISK"]
+
+
+def test_a_host_victim_to_evict_lets_a_prefetch_start() -> None:
+    """No empty host page, but cached host content a prefetch may evict: it could start,
+    and an ask evicts the victim."""
+    ex, a = on_disk()
+    ex.serve("warm", fresh_tokens(5))  # two blocks cached on GPU ...
+    ex.churn("push")  # ... pushed down to host, where they are cached and evictable
+    before = ex.stats()
+    assert before.host_free_pages == 0 and before.host_cached_blocks == 2, before
+    assert ex.cache.prefetch_could_start()
+    ex.prefetch("q", a)
+    after = ex.stats()
+    assert (after.host_drops + after.spills) > (before.host_drops + before.spills)
+    ex.drain()
+    ex.release("q")
+
+
 def test_a_repeat_call_with_the_same_tuple_checks_and_keys_the_prompt_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A serving loop asks again each step for the reads that could not start: with the same

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 
 from io_actors.config import StateKVConfig
@@ -14,6 +15,7 @@ from models.config import preset
 from models.model import PagedDecoder
 from models.serving_loop import RequestResult, ServeRequest, ServingLoop
 from statekv import UsageError
+from statekv.manager import PrefetchStarted
 from tests.harness import count_encodings
 from tests.io_helpers import wait_quiet
 
@@ -131,6 +133,59 @@ def test_a_waiting_request_cancelled_gives_its_prefetched_pages_back(tmp_path: P
         stats = cache.statistics().cache
         assert stats.prefetched_blocks == 0 and stats.prefetch_reads_in_flight == 0
         cache.check_invariants()  # every host page and slot owned exactly once
+
+
+class CountingCache(BlockingCache):
+    """The real cache, with every prefetch call recorded: (request, whether a prefetch could
+    start as the call was made, the blocks it left unfetched)."""
+
+    def __init__(self, config: StateKVConfig) -> None:
+        super().__init__(config)
+        self.asks: list[tuple[str, bool, int]] = []
+
+    def prefetch(self, request_id: str, token_ids: Sequence[int], *,
+                 cache_salt: str | None = None, lora_id: int | None = None
+                 ) -> PrefetchStarted:
+        could = self.prefetch_could_start()
+        got = super().prefetch(request_id, token_ids, cache_salt=cache_salt, lora_id=lora_id)
+        self.asks.append((request_id, could, got.unfetched_tokens))
+        return got
+
+
+def test_a_stalled_prefetch_is_asked_again_only_when_a_host_page_could_be_had(
+        tmp_path: Path) -> None:
+    """A queued request whose prefetch found too few host pages is asked again only once
+    one could be had: not at every step, where each ask walks the whole prompt's chain
+    under the cache's lock and starts nothing.  Admitted, it reads the rest and runs."""
+    model = PagedDecoder(preset("tiny"), device="cpu")
+    # Two host pages (and two reserved): PROMPT's three disk blocks cannot all be prefetched.
+    config = attrs.evolve(serving_config(tmp_path, model), host=2)
+    cache = CountingCache(config)
+    with cache:
+        loop = ServingLoop(model, cache, max_running=1, prefetch_ahead=2)
+        push_prompt_to_disk(loop, cache, min_on_disk=3)
+        loop.submit(ServeRequest(request_id="long", prompt=tuple(range(460, 500)),
+                                 max_new_tokens=30))
+        loop.step()
+        wait_quiet(cache)
+        cache.asks.clear()
+        loop.submit(ServeRequest(request_id="again", prompt=(*PROMPT, 7, 7),
+                                 max_new_tokens=2))
+        steps = 0
+        finished: list[RequestResult] = []
+        while not loop.idle:
+            finished += loop.step()
+            steps += 1
+            wait_quiet(cache)
+        asks = [(could, unfetched) for rid, could, unfetched in cache.asks if rid == "again"]
+        assert asks and asks[0][1] > 0, asks  # the first ask stalled
+        # Every ask after the first came when a page could be had; the waiting steps
+        # (the long request's decode) did not each ask again.
+        assert all(could for could, _ in asks[1:]), asks
+        assert len(asks) < steps - 10, (asks, steps)
+        again = {r.request_id: r for r in finished}["again"]
+        assert again.host_tokens + again.disk_tokens == 12, again
+        cache.check_invariants()
 
 
 def test_prefetch_ahead_must_be_a_count() -> None:

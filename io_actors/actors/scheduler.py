@@ -352,6 +352,10 @@ class Scheduler:
         with self._lock:
             return self._core.prefetch_reads_pending(request_id)
 
+    def prefetch_could_start(self) -> bool:
+        with self._lock:
+            return self._core.prefetch_could_start()
+
     def disk_reads_in_flight(self) -> int:
         with self._lock:
             return self._core.disk_reads_in_flight()
