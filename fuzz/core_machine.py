@@ -281,6 +281,9 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.served: list[list[int]] = []
         self.queued: list[tuple[str, list[int]]] = []
         self.queued_tokens: dict[str, tuple[int, ...]] = {}
+        self.pending_reads: dict[str, int] = {}
+        """A queued request's prefetch reads in flight, as last seen: only its own asks may
+        raise the count (the serving loop stops looking once it is 0)."""
         self.cluster: set[BlockHash] = set()
         """Keys the emulated shared tier holds (this cache's publishes and other replicas')."""
         self.fetches: dict[TransferId, BlockHash] = {}
@@ -470,6 +473,7 @@ class CoreVsSpec(RuleBasedStateMachine):
         if not could:
             assert got.started_tokens == 0 and moved == (len(self.reads), len(self.writes))
             assert self._host_evictions() == evictions
+        self.pending_reads[rid] = self.core.prefetch_reads_pending(rid)
         return got
 
     def _host_evictions(self) -> tuple[int, ...]:
@@ -482,10 +486,12 @@ class CoreVsSpec(RuleBasedStateMachine):
             self.queued.append((rid, prompt))  # not admitted: still queued, nothing changed
         else:
             del self.queued_tokens[rid]
+            self.pending_reads.pop(rid, None)
 
     def _leave(self, rid: str, prompt: list[int]) -> None:
         self.queued.remove((rid, prompt))
         del self.queued_tokens[rid]
+        self.pending_reads.pop(rid, None)
         self.both(lambda: self.core.release(rid, now=self.now),
                   lambda: self.model.release(rid, now=self.now))
 
@@ -751,6 +757,7 @@ class CoreVsSpec(RuleBasedStateMachine):
         self.live.clear()
         self.queued.clear()
         self.queued_tokens.clear()
+        self.pending_reads.clear()
         self.fetches.clear()
         self.both(lambda: self.core.restore(blocks, now=self.now),
                   lambda: self.model.restore(blocks, now=self.now))
@@ -787,6 +794,10 @@ class CoreVsSpec(RuleBasedStateMachine):
         if contract.busy:
             empty = [s for s in real._disk.slots.empty if s in contract.busy]
             assert not empty, f"slots {empty} are empty while transfers use them"
+        for rid in self.queued_tokens:
+            in_flight = real.prefetch_reads_pending(rid)
+            assert in_flight <= self.pending_reads.get(rid, 0), (rid, in_flight)
+            self.pending_reads[rid] = in_flight
         if contract.prefetch_pages:
             host = real._host
             free = [p for p in (*host.empty, *host.reserved) if p in contract.prefetch_pages]

@@ -245,6 +245,10 @@ class _Prefetch:
     """Every disk block of its prefix is asked for (the loop stops asking again each step)."""
     reading_since: float | None = None
     """When its reads were first seen in flight; None while none is."""
+    reads_landed: bool = False
+    """No read was in flight at the last look since its last ask: the cache starts its
+    reads only at its own asks (KVCacheManager.prefetch_reads_pending), so until the next
+    ask there is nothing to look at again."""
     seconds: float = 0.0
     """Time queued with its reads in flight, closed intervals."""
 
@@ -530,12 +534,14 @@ class ServingLoop:
                 if prefetch is None:
                     prefetch = self._prefetching[rid] = _Prefetch(tokens)
                 prefetch.asked_all = got.unfetched_tokens == 0
+                prefetch.reads_landed = False
             if prefetch is None:
                 continue  # too long to ever be admitted: it asks for nothing
-            if cache.prefetch_reads_pending(rid):
+            if not prefetch.reads_landed and cache.prefetch_reads_pending(rid):
                 if prefetch.reading_since is None:
                     prefetch.reading_since = now
             else:
+                prefetch.reads_landed = True
                 prefetch.stop_reading(now)
             waits_on_disk = waits_on_disk or prefetch.waits_on_disk
         self._queued_on_disk = waits_on_disk

@@ -578,7 +578,10 @@ class KVCacheManager:
 
     def prefetch_reads_pending(self, request_id: RequestId | str) -> int:
         """Reads of the queued request's prefetch still in flight: 0 once they all landed,
-        and for a request that never prefetched or left the queue.  O(its blocks)."""
+        and for a request that never prefetched or left the queue.  O(its blocks).  Only
+        the request's own prefetch calls raise it (a read joins a request at its ask, and
+        leaves it when it lands or fails, or with the request): once 0, it stays 0 until
+        the request asks again."""
         blocks = self._onboarding.queued.get(RequestId(str(request_id)))
         if not blocks:
             return 0

@@ -137,11 +137,18 @@ def test_a_waiting_request_cancelled_gives_its_prefetched_pages_back(tmp_path: P
 
 class CountingCache(BlockingCache):
     """The real cache, with every prefetch call recorded: (request, whether a prefetch could
-    start as the call was made, the blocks it left unfetched)."""
+    start as the call was made, the blocks it left unfetched); and every call of
+    prefetch_reads_pending and prefetch, in order."""
 
     def __init__(self, config: StateKVConfig) -> None:
         super().__init__(config)
         self.asks: list[tuple[str, bool, int]] = []
+        self.calls: list[tuple[str, str, int]] = []
+
+    def prefetch_reads_pending(self, request_id: str) -> int:
+        pending = super().prefetch_reads_pending(request_id)
+        self.calls.append(("pending", request_id, pending))
+        return pending
 
     def prefetch(self, request_id: str, token_ids: Sequence[int], *,
                  cache_salt: str | None = None, lora_id: int | None = None
@@ -149,6 +156,7 @@ class CountingCache(BlockingCache):
         could = self.prefetch_could_start()
         got = super().prefetch(request_id, token_ids, cache_salt=cache_salt, lora_id=lora_id)
         self.asks.append((request_id, could, got.unfetched_tokens))
+        self.calls.append(("ask", request_id, got.started_tokens))
         return got
 
 
@@ -183,6 +191,21 @@ def test_a_stalled_prefetch_is_asked_again_only_when_a_host_page_could_be_had(
         # (the long request's decode) did not each ask again.
         assert all(could for could, _ in asks[1:]), asks
         assert len(asks) < steps - 10, (asks, steps)
+        # Once its reads were seen landed, the loop looks again only after another ask: the
+        # cache starts a request's reads only at its own asks.
+        looked_after_landing = []
+        landed = False
+        for kind, rid, n in cache.calls:
+            if rid != "again":
+                continue
+            if kind == "ask":
+                landed = False
+            elif landed:
+                looked_after_landing.append(n)
+            else:
+                landed = n == 0
+        assert not looked_after_landing, cache.calls
+        assert any(kind == "pending" for kind, rid, _ in cache.calls if rid == "again")
         again = {r.request_id: r for r in finished}["again"]
         assert again.host_tokens + again.disk_tokens == 12, again
         cache.check_invariants()
