@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from serve.gc_heap import startup_heap_frozen
+
 
 class GcPauses:
     """The cyclic collector's runs from now until :meth:`stop`, from any thread: each one
@@ -50,14 +52,10 @@ def collector_watched(*, freeze: bool) -> Iterator[GcPauses]:
     """The collector's runs over the block.  With `freeze`, the generations are frozen first,
     as a server does once it has started (vLLM's engine does the same): the objects made so
     far -- torch's, the model's, the cache's -- leave them, so a full collection walks only
-    what came after; they are given back after the block."""
-    if freeze:
-        gc.collect()
-        gc.freeze()
-    pauses = GcPauses()
-    try:
-        yield pauses
-    finally:
-        pauses.stop()
-        if freeze:
-            gc.unfreeze()
+    what came after; they are given back after the block (serve.gc_heap, the server's own)."""
+    with startup_heap_frozen() if freeze else contextlib.nullcontext():
+        pauses = GcPauses()
+        try:
+            yield pauses
+        finally:
+            pauses.stop()

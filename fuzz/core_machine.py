@@ -463,7 +463,7 @@ class CoreVsSpec(RuleBasedStateMachine):
         the serving loop skips a stalled request's ask then."""
         could = self.core.prefetch_could_start()
         moved = len(self.reads), len(self.writes)
-        evictions = self._host_evictions()
+        host_moves = self._host_moves()
         got = self.both(lambda: self.core.prefetch(rid, tokens, now=self.now),
                         lambda: self.model.prefetch(rid, tokens, now=self.now))
         if got is None:
@@ -472,11 +472,13 @@ class CoreVsSpec(RuleBasedStateMachine):
                 got.unfetched_tokens) == self.model.last_prefetch
         if not could:
             assert got.started_tokens == 0 and moved == (len(self.reads), len(self.writes))
-            assert self._host_evictions() == evictions
+            assert self._host_moves() == host_moves
         self.pending_reads[rid] = self.core.prefetch_reads_pending(rid)
         return got
 
-    def _host_evictions(self) -> tuple[int, ...]:
+    def _host_moves(self) -> tuple[int, ...]:
+        """The counters a prefetch moves when it takes a host page: a victim dropped or
+        spilled, a read started."""
         s = self.core.statistics()
         return s.host_drops, s.spills, s.spills_saved_by_disk_copy, s.prefetches
 
