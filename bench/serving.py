@@ -260,6 +260,54 @@ def breakdown_summary(results: Iterable[RequestResult]) -> dict[str, float]:
     return out
 
 
+def residency_summary(results: Iterable[RequestResult], start: float, end: float
+                      ) -> dict[str, float]:
+    """How long requests held their GPU pages, and how many held them at once.
+
+    A request holds its pages from admission to its release (its last token): the loop
+    admits only what the GPU pool can hold whole, so when the pool bounds admission, the
+    rate a configuration sustains is the requests it holds at once over the time each holds
+    them (Little's law).  ``residency_resident_s_*``: admission -> last token, and
+    ``residency_answer_s_*``: first -> last token (the decode part), mean / p50 / p99 over
+    the finished requests given that arrived in [start, end) (NaN without any);
+    ``residency_held_mean``: the requests admitted and not finished, averaged over the time
+    from `start` to `end` -- every admitted one counts, measured or warm-up, a request still
+    running at the end until `end`; ``residency_requests``: how many were finished.
+    """
+    results = list(results)
+    resident: list[float] = []
+    answer: list[float] = []
+    for r in results:
+        if (r.admitted is not None and r.first_token is not None and r.finished is not None
+                and start <= r.arrival < end):
+            resident.append(r.finished - r.admitted)
+            answer.append(r.finished - r.first_token)
+    nan = float("nan")
+    out: dict[str, float] = {"residency_requests": len(resident)}
+    for name, values in (("resident_s", resident), ("answer_s", answer)):
+        out[f"residency_{name}_mean"] = statistics.fmean(values) if values else nan
+        out[f"residency_{name}_p50"] = statistics.median(values) if values else nan
+        out[f"residency_{name}_p99"] = percentile(values, 99)
+    held = 0.0
+    for r in results:
+        if r.admitted is None:
+            continue
+        left = r.finished if r.finished is not None else end
+        held += max(0.0, min(left, end) - max(r.admitted, start))
+    out["residency_held_mean"] = held / (end - start) if end > start else nan
+    return out
+
+
+def residency_line(summary: dict[str, float]) -> str:
+    """One line of a residency_summary for the printed table."""
+    return (f"GPU pages held from admission to the last token: mean "
+            f"{summary['residency_resident_s_mean']:.3f} s (p99 "
+            f"{summary['residency_resident_s_p99']:.3f}), of it first -> last token "
+            f"{summary['residency_answer_s_mean']:.3f} s; "
+            f"{summary['residency_held_mean']:.2f} requests held at once on average "
+            f"[{summary['residency_requests']:.0f} requests]")
+
+
 def breakdown_line(summary: dict[str, float]) -> str:
     """One line of a breakdown_summary for the printed table: the parts' means against the
     mean TTFT, then each part's p99."""
@@ -395,6 +443,7 @@ def steady_summary(run: RunResult, arrival_times: tuple[float, ...], warmup: int
         "run_queued_on_disk_reading_s": run.loop.queued_on_disk_reading_seconds,
         **step_parts_summary(run, "run_"),
         **breakdown_summary(measured),
+        **residency_summary(everyone, start, end),
     }
 
 

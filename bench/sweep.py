@@ -141,6 +141,7 @@ from bench.serving import (
     prefill_rate,
     pyplot,
     recompute_capacity,
+    residency_line,
     run_config,
     steady_summary,
     step_parts_line,
@@ -1258,6 +1259,8 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         f"{s['measured_requests']} measured [{s['seconds']:.1f} s + {setup:.1f} s setup]")
     if s.get("breakdown_requests"):
         tqdm.write("    " + breakdown_line(s))
+    if s.get("residency_requests"):
+        tqdm.write("    " + residency_line(s))
     waited = s.get("run_queued_on_disk_s")
     if waited:
         reading = s["run_queued_on_disk_reading_s"] / waited

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.serving import breakdown_line, breakdown_summary
+from bench.serving import breakdown_line, breakdown_summary, residency_line, residency_summary
 from io_actors.embed import BlockingCache
 from io_actors.storage.faults import Fault, FaultPlan, FaultRule, FaultyStore, Op
 from io_actors.storage.posix import PosixSlotStore
@@ -237,3 +237,57 @@ def test_breakdown_summary_of_no_request_has_no_figures() -> None:
     summary = breakdown_summary([RequestResult(request_id="r", prompt_tokens=3)])
     assert summary["breakdown_requests"] == 0
     assert summary["breakdown_ttft_s_mean"] != summary["breakdown_ttft_s_mean"]  # NaN
+
+
+def _served(rid: str, arrival: float, admitted: float | None, first: float | None,
+            finished: float | None) -> RequestResult:
+    return RequestResult(request_id=rid, prompt_tokens=4, arrival=arrival, admitted=admitted,
+                         first_token=first, finished=finished)
+
+
+def test_residency_summary_counts_pages_held_from_admission_to_the_last_token() -> None:
+    window = (10.0, 20.0)
+    results = [
+        # warm-up, admitted before the window: held 10 -> 12 inside it, not a measured one
+        _served("warm", 5.0, 6.0, 7.0, 12.0),
+        _served("a", 10.0, 11.0, 12.0, 15.0),   # held 4 s, answering 3 s
+        _served("b", 12.0, 14.0, 15.0, 16.0),   # held 2 s, answering 1 s
+        # still running at the window's end: held 18 -> 20 in the window, not finished
+        _served("c", 17.0, 18.0, 19.0, None),
+        _served("queued", 19.0, None, None, None),  # never admitted: holds nothing
+        _served("late", 21.0, 21.0, 22.0, 23.0),    # after the window
+    ]
+    summary = residency_summary(results, *window)
+    assert summary["residency_requests"] == 2
+    assert summary["residency_resident_s_mean"] == 3.0
+    assert summary["residency_resident_s_p50"] == 3.0
+    assert summary["residency_answer_s_mean"] == 2.0
+    # 2 (warm) + 4 (a) + 2 (b) + 2 (c) seconds held over a 10 s window
+    assert summary["residency_held_mean"] == 1.0
+    line = residency_line(summary)
+    assert "3.000 s" in line and "1.00 requests held" in line and "[2 requests]" in line, line
+
+
+def test_residency_of_a_loop_run_obeys_littles_law(tmp_path: Path) -> None:
+    """Over a whole run of the real loop, the requests held at once on average are the
+    requests finished over the run times the mean time each was held."""
+    model = PagedDecoder(preset("tiny"), device="cpu")
+    with BlockingCache(serving_config(tmp_path / "none", model, disk=False)) as cache:
+        loop = ServingLoop(model, cache, max_running=4, prefetch_ahead=0)
+        for req in _requests(salted=True):
+            loop.submit(req)
+        done = loop.drain(timeout=60)
+    assert done and all(r.finished is not None for r in done)
+    start = min(r.arrival for r in done)
+    end = max(r.finished for r in done if r.finished is not None)
+    summary = residency_summary(done, start, end + 1e-9)
+    assert summary["residency_requests"] == len(done)
+    little = len(done) / (end + 1e-9 - start) * summary["residency_resident_s_mean"]
+    assert abs(summary["residency_held_mean"] - little) <= 1e-6 * max(1.0, little)
+
+
+def test_residency_summary_of_no_request_has_no_figures() -> None:
+    summary = residency_summary([_served("q", 1.0, None, None, None)], 0.0, 2.0)
+    assert summary["residency_requests"] == 0
+    assert summary["residency_held_mean"] == 0.0
+    assert summary["residency_resident_s_mean"] != summary["residency_resident_s_mean"]
