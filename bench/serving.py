@@ -299,13 +299,16 @@ def residency_summary(results: Iterable[RequestResult], start: float, end: float
 
 
 def residency_line(summary: dict[str, float]) -> str:
-    """One line of a residency_summary for the printed table."""
+    """One line of a residency_summary for the printed table (with
+    ``residency_pool_requests``, what the pool holds at once, where the summary has it)."""
+    pool = summary.get("residency_pool_requests")
+    of_pool = "" if pool is None else f" of the pool's {pool:.1f}"
     return (f"GPU pages held from admission to the last token: mean "
             f"{summary['residency_resident_s_mean']:.3f} s (p99 "
             f"{summary['residency_resident_s_p99']:.3f}), of it first -> last token "
             f"{summary['residency_answer_s_mean']:.3f} s; "
-            f"{summary['residency_held_mean']:.2f} requests held at once on average "
-            f"[{summary['residency_requests']:.0f} requests]")
+            f"{summary['residency_held_mean']:.2f}{of_pool} requests held at once on "
+            f"average [{summary['residency_requests']:.0f} requests]")
 
 
 def breakdown_line(summary: dict[str, float]) -> str:

@@ -1227,6 +1227,10 @@ def _measure(state: _Sweep, model: Any, case: dict[str, Any], case_args: argpars
         restored_slots=(len(run.cache.recovery.slots)
                         if run.cache.recovery is not None else None),
         prepare_s=prepared.seconds, copy_s=copied, setup_s=setup,
+        # What the GPU pool holds at once: requests of the mean prompt and a whole answer,
+        # as admission reserves them (residency_held_mean near it: the pool bounds the rate).
+        residency_pool_requests=blocks[0] / -(-(case["mean_prompt_tokens"]
+                                                + args.answer_tokens) // args.block_size),
         # The whole run (set-up and warm-up included): every collection stopped the
         # serving thread too.
         run_gc_collections=pauses.collections, run_gc_pause_s=pauses.total,

@@ -266,6 +266,8 @@ def test_residency_summary_counts_pages_held_from_admission_to_the_last_token() 
     assert summary["residency_held_mean"] == 1.0
     line = residency_line(summary)
     assert "3.000 s" in line and "1.00 requests held" in line and "[2 requests]" in line, line
+    line = residency_line({**summary, "residency_pool_requests": 3.6})
+    assert "1.00 of the pool's 3.6 requests held" in line, line
 
 
 def test_residency_of_a_loop_run_obeys_littles_law(tmp_path: Path) -> None:
