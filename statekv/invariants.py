@@ -77,9 +77,17 @@ def check_invariants(
     for rid, listed in onboarding.queued.items():
         if rid in requests.live:
             raise InvariantViolation(f"request {rid!r} is both admitted and queued")
+        reading = 0
         for block in listed:
             if rid in block.prefetchers:
                 wanted.setdefault(block.id, []).append(rid)
+                reading += block.state is _S.PREFETCHING
+        if onboarding.queued_reading.get(rid, 0) != reading:
+            raise InvariantViolation(
+                f"queued request {rid!r}: {onboarding.queued_reading.get(rid, 0)} prefetch "
+                f"reads counted in flight, {reading} found")
+    if not onboarding.queued_reading.keys() <= onboarding.queued.keys():
+        raise InvariantViolation("prefetch reads counted for a request no longer queued")
 
     counts = [0] * len(BlockState)
     held: dict[int, int] = {}

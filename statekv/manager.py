@@ -578,15 +578,11 @@ class KVCacheManager:
 
     def prefetch_reads_pending(self, request_id: RequestId | str) -> int:
         """Reads of the queued request's prefetch still in flight: 0 once they all landed,
-        and for a request that never prefetched or left the queue.  O(its blocks).  Only
+        and for a request that never prefetched or left the queue.  O(1).  Only
         the request's own prefetch calls raise it (a read joins a request at its ask, and
         leaves it when it lands or fails, or with the request): once 0, it stays 0 until
         the request asks again."""
-        blocks = self._onboarding.queued.get(RequestId(str(request_id)))
-        if not blocks:
-            return 0
-        return sum(1 for block in blocks
-                   if block.state is _S.PREFETCHING and request_id in block.prefetchers)
+        return self._onboarding.queued_reading.get(RequestId(str(request_id)), 0)
 
     def prefetch_could_start(self) -> bool:
         """Whether a prefetch call could take a host page now: an empty one (or a host

@@ -45,7 +45,7 @@ class Onboarding:
 
     __slots__ = ("block_bytes", "block_size", "cost_aware", "costs", "counters", "disk",
                  "eviction", "fetches", "gpu", "host", "index", "outbox", "prefetch_reads",
-                 "queued", "queued_records", "reads", "records", "requests")
+                 "queued", "queued_reading", "queued_records", "reads", "records", "requests")
 
     def __init__(self, config: CacheConfig, records: BlockRecords, index: PrefixIndex,
                  requests: RequestTable, eviction: Eviction, disk: DiskTier, outbox: Outbox,
@@ -74,6 +74,11 @@ class Onboarding:
         # The record each queued request's last prefetch call made (its keys), for its next
         # call with the same arguments (QueuedRecord); gone with its `queued` entry.
         self.queued_records: dict[RequestId, QueuedRecord] = {}
+        # Per queued request, its blocks in PREFETCHING (it is among their prefetchers): the
+        # serving loop asks each step while they are in flight, so the count is kept, not
+        # walked.  Raised where a request joins a read, lowered at the read's three exits
+        # (landed, failed, taken over by an admission); gone with its `queued` entry.
+        self.queued_reading: dict[RequestId, int] = {}
         # The shared tier: fetches in flight.
         self.fetches: dict[TransferId, Block] = {}
 
@@ -272,6 +277,7 @@ class Onboarding:
         assert tid is not None
         self.reads[tid] = self.prefetch_reads.pop(tid)
         block.gpu_page = page
+        self.reads_left(block)
         block.prefetchers.clear()
         self.records.move(block, _E.ACQUIRED)
         block.waiters.append(req.id)
@@ -358,6 +364,7 @@ class Onboarding:
         them.
         """
         blocks = self.queued.setdefault(rid, {})
+        reading = self.queued_reading
         started = shared = cached = unfetched = 0
         disk = self.disk
         for i, block in enumerate(matched):
@@ -368,6 +375,8 @@ class Onboarding:
                 block.prefetchers.append(rid)
                 blocks[block] = None
                 shared += 1
+                if state is _S.PREFETCHING:
+                    reading[rid] = reading.get(rid, 0) + 1
             elif state is _S.ON_DISK:
                 # Out of the displacement order first: finding a host page may spill a
                 # host victim, and that spill must not displace this block.
@@ -381,6 +390,7 @@ class Onboarding:
                 block.prefetchers.append(rid)
                 blocks[block] = None
                 started += 1
+                reading[rid] = reading.get(rid, 0) + 1
             elif state is _S.FREE or state is _S.ERROR:
                 break  # dropped by the evictions above: the chain ends here
             else:
@@ -407,6 +417,7 @@ class Onboarding:
         blocks.  A PREFETCHED block nobody else wants goes back to disk only; one whose read
         is in flight keeps its page until the read lands (then goes back the same way)."""
         self.queued_records.pop(rid, None)
+        self.queued_reading.pop(rid, None)
         for block in reversed(self.queued.pop(rid)):
             prefetchers = block.prefetchers
             if rid not in prefetchers:
@@ -451,6 +462,7 @@ class Onboarding:
         c.bytes_read += self.block_bytes
         block.transfer = None
         self.records.move(block, _E.PREFETCH_LANDED)
+        self.reads_left(block)
         if block.prefetchers:
             self.eviction.prefetched.append(block)
         else:
@@ -467,8 +479,16 @@ class Onboarding:
         block.disk_slot = None
         block.transfer = None
         self.disk.free_slot(slot)
+        self.reads_left(block)
         block.prefetchers.clear()
         self.records.discard(block, _E.PREFETCH_FAILED)
+
+    def reads_left(self, block: Block) -> None:
+        """`block`'s prefetch read ends (landed, failed or taken over): it no longer counts
+        as in flight for the queued requests that wanted it."""
+        reading = self.queued_reading
+        for rid in block.prefetchers:
+            reading[rid] -= 1
 
     def read_landed(self, block: Block, now: float) -> None:
         """The bytes are on GPU, and still in the slot: the block keeps it as a disk copy

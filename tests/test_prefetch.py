@@ -354,6 +354,24 @@ def test_a_queued_request_counts_its_prefetch_reads_until_they_land() -> None:
     ex.release("q")
 
 
+def test_a_read_taken_over_by_an_admission_is_no_other_queued_requests_read() -> None:
+    ex, doc = on_disk()
+    cache = ex.cache
+    ex.prefetch("q", doc)
+    ex.prefetch("q2", doc)  # shares both reads
+    assert cache.prefetch_reads_pending("q2") == 2
+    assert ex.add("q", doc).disk_tokens == 4  # takes both reads over, parked on them
+    assert cache.prefetch_reads_pending("q2") == 0 and cache.prefetch_reads_pending("q") == 0
+    assert cache.disk_reads_in_flight() == 2
+    again = ex.prefetch("q2", doc)  # the blocks are q's onboards now: nothing to read
+    assert again.started_tokens == 0 and cache.prefetch_reads_pending("q2") == 0
+    ex.land_prefetch()  # the reads were issued as prefetches, and land as such
+    ex.land_prefetch()
+    assert cache.is_ready("q") and cache.prefetch_reads_pending("q2") == 0
+    ex.release("q2")
+    ex.release("q")
+
+
 def test_onboard_reads_are_disk_reads_in_flight_but_no_prefetch() -> None:
     ex, doc = on_disk()
     cache = ex.cache
