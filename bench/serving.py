@@ -269,7 +269,7 @@ def residency_summary(results: Iterable[RequestResult], start: float, end: float
     rate a configuration sustains is the requests it holds at once over the time each holds
     them (Little's law).  ``residency_resident_s_*``: admission -> last token, and
     ``residency_answer_s_*``: first -> last token (the decode part), mean / p50 / p99 over
-    the finished requests given that arrived in [start, end) (NaN without any);
+    the requests that arrived in [start, end) and finished (NaN without any);
     ``residency_held_mean``: the requests admitted and not finished, averaged over the time
     from `start` to `end` -- every admitted one counts, measured or warm-up, a request still
     running at the end until `end`; ``residency_requests``: how many were finished.

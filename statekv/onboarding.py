@@ -277,7 +277,7 @@ class Onboarding:
         assert tid is not None
         self.reads[tid] = self.prefetch_reads.pop(tid)
         block.gpu_page = page
-        self.reads_left(block)
+        self.prefetch_read_ended(block)
         block.prefetchers.clear()
         self.records.move(block, _E.ACQUIRED)
         block.waiters.append(req.id)
@@ -462,7 +462,7 @@ class Onboarding:
         c.bytes_read += self.block_bytes
         block.transfer = None
         self.records.move(block, _E.PREFETCH_LANDED)
-        self.reads_left(block)
+        self.prefetch_read_ended(block)
         if block.prefetchers:
             self.eviction.prefetched.append(block)
         else:
@@ -479,11 +479,11 @@ class Onboarding:
         block.disk_slot = None
         block.transfer = None
         self.disk.free_slot(slot)
-        self.reads_left(block)
+        self.prefetch_read_ended(block)
         block.prefetchers.clear()
         self.records.discard(block, _E.PREFETCH_FAILED)
 
-    def reads_left(self, block: Block) -> None:
+    def prefetch_read_ended(self, block: Block) -> None:
         """`block`'s prefetch read ends (landed, failed or taken over): it no longer counts
         as in flight for the queued requests that wanted it."""
         reading = self.queued_reading
