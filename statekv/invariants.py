@@ -74,20 +74,15 @@ def check_invariants(
         if block.transfer != tid or block.state is not _S.FETCHING:
             raise InvariantViolation(f"fetch {tid} points at {block!r}")
     wanted: dict[int, list[RequestId]] = {}
+    reading: dict[RequestId, int] = {}
     for rid, listed in onboarding.queued.items():
         if rid in requests.live:
             raise InvariantViolation(f"request {rid!r} is both admitted and queued")
-        reading = 0
+        reading[rid] = 0
         for block in listed:
             if rid in block.prefetchers:
                 wanted.setdefault(block.id, []).append(rid)
-                reading += block.state is _S.PREFETCHING
-        if onboarding.queued_reading.get(rid, 0) != reading:
-            raise InvariantViolation(
-                f"queued request {rid!r}: {onboarding.queued_reading.get(rid, 0)} prefetch "
-                f"reads counted in flight, {reading} found")
-    if not onboarding.queued_reading.keys() <= onboarding.queued.keys():
-        raise InvariantViolation("prefetch reads counted for a request no longer queued")
+                reading[rid] += block.state is _S.PREFETCHING
 
     counts = [0] * len(BlockState)
     held: dict[int, int] = {}
@@ -213,6 +208,14 @@ def check_invariants(
             raise InvariantViolation(f"{block!r}: loading with no read in flight")
     if counts != records.state_counts:
         raise InvariantViolation(f"state counts {records.state_counts} but found {counts}")
+    # After the blocks' own checks, which name a broken prefetch link more precisely.
+    for rid, found in reading.items():
+        counted = onboarding.queued_reading.get(rid, 0)
+        if counted != found:
+            raise InvariantViolation(f"queued request {rid!r}: {counted} prefetch reads "
+                                     f"counted in flight, {found} found")
+    if not onboarding.queued_reading.keys() <= onboarding.queued.keys():
+        raise InvariantViolation("prefetch reads counted for a request no longer queued")
     # Every page and slot has exactly one owner, and nothing else is owned: a lost id
     # or a stray one (None, an id past the pool) is as wrong as a doubly owned one.
     host_total = cfg.host_blocks + cfg.reserved_host_blocks
