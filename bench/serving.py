@@ -245,10 +245,7 @@ def breakdown_summary(results: Iterable[RequestResult]) -> dict[str, float]:
     nan = float("nan")
     out: dict[str, float] = {"breakdown_requests": len(rows)}
     for name in ("ttft_s", *TTFTBreakdown.PARTS):
-        values = [getattr(b, name) for b in rows]
-        out[f"breakdown_{name}_mean"] = statistics.fmean(values) if values else nan
-        out[f"breakdown_{name}_p50"] = statistics.median(values) if values else nan
-        out[f"breakdown_{name}_p99"] = percentile(values, 99)
+        out.update(_mean_p50_p99(f"breakdown_{name}", [getattr(b, name) for b in rows]))
     mean_ttft = out["breakdown_ttft_s_mean"]
     out["breakdown_parts_sum_s_mean"] = (
         sum(out[f"breakdown_{name}_mean"] for name in TTFTBreakdown.PARTS) if rows else nan)
@@ -274,28 +271,30 @@ def residency_summary(results: Iterable[RequestResult], start: float, end: float
     from `start` to `end` -- every admitted one counts, measured or warm-up, a request still
     running at the end until `end`; ``residency_requests``: how many were finished.
     """
-    results = list(results)
     resident: list[float] = []
     answer: list[float] = []
-    for r in results:
-        if (r.admitted is not None and r.first_token is not None and r.finished is not None
-                and start <= r.arrival < end):
-            resident.append(r.finished - r.admitted)
-            answer.append(r.finished - r.first_token)
-    nan = float("nan")
-    out: dict[str, float] = {"residency_requests": len(resident)}
-    for name, values in (("resident_s", resident), ("answer_s", answer)):
-        out[f"residency_{name}_mean"] = statistics.fmean(values) if values else nan
-        out[f"residency_{name}_p50"] = statistics.median(values) if values else nan
-        out[f"residency_{name}_p99"] = percentile(values, 99)
     held = 0.0
     for r in results:
         if r.admitted is None:
             continue
         left = r.finished if r.finished is not None else end
         held += max(0.0, min(left, end) - max(r.admitted, start))
-    out["residency_held_mean"] = held / (end - start) if end > start else nan
+        if r.first_token is not None and r.finished is not None and start <= r.arrival < end:
+            resident.append(r.finished - r.admitted)
+            answer.append(r.finished - r.first_token)
+    out: dict[str, float] = {"residency_requests": len(resident),
+                             **_mean_p50_p99("residency_resident_s", resident),
+                             **_mean_p50_p99("residency_answer_s", answer)}
+    out["residency_held_mean"] = held / (end - start) if end > start else float("nan")
     return out
+
+
+def _mean_p50_p99(prefix: str, values: list[float]) -> dict[str, float]:
+    """``prefix_mean``, ``_p50`` and ``_p99`` of `values` (NaN without any)."""
+    nan = float("nan")
+    return {f"{prefix}_mean": statistics.fmean(values) if values else nan,
+            f"{prefix}_p50": statistics.median(values) if values else nan,
+            f"{prefix}_p99": percentile(values, 99)}
 
 
 def residency_line(summary: dict[str, float]) -> str:
