@@ -13,8 +13,11 @@ context rounded up to a multiple of an eighth of the power of two at or above it
 buckets an octave, at most a quarter more than needed).  A batch
 is padded to its bucket:
 
-- *Padding context entries* read row 0 of the pool and are zeroed before attention, as the
-  eager pass's own padding is (a masked score still multiplies its value row: 0 * NaN).
+- *Padding context entries* of a real decode repeat its own position-0 row, as the eager
+  pass's own padding does: K/V written by the model, so finite, which the mask weighs 0.
+  A row of stale pool bytes could be NaN, and a masked score still multiplies its value
+  row (0 * NaN is NaN).  A padding decode's entries may read anything: its row of the
+  batch mixes with no other and its logits are dropped.
 - *Padding decodes* must not write the pool.  Each one's K/V write goes to a row that the
   batch only reads (position 0 of a real decode whose context is longer than its new
   token), carrying the bytes that row already holds, so the write changes nothing; its
@@ -78,7 +81,8 @@ class DecodeInputs:
     write_rows: NDArray[np.int64]
     """[n] the flat layer-0 K row its K/V goes to."""
     context_rows: NDArray[np.int64]
-    """[n, width] flat layer-0 K rows of its context [0, position]; padding entries 0."""
+    """[n, width] flat layer-0 K rows of its context [0, position]; padding entries repeat
+    its position-0 row."""
     context_valid: NDArray[np.bool_]
     """[n, width] which entries of `context_rows` are real."""
 
@@ -226,6 +230,7 @@ def _padded_inputs(
     rows2 = rows.reshape(size, span)
     valid2 = valid.reshape(size, span)
     rows2[:n, :width] = batch.context_rows
+    rows2[:n, width:] = batch.context_rows[:, :1]
     valid2[:n, :width] = batch.context_valid
     rows2[n:, 0] = parking
     valid2[n:, 0] = 1

@@ -199,7 +199,9 @@ class _Batch:
     decode_chunks: Tensor
     """Batched one-token chunks, by their packed token index."""
     decode_slots: Tensor
-    """[num_decodes, max_ctx] flat layer-0 K rows; padding entries are 0."""
+    """[num_decodes, max_ctx] flat layer-0 K rows.  A padding entry repeats a row of the
+    decode's own context (position 0's): K/V the pass wrote, so finite, which the mask then
+    weighs 0 (stale pool bytes could be NaN, and 0 * NaN is NaN)."""
     decode_valid: Tensor
     """[num_decodes, max_ctx] which entries of `decode_slots` are real."""
     flex_mask: BlockMask | None
@@ -606,11 +608,10 @@ class PagedDecoder(torch.nn.Module):
             valid = batch.decode_valid
             shape = (*batch.decode_slots.shape, hkv, d)
             flat = batch.decode_slots.reshape(-1)
-            # Padding rows are zeroed, not just masked: see the NaN note above.
-            keep = valid[:, :, None, None]
-            kd, vd = torch.where(
-                keep, rows.index_select(0, (flat + kv_off).reshape(-1)).view(2, *shape), 0.0
-            ).unbind(0)
+            # Padding entries repeat a written row of their own decode's context, so they
+            # are finite and the mask alone weighs them 0 (see the NaN note above): no pass
+            # over the gathered context to zero them.
+            kd, vd = rows.index_select(0, (flat + kv_off).reshape(-1)).view(2, *shape).unbind(0)
             # One query per sequence: the query heads that share a KV head are laid out as
             # that head's query rows ([nd, hkv, group, d]; head h reads KV head h // group,
             # as enable_gqa would).  The call then needs no GQA support, only a padding mask,
@@ -758,12 +759,9 @@ class PagedDecoder(torch.nn.Module):
         dec_t = np.array(decode_idx, dtype=i64)
         dec_ctx = start_t[dec_t] + 1
         width = int(dec_ctx.max()) if decode_idx else 0
-        cpos = np.arange(width, dtype=i64)[None, :]
-        decode_valid = cpos < dec_ctx[:, None]
-        # Padding entries are clamped to the chunk's own last page, then zeroed: no index
-        # leaves the chunk's table even on the way to being masked.
-        page_idx = t_off[dec_t][:, None] + np.minimum(cpos // bs, np_t[dec_t][:, None] - 1)
-        decode_slots = np.where(decode_valid, tab[page_idx] * page_rows + cpos % bs, 0)
+        decode_valid = np.arange(width, dtype=i64)[None, :] < dec_ctx[:, None]
+        decode_slots = _decode_rows(tab, t_off[dec_t], np_t[dec_t], decode_valid, bs,
+                                    page_rows)
         decode_chunks = q_off[dec_t]
 
         decodes = None
@@ -866,6 +864,26 @@ def _int_array_per_chunk(
     raise InvariantViolation(f"{name}: the batch failed validation but no chunk did")
 
 
+def _decode_rows(
+    table: NDArray[np.int64], table_offset: NDArray[np.int64], pages: NDArray[np.int64],
+    valid: NDArray[np.bool_], block_size: int, page_rows: int,
+) -> NDArray[np.int64]:
+    """[decodes, width] flat layer-0 K rows of each decode's context (`valid`: [decodes,
+    width], its [0, ctx)), built a page at a time: at long contexts a decode step's
+    preparation goes here (3 decodes of 18k tokens are 54k entries).  Each decode's entries
+    past its own context repeat its position-0 row: a row of its own table, written, so
+    finite (_Batch.decode_slots)."""
+    n, width = valid.shape
+    if n == 0:
+        return np.zeros((0, width), dtype=np.int64)
+    span = -(-width // block_size)
+    page_of = np.minimum(np.arange(span, dtype=np.int64)[None, :], pages[:, None] - 1)
+    first = table[table_offset[:, None] + page_of] * page_rows
+    rows = (first[:, :, None] + np.arange(block_size, dtype=np.int64)).reshape(n, -1)
+    padded: NDArray[np.int64] = np.where(valid, rows[:, :width], rows[:, :1])
+    return padded
+
+
 def _check_page_ownership(
     table: NDArray[np.int64], page_chunk: NDArray[np.int64], table_offset: NDArray[np.int64],
     first_written: NDArray[np.int64], num_blocks: int,
@@ -875,6 +893,9 @@ def _check_page_ownership(
     A page before a chunk's start may be shared (a cached prefix, read only); a page it writes
     into must be its own, or one chunk would read K/V that another is overwriting.
     """
+    ordered = np.sort(table)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return  # no page listed twice anywhere: the common batch, one sort
     keys, counts = np.unique(table + page_chunk * num_blocks, return_counts=True)
     if int(counts.max()) > 1:
         key = int(keys[counts > 1][0])
