@@ -200,7 +200,7 @@ class _Batch:
     """Batched one-token chunks, by their packed token index."""
     decode_slots: Tensor
     """[num_decodes, max_ctx] flat layer-0 K rows.  A padding entry repeats a row of the
-    decode's own context (position 0's): K/V the pass wrote, so finite, which the mask then
+    decode's own context (position 0's): K/V the model wrote, so finite, which the mask then
     weighs 0 (stale pool bytes could be NaN, and 0 * NaN is NaN)."""
     decode_valid: Tensor
     """[num_decodes, max_ctx] which entries of `decode_slots` are real."""
