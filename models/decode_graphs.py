@@ -16,8 +16,9 @@ is padded to its bucket:
 - *Padding context entries* of a real decode repeat its own position-0 row, as the eager
   pass's own padding does: K/V written by the model, so finite, which the mask weighs 0.
   A row of stale pool bytes could be NaN, and a masked score still multiplies its value
-  row (0 * NaN is NaN).  A padding decode's entries may read anything: its row of the
-  batch mixes with no other and its logits are dropped.
+  row (0 * NaN is NaN).  A padding decode's entries all read its parking row (below): its
+  row of the batch mixes with no other and its logits are dropped, but no NaN flows
+  through the pass at all.
 - *Padding decodes* must not write the pool.  Each one's K/V write goes to a row that the
   batch only reads (position 0 of a real decode whose context is longer than its new
   token), carrying the bytes that row already holds, so the write changes nothing; its
@@ -232,7 +233,7 @@ def _padded_inputs(
     rows2[:n, :width] = batch.context_rows
     rows2[:n, width:] = batch.context_rows[:, :1]
     valid2[:n, :width] = batch.context_valid
-    rows2[n:, 0] = parking
+    rows2[n:] = parking
     valid2[n:, 0] = 1
     return host
 

@@ -105,6 +105,9 @@ def test_the_padded_decode_pass_gives_the_ordinary_logits_and_pool_bytes(
         # ordinary pass's (up to the rounding of the real rows' own K/V).
         torch.testing.assert_close(pool_padded, pool, atol=ATOL, rtol=0, equal_nan=True)
         assert torch.equal(pool_padded.isnan(), pool.isnan())
+        # Every row of the padded pass is finite, the padding decodes' dropped logits too:
+        # padding reads only rows the model wrote, never the pool's stale (NaN) bytes.
+        assert all(torch.isfinite(entry.output).all() for entry in graphs._graphs.values())
         new = greedy(want)
     assert graphs.statistics().replayed == 3
     assert graphs.statistics().eager == 0
