@@ -185,8 +185,12 @@ for step in "$@"; do
     # (a multiple of each call's calibrated capacity, default 1) per configuration of
     # SWEEP_CONFIGS, the eager pass and then decode graphs (--cuda-graphs) back to back:
     # whether replaying decode-only steps moves what a configuration sustains there.
+    # AB_HOWS=graphs runs the graphs alone (after a tree-ab of the same point in one call,
+    # whose new tree's runs are the eager side).
     graphs-ab) for cfg in $(echo "${SWEEP_CONFIGS:-cd}" | grep -o .); do
-        for how in eager graphs; do flags=(); [ "$how" = graphs ] && flags=(--cuda-graphs)
+        for how in ${AB_HOWS:-eager graphs}; do
+        case $how in eager) flags=() ;; graphs) flags=(--cuda-graphs) ;;
+        *) echo "AB_HOWS: eager and/or graphs, not $how"; exit 2 ;; esac
         run "ab-$cfg-$how" ${AB_S:-140} python3 -m bench.sweep --machine "$MACHINE" \
         --dir "$DISK/sweep" "${cell_flags[@]}" \
         --tag "ab-p${SWEEP_PRESSURE:-3}-h${SWEEP_HISTORIES:-4096}-$cfg-$how" --configs "$cfg" \
