@@ -874,12 +874,11 @@ def _decode_rows(
     past its own context repeat its position-0 row: a row of its own table, written, so
     finite (_Batch.decode_slots)."""
     n, width = valid.shape
-    if n == 0:
-        return np.zeros((0, width), dtype=np.int64)
     span = -(-width // block_size)
     page_of = np.minimum(np.arange(span, dtype=np.int64)[None, :], pages[:, None] - 1)
     first = table[table_offset[:, None] + page_of] * page_rows
-    rows = (first[:, :, None] + np.arange(block_size, dtype=np.int64)).reshape(n, -1)
+    rows = (first[:, :, None] + np.arange(block_size, dtype=np.int64)).reshape(
+        n, span * block_size)
     padded: NDArray[np.int64] = np.where(valid, rows[:, :width], rows[:, :1])
     return padded
 
